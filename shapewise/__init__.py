@@ -1,0 +1,1 @@
+"""shapewise: the evidence pipeline around the model (manifests, jobs, report, provenance)."""

@@ -1,0 +1,3 @@
+from shapewise.cli import main
+
+raise SystemExit(main())

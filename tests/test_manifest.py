@@ -1,0 +1,148 @@
+"""Manifest validation: every kind of bad row names the file, the row and the field."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shapewise.manifest import ManifestError, load_manifest, load_manifests
+
+ROOT = Path(__file__).resolve().parent.parent
+GOOD = {"id": "r1", "batch_size": 2, "seq_len": 8, "d_model": 16, "num_heads": 2, "ffn_dim": 32, "num_layers": 1}
+
+
+def write(tmp_path, rows, name="m.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(rows))
+    return path
+
+
+def problems_for(tmp_path, rows):
+    path = write(tmp_path, rows)
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path)
+    return path, info.value.problems
+
+
+def assert_named(problems, path, row_id, field):
+    hits = [p for p in problems if str(path) in p and f"row {row_id!r}" in p and f"field {field}" in p]
+    assert hits, f"no problem names {path} / {row_id} / {field}: {problems}"
+
+
+@pytest.mark.parametrize("name", ["official", "smoke", "contract"])
+def test_shipped_manifests_validate(name):
+    rows = load_manifest(ROOT / "shapes" / f"{name}.yaml")
+    assert rows and all(r["manifest"].endswith(f"{name}.yaml") for r in rows)
+
+
+def test_official_table_has_fourteen_causal_rows():
+    rows = load_manifest(ROOT / "shapes" / "official.yaml")
+    assert [r["id"] for r in rows] == [f"official-{i:02d}" for i in range(1, 15)]
+    assert all(r["causal"] and r["dtype"] == "float32" for r in rows)
+    last = rows[-1]
+    assert (last["batch_size"], last["seq_len"], last["d_model"], last["num_heads"], last["num_layers"]) == (
+        32, 100000, 1024, 16, 2)
+
+
+def test_shipped_manifests_have_unique_ids_together():
+    rows = load_manifests([ROOT / "shapes" / f"{n}.yaml" for n in ("official", "smoke", "contract")])
+    assert len({r["id"] for r in rows}) == len(rows)
+
+
+def test_defaults(tmp_path):
+    rows = load_manifest(write(tmp_path, [GOOD, dict(GOOD, id="r2", padding_ratio=0.5)]))
+    assert rows[0]["dtype"] == "float32" and rows[0]["trials"] == 5 and rows[0]["causal"] is True
+    assert rows[0]["mask"] == "none" and rows[0]["route"] == "auto" and rows[0]["input_scale"] == 1.0
+    assert rows[1]["mask"] == "prefix"
+
+
+@pytest.mark.parametrize("field", ["batch_size", "seq_len", "d_model", "num_heads", "ffn_dim", "num_layers"])
+def test_missing_field(tmp_path, field):
+    row = dict(GOOD)
+    del row[field]
+    path, problems = problems_for(tmp_path, [row])
+    assert_named(problems, path, "r1", field)
+
+
+@pytest.mark.parametrize("field", ["batch_size", "seq_len", "d_model", "num_heads", "ffn_dim", "num_layers"])
+@pytest.mark.parametrize("value", [0, -3])
+def test_non_positive_size(tmp_path, field, value):
+    path, problems = problems_for(tmp_path, [dict(GOOD, **{field: value})])
+    assert_named(problems, path, "r1", field)
+
+
+def test_heads_must_divide_d_model(tmp_path):
+    path, problems = problems_for(tmp_path, [dict(GOOD, d_model=30, num_heads=4)])
+    assert_named(problems, path, "r1", "d_model")
+    assert any("d_model % num_heads != 0" in p for p in problems)
+
+
+def test_duplicate_id(tmp_path):
+    path, problems = problems_for(tmp_path, [GOOD, dict(GOOD, batch_size=4)])
+    assert_named(problems, path, "r1", "id")
+    assert any("duplicate" in p for p in problems)
+
+
+def test_duplicate_id_across_manifests(tmp_path):
+    a = write(tmp_path, [GOOD], "a.yaml")
+    b = write(tmp_path, [dict(GOOD, seq_len=4)], "b.yaml")
+    with pytest.raises(ManifestError) as info:
+        load_manifests([a, b])
+    assert_named(info.value.problems, b, "r1", "id")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "fp16", "int8"])
+def test_unknown_dtype(tmp_path, dtype):
+    path, problems = problems_for(tmp_path, [dict(GOOD, dtype=dtype)])
+    assert_named(problems, path, "r1", "dtype")
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.0, 1.5])
+def test_padding_ratio_outside_range(tmp_path, ratio):
+    path, problems = problems_for(tmp_path, [dict(GOOD, padding_ratio=ratio)])
+    assert_named(problems, path, "r1", "padding_ratio")
+
+
+def test_padding_that_removes_every_token(tmp_path):
+    path, problems = problems_for(tmp_path, [dict(GOOD, seq_len=1, padding_ratio=0.99)])
+    assert_named(problems, path, "r1", "padding_ratio")
+
+
+def test_mask_without_padding(tmp_path):
+    path, problems = problems_for(tmp_path, [dict(GOOD, mask="holes")])
+    assert_named(problems, path, "r1", "mask")
+
+
+def test_unknown_field_is_named(tmp_path):
+    path, problems = problems_for(tmp_path, [dict(GOOD, seq_length=8)])
+    assert_named(problems, path, "r1", "seq_length")
+
+
+def test_row_without_id_is_named_by_position(tmp_path):
+    row = dict(GOOD)
+    del row["id"]
+    path, problems = problems_for(tmp_path, [GOOD | {"id": "ok"}, row])
+    assert any(str(path) in p and "row #2" in p and "field id" in p for p in problems), problems
+
+
+def test_wildcard_unsafe_id(tmp_path):
+    path, problems = problems_for(tmp_path, [dict(GOOD, id="a/b")])
+    assert any("field id" in p for p in problems), problems
+
+
+def test_all_problems_reported_together(tmp_path):
+    path, problems = problems_for(tmp_path, [dict(GOOD, seq_len=0), dict(GOOD, id="r2", dtype="x")])
+    assert_named(problems, path, "r1", "seq_len")
+    assert_named(problems, path, "r2", "dtype")
+
+
+def test_not_a_list(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("id: r1\n")
+    with pytest.raises(ManifestError, match="list of rows"):
+        load_manifest(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ManifestError, match="not found"):
+        load_manifest(tmp_path / "nope.yaml")
