@@ -1,0 +1,29 @@
+"""shapewise Triton kernels: fused attention and fused residual + LayerNorm.
+
+Without a GPU, set TRITON_INTERPRET=1 before importing this package to run the kernels on the CPU.
+"""
+import os
+
+
+def _fix_interpreter_scalar_index():
+    """Triton 3.6's interpreter turns scalar tensors into Python ints with `int(array)`, which NumPy >= 2.4
+    refuses for its shape-(1,) arrays ("only 0-dimensional arrays can be converted"); a loop with a
+    run-time bound then fails. Convert through `.item()` instead. Only touches the interpreter."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_shapewise_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._shapewise_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    _fix_interpreter_scalar_index()

@@ -1,0 +1,334 @@
+"""Fused flash-style attention forward (Triton).
+
+Online softmax with fp32 running max and sum; causal and key masks applied inside the tile; no
+`[B, H, S, S]` tensor. q, k and v are `[B, S, H, D]` strided views (e.g. of a packed QKV projection);
+the output is written `[B, S, H, D]` contiguous, so the out-projection reads it as `[B*S, d]`.
+
+Masks follow self-attention semantics: the key mask of batch element b also marks its invalid queries,
+whose output rows are written as zeros. A query that sees no valid key gets 0, never NaN.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+_PRECISION_CODE = {"fp32": 0, "tf32": 1, "fp16": 2, "bf16": 3}
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Triton 3.6's interpreter computes garbage for bf16 dots; there, bf16 operands are rounded to bf16 and
+# multiplied in fp32, which gives the same products as the tensor cores (exact products, fp32 sums).
+_BF16_VIA_FP32 = tl.constexpr(_INTERPRET)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain torch reference (the contract's math, in fp64 or fp32)
+# ----------------------------------------------------------------------------------------------
+def attention_reference(q, k, v, *, causal, key_lengths=None, key_mask=None, dtype=torch.float64):
+    """[B, S, H, D] in, [B, S, H, D] out; invalid query rows and keyless queries are 0."""
+    B, S, H, D = q.shape
+    qh, kh, vh = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
+    scores = qh @ kh.transpose(-1, -2) * D**-0.5
+    valid = _as_key_mask(B, S, key_lengths, key_mask, q.device)
+    if causal:
+        scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if valid is not None:
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = (probs @ vh).transpose(1, 2)
+    if valid is not None:
+        out = out.masked_fill(~valid[:, :, None, None], 0.0)
+    return out.contiguous()
+
+
+def _as_key_mask(B, S, key_lengths, key_mask, device):
+    if key_mask is not None:
+        return key_mask.to(device=device, dtype=torch.bool)
+    if key_lengths is not None:
+        return torch.arange(S, device=device)[None, :] < key_lengths.to(device)[:, None]
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _operand(x, PRECISION: tl.constexpr):
+    """Cast a tile to the matmul operand type of PRECISION (fp32 stays fp32 for exact and tf32 dots)."""
+    if PRECISION == 2:
+        return x.to(tl.float16)
+    elif PRECISION == 3:
+        if _BF16_VIA_FP32:
+            return x.to(tl.bfloat16).to(tl.float32)
+        return x.to(tl.bfloat16)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr):
+    """a @ b with fp32 accumulation; PRECISION 0: exact fp32, 1: tf32, 2: fp16 operands, 3: bf16 operands."""
+    if PRECISION == 0:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif PRECISION == 1:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+    elif PRECISION == 2:
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
+    else:
+        if _BF16_VIA_FP32:
+            return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+
+
+@triton.jit
+def _attention_block(
+    acc, m_i, l_i, q,
+    k_base, v_base, mask_base,  # pointers to this (batch, head)'s keys/values and this batch's key-mask row
+    stride_ks, stride_vs,  # sequence strides of k and v (elements)
+    offs_m, offs_d, start_n, seq_len, key_len,
+    qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,  # False: block is fully valid and below the diagonal -> no masks at all
+    EVEN_N: tl.constexpr,  # seq_len % BLOCK_N == 0: no bounds checks on key loads
+    IS_CAUSAL: tl.constexpr, HAS_KEY_MASK: tl.constexpr, PRECISION: tl.constexpr,
+):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    d_ok = offs_d[None, :] < HEAD_DIM
+    if MASKED and not EVEN_N:
+        n_ok = offs_n < seq_len
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=n_ok[:, None] & d_ok, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=n_ok[:, None] & d_ok, other=0.0)
+    else:
+        if HEAD_DIM == BLOCK_D:
+            k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :])
+            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :])
+        else:
+            k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=d_ok, other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=d_ok, other=0.0)
+    s = _dot(q, tl.trans(_operand(k, PRECISION)), PRECISION) * qk_scale  # log2-domain scores
+    if MASKED:
+        keep = (offs_n < key_len)[None, :]
+        if IS_CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        if HAS_KEY_MASK:
+            key_ok = tl.load(mask_base + offs_n, mask=offs_n < seq_len, other=0) != 0
+            keep = keep & key_ok[None, :]
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no valid key so far stay at 0
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(_operand(p, PRECISION), _operand(v, PRECISION), PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attention_fwd(
+    Q, K, V,  # pointers to the [B, S, H, D] query/key/value views (unit stride along D)
+    O,  # pointer to the [B, S, H, D] output
+    KeyLen,  # int32 [B]: number of valid (prefix) keys per batch element; read when HAS_KEY_LEN
+    KeyMask,  # int8 [B, S]: 1 = valid key/query; read when HAS_KEY_MASK
+    stride_qb, stride_qs, stride_qh,  # q strides (elements) for batch, sequence, head
+    stride_kb, stride_ks, stride_kh,  # k strides
+    stride_vb, stride_vs, stride_vh,  # v strides
+    stride_ob, stride_os, stride_oh,  # output strides
+    stride_mb,  # key-mask stride between batch elements
+    num_heads, seq_len, qk_scale,  # qk_scale = head_dim**-0.5 * log2(e)
+    S_BUCKET,  # next power of two of seq_len: the autotune key (one tuning per bucket)
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_KEY_LEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    EVEN_N: tl.constexpr,  # seq_len % BLOCK_N == 0: key loads need no bounds checks
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d[None, :] < HEAD_DIM
+
+    q_base = Q + b.to(tl.int64) * stride_qb + h * stride_qh
+    k_base = K + b.to(tl.int64) * stride_kb + h * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + h * stride_vh
+    o_base = O + b.to(tl.int64) * stride_ob + h * stride_oh
+    mask_base = KeyMask + b.to(tl.int64) * stride_mb
+
+    key_len = seq_len
+    if HAS_KEY_LEN:
+        key_len = tl.load(KeyLen + b)
+    m_ok = offs_m < seq_len
+    o_ptrs = o_base + offs_m[:, None] * stride_os + offs_d[None, :]
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    # keys this query block can see: [0, hi)
+    hi = key_len
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, start_m + BLOCK_M)
+    if HAS_KEY_LEN:
+        if start_m >= key_len:
+            hi = 0  # every query of this block is padding: its rows are written as zeros
+    if hi > 0:
+        q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
+        q = _operand(q, PRECISION)
+        # Stage 1: key blocks that are whole, valid and at or below every query's diagonal need no mask.
+        full_hi = 0
+        if not HAS_KEY_MASK:
+            full_hi = key_len
+            if IS_CAUSAL:
+                full_hi = tl.minimum(full_hi, start_m + 1)
+            full_hi = (full_hi // BLOCK_N) * BLOCK_N
+        for start_n in range(0, full_hi, BLOCK_N):
+            acc, m_i, l_i = _attention_block(
+                acc, m_i, l_i, q, k_base, v_base, mask_base, stride_ks, stride_vs,
+                offs_m, offs_d, start_n, seq_len, key_len, qk_scale,
+                HEAD_DIM, BLOCK_D, BLOCK_N, False, EVEN_N, IS_CAUSAL, HAS_KEY_MASK, PRECISION)
+        # Stage 2: the diagonal, the ragged end and general masks.
+        for start_n in range(full_hi, hi, BLOCK_N):
+            acc, m_i, l_i = _attention_block(
+                acc, m_i, l_i, q, k_base, v_base, mask_base, stride_ks, stride_vs,
+                offs_m, offs_d, start_n, seq_len, key_len, qk_scale,
+                HEAD_DIM, BLOCK_D, BLOCK_N, True, EVEN_N, IS_CAUSAL, HAS_KEY_MASK, PRECISION)
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # keyless rows: acc is 0, so the row is 0
+    if HAS_KEY_LEN:
+        out = tl.where((offs_m < key_len)[:, None], out, 0.0)
+    if HAS_KEY_MASK:
+        q_ok = tl.load(mask_base + offs_m, mask=m_ok, other=0) != 0
+        out = tl.where(q_ok[:, None], out, 0.0)
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok)
+
+
+def _configs():
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    out = []
+    for bm, bn, warps, stages in [
+        (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3),
+        (128, 128, 8, 3), (64, 32, 4, 3), (128, 32, 4, 3), (32, 32, 4, 2), (16, 32, 4, 2),
+    ]:
+        out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
+    return out
+
+
+def _prune(configs, named_args, **kwargs):
+    """Keep tiles that fit the sequence and the head size; big head dims get small tiles."""
+    seq, d = named_args["seq_len"], kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+    keep = []
+    for c in configs:
+        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        if bm > max(16, triton.next_power_of_2(seq)) or bn > max(16, triton.next_power_of_2(seq)):
+            continue
+        if d >= 256 and (bm > 64 or bn > 64):
+            continue
+        if d >= 128 and bm * bn > 128 * 64:
+            continue
+        keep.append(c)
+    return keep or configs[-1:]
+
+
+def _early_config_prune(configs, named_args, **kwargs):
+    return _prune(configs, named_args, **kwargs)
+
+
+_even_n = triton.heuristics({"EVEN_N": lambda args: args["seq_len"] % args["BLOCK_N"] == 0})
+_attention_fwd_tuned = triton.autotune(
+    configs=_configs(),
+    key=["S_BUCKET", "HEAD_DIM", "IS_CAUSAL", "HAS_KEY_LEN", "HAS_KEY_MASK", "PRECISION"],
+    prune_configs_by={"early_config_prune": _early_config_prune},
+    cache_results=True,
+)(_even_n(_attention_fwd))
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher and public function
+# ----------------------------------------------------------------------------------------------
+def _check(q, k, v, key_lengths, key_mask, precision):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flash_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"flash_attention: {name} must be [B, S, H, D], got shape {tuple(t.shape)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"flash_attention: {name} must have unit stride along D, got strides {t.stride()}")
+        if not t.is_floating_point():
+            raise TypeError(f"flash_attention: {name} must be floating point, got {t.dtype}")
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"flash_attention: q, k, v shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"flash_attention: q, k, v on different devices: {q.device}, {k.device}, {v.device}")
+    B, S, H, D = q.shape
+    if not 1 <= D <= 256:
+        raise ValueError(f"flash_attention: head_dim must be in [1, 256], got {D}")
+    if precision not in _PRECISION_CODE:
+        raise ValueError(f"flash_attention: precision must be one of {PRECISIONS}, got {precision!r}")
+    if key_lengths is not None and key_mask is not None:
+        raise ValueError("flash_attention: give key_lengths (prefix masks) or key_mask (any mask), not both")
+    if key_lengths is not None:
+        if key_lengths.shape != (B,) or key_lengths.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"flash_attention: key_lengths must be an int32/int64 [B]={B} tensor, got "
+                             f"{key_lengths.dtype} {tuple(key_lengths.shape)}")
+        if key_lengths.device != q.device:
+            raise ValueError(f"flash_attention: key_lengths on {key_lengths.device}, q on {q.device}")
+    if key_mask is not None:
+        if key_mask.dtype != torch.bool:
+            raise TypeError(f"flash_attention: key_mask must be torch.bool, got {key_mask.dtype}")
+        if tuple(key_mask.shape) != (B, S):
+            raise ValueError(f"flash_attention: key_mask must be [B, S]={B, S}, got {tuple(key_mask.shape)}")
+        if key_mask.device != q.device:
+            raise ValueError(f"flash_attention: key_mask on {key_mask.device}, q on {q.device}")
+
+
+def flash_attention(q, k, v, *, causal: bool, key_lengths=None, key_mask=None, precision: str = "fp16",
+                    out=None, config=None):
+    """Attention over `[B, S, H, D]` views; returns `[B, S, H, D]` (contiguous, dtype of q, or `out`).
+
+    causal: mask keys j > i.
+    key_lengths: int32/int64 `[B]`, valid prefix length per batch element (fast path: no mask loads,
+        query blocks wholly past the length are written as zeros without work).
+    key_mask: bool `[B, S]`, any pattern (left padding, holes); also marks invalid queries.
+    precision: operand precision of both matmuls: "fp32" (exact), "tf32", "fp16", "bf16";
+        accumulation and softmax statistics are fp32 always.
+    config: optional dict with BLOCK_M, BLOCK_N, num_warps, num_stages to bypass autotuning.
+    """
+    _check(q, k, v, key_lengths, key_mask, precision)
+    B, S, H, D = q.shape
+    if out is None:
+        out = torch.empty((B, S, H, D), dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.stride() != torch.empty_like(out, memory_format=torch.contiguous_format).stride():
+        raise ValueError(f"flash_attention: out must be a contiguous {tuple(q.shape)} tensor")
+    dummy = torch.empty(1, dtype=torch.int32, device=q.device)
+    lengths = key_lengths.to(torch.int32) if key_lengths is not None else dummy
+    mask = key_mask.view(torch.int8) if key_mask is not None else dummy.view(torch.int8)
+    block_d = max(16, triton.next_power_of_2(D))
+    s_bucket = triton.next_power_of_2(S)
+    args = (q, k, v, out, lengths, mask,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            mask.stride(0) if key_mask is not None else 0,
+            H, S, D**-0.5 * 1.4426950408889634, s_bucket)
+    consts = dict(HEAD_DIM=D, BLOCK_D=block_d, IS_CAUSAL=bool(causal), HAS_KEY_LEN=key_lengths is not None,
+                  HAS_KEY_MASK=key_mask is not None, PRECISION=_PRECISION_CODE[precision])
+    if config is not None:
+        bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+        grid = (triton.cdiv(S, bm), B * H)
+        _attention_fwd[grid](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, EVEN_N=S % bn == 0,
+                             num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2))
+        return out
+
+    def grid(meta):
+        return (triton.cdiv(S, meta["BLOCK_M"]), B * H)
+
+    _attention_fwd_tuned[grid](*args, **consts)
+    return out
