@@ -87,9 +87,10 @@ def _run_trial(row, route, trial, tolerance):
     y = opt(x)
     torch.cuda.synchronize()
     assert torch.backends.cuda.matmul.allow_tf32 == tf32_before, "optimized forward changed the global TF32 flag"
-    route_taken = str(opt.last_route)
+    taken = opt.last_route
+    route_taken = f"{taken.name}/{taken.precision}"
     if route != "auto":
-        assert route_taken == route, f"forced route {route!r} but last_route is {route_taken!r}"
+        assert taken.name == route, f"forced route {route!r} but last_route is {taken}"
     assert y.shape == x.shape and y.dtype == torch.float32
 
     tol = TOLERANCES[tolerance]
@@ -113,7 +114,7 @@ def _check(row, route, tolerance):
     for trial in range(TRIALS):
         results, route_taken = _run_trial(row, route, trial, tolerance)
         for label, cmp in results:
-            print(f"[{tolerance:8s}] row={row:>2} route={route:<6} took={route_taken:<10} trial={trial} {label:<6} "
+            print(f"[{tolerance:8s}] row={row:>2} route={route:<6} took={route_taken:<12} trial={trial} {label:<6} "
                   f"failed={cmp.failed_elements}/{cmp.total_elements} max_abs={cmp.max_abs_error:.3e} "
                   f"max_rel={cmp.max_rel_error:.3e} worst={tuple(cmp.worst_index)}", flush=True)
             if cmp.failed_elements:

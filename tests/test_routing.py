@@ -1,0 +1,177 @@
+"""model.routing.select_route: pure, CPU-safe, honours or refuses forced routes, explains itself."""
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from model import routing
+from model.routing import ROUTES, Route, RouteUnavailable, Shape, select_route
+
+MASK_KINDS = ("none", "prefix", "general")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+SHAPES = [
+    Shape(batch_size=2, seq_len=33, d_model=64, num_heads=4, ffn_dim=96, num_layers=2, causal=True),
+    Shape(batch_size=1, seq_len=1, d_model=32, num_heads=2, ffn_dim=64, num_layers=1, causal=False),
+    Shape(batch_size=64, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=4, causal=True),
+    Shape(batch_size=10000, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=4, causal=True),
+    Shape(batch_size=32, seq_len=100000, d_model=1024, num_heads=16, ffn_dim=1024, num_layers=2, causal=True),
+    Shape(batch_size=2, seq_len=16, d_model=1024, num_heads=2, ffn_dim=64, num_layers=1, causal=True),  # hd 512
+]
+SHAPE_IDS = ["small", "S1", "row1", "row6", "row14", "hd512"]
+
+
+def cpu_capable(name, shape=SHAPES[0], interpret=True):
+    try:
+        select_route(shape, torch.float32, "cpu", "general", forced=name, interpret=interpret)
+        return True
+    except RouteUnavailable:
+        return False
+
+
+def test_route_names():
+    assert len(set(ROUTES)) == len(ROUTES)
+    assert "reference" in ROUTES and "triton" in ROUTES
+    assert set(routing.CPU_ROUTES) <= set(ROUTES)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("device", ["cpu", "cuda", torch.device("cpu"), torch.device("cuda", 0)], ids=str)
+@pytest.mark.parametrize("interpret", [True, False])
+def test_pure_same_inputs_same_route(shape, device, interpret):
+    for dtype, mask_kind in itertools.product(DTYPES, MASK_KINDS):
+        a = select_route(shape, dtype, device, mask_kind, interpret=interpret)
+        b = select_route(dataclasses.replace(shape), dtype, device, mask_kind, interpret=interpret)
+        assert a == b
+        assert isinstance(a, Route) and a.name in ROUTES
+
+
+def test_pure_ignores_environment(monkeypatch):
+    """The env var SHAPEWISE_ROUTE is the model's business: select_route reads only its arguments
+    (interpret given explicitly)."""
+    shape = SHAPES[2]
+    a = select_route(shape, torch.float32, "cuda", "none", interpret=False)
+    monkeypatch.setenv("SHAPEWISE_ROUTE", "reference")
+    monkeypatch.setenv("SHAPEWISE_DISABLE", "everything")
+    assert select_route(shape, torch.float32, "cuda", "none", interpret=False) == a
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("interpret", [True, False])
+def test_auto_on_cpu_picks_a_cpu_capable_route(shape, dtype, mask_kind, interpret):
+    r = select_route(shape, dtype, torch.device("cpu"), mask_kind, interpret=interpret)
+    assert not r.forced
+    # the chosen route must itself accept this input when forced (it can serve it)
+    forced = select_route(shape, dtype, torch.device("cpu"), mask_kind, forced=r.name, interpret=interpret)
+    assert forced.name == r.name
+    assert r.name != "graph"
+    if not interpret:
+        assert r.name != "triton", "triton picked on the CPU without the interpreter"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+def test_auto_on_cuda_serves_the_input(shape, dtype, mask_kind):
+    r = select_route(shape, dtype, "cuda", mask_kind, interpret=False)
+    forced = select_route(shape, dtype, "cuda", mask_kind, forced=r.name, interpret=False)
+    assert forced.name == r.name
+    if shape.head_dim > 256:
+        assert r.name not in ("triton", "graph"), "a Triton route picked beyond the kernels' head_dim range"
+
+
+def test_mask_kind_validated():
+    with pytest.raises(ValueError) as ei:
+        select_route(SHAPES[0], torch.float32, "cpu", "holes")
+    assert "mask_kind" in str(ei.value)
+
+
+@pytest.mark.parametrize("name", ["graph"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forced_cuda_only_route_on_cpu_refused(name, dtype):
+    with pytest.raises(RouteUnavailable) as ei:
+        select_route(SHAPES[0], dtype, "cpu", "none", forced=name, interpret=True)
+    assert name in str(ei.value)
+    assert isinstance(ei.value, RuntimeError)
+
+
+def test_forced_triton_on_cpu_needs_interpreter():
+    with pytest.raises(RouteUnavailable) as ei:
+        select_route(SHAPES[0], torch.float32, "cpu", "none", forced="triton", interpret=False)
+    assert "triton" in str(ei.value)
+    r = select_route(SHAPES[0], torch.float32, "cpu", "none", forced="triton", interpret=True)
+    assert r.name == "triton" and r.forced
+
+
+def test_forced_triton_refused_beyond_head_dim_range():
+    with pytest.raises(RouteUnavailable) as ei:
+        select_route(SHAPES[5], torch.float32, "cuda", "none", forced="triton", interpret=False)
+    assert "head_dim" in str(ei.value)
+
+
+@pytest.mark.parametrize("name", ROUTES)
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+def test_forced_route_honoured_on_cuda(name, mask_kind):
+    r = select_route(SHAPES[2], torch.float32, "cuda", mask_kind, forced=name, interpret=False)
+    assert r.name == name and r.forced
+    assert r.reason
+
+
+@pytest.mark.parametrize("name", ROUTES)
+def test_forced_route_on_cpu_is_honoured_or_refused(name):
+    """Never silently replaced by another route."""
+    try:
+        r = select_route(SHAPES[0], torch.float32, "cpu", "general", forced=name, interpret=True)
+    except RouteUnavailable as e:
+        assert name in str(e)
+        assert name not in routing.CPU_ROUTES, f"{name} is listed in CPU_ROUTES but refused on the CPU"
+        return
+    assert r.name == name and r.forced
+    assert name in routing.CPU_ROUTES, f"{name} serves the CPU but is not listed in CPU_ROUTES"
+
+
+def test_forced_auto_and_none_are_automatic():
+    a = select_route(SHAPES[2], torch.float32, "cuda", "none", forced=None, interpret=False)
+    b = select_route(SHAPES[2], torch.float32, "cuda", "none", forced="auto", interpret=False)
+    assert a == b and not a.forced
+
+
+def test_unknown_forced_route_is_value_error():
+    with pytest.raises(ValueError) as ei:
+        select_route(SHAPES[0], torch.float32, "cpu", "none", forced="warp-speed")
+    assert "warp-speed" in str(ei.value)
+    assert not isinstance(ei.value, RouteUnavailable)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_route_explains_itself(device, dtype):
+    r = select_route(SHAPES[2], dtype, device, "prefix", interpret=False)
+    assert r.name in ROUTES
+    assert r.precision in routing.PRECISIONS
+    assert isinstance(r.reason, str) and r.reason.strip()
+    d = r.as_dict()
+    assert d["name"] == r.name and d["precision"] == r.precision and d["reason"] == r.reason
+    assert r.name in str(r)
+    import json
+
+    assert json.loads(json.dumps(d)) == d
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.name = "other"
+
+
+@pytest.mark.parametrize("name", ROUTES)
+def test_precision_follows_low_precision_dtypes(name):
+    """fp16/bf16 inputs never get a higher- or other-precision operand type than their own."""
+    for dtype, expect in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
+        r = select_route(SHAPES[2], dtype, "cuda", "none", forced=name, interpret=False)
+        assert r.precision == expect, f"{name} {dtype}: precision {r.precision}"
+
+
+def test_reference_route_is_exact_fp32():
+    r = select_route(SHAPES[2], torch.float32, "cuda", "none", forced="reference", interpret=False)
+    assert r.precision == "fp32"
