@@ -1,0 +1,105 @@
+"""The `shapewise` command.
+
+  shapewise verify DIR          re-hash everything DIR/provenance.json lists
+  shapewise validate FILE...    check shape manifests, print their rows
+  shapewise targets ID...       the per-shape result files of rows (for --forcerun)
+  shapewise job STEP ...        one pipeline job (run by Snakemake)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _job_parser(sub):
+    job = sub.add_parser("job", help="run one pipeline job (Snakemake calls this)")
+    steps = job.add_subparsers(dest="step", required=True)
+
+    def step(name, *options):
+        p = steps.add_parser(name)
+        p.add_argument("--device", choices=["cuda", "cpu"], required=True)
+        p.add_argument("--threads", type=int, default=None)
+        p.add_argument("--out", required=True)
+        for option in options:
+            p.add_argument(f"--{option}", required=True)
+        return p
+
+    step("fingerprint", "kind", "dag-digest", "root")
+    step("microbench", "settings")
+    p = step("preflight", "row")
+    p.add_argument("--headroom", type=float, required=True)
+    step("accuracy", "row", "preflight", "chunked")
+    step("timing", "row", "preflight", "microbench", "protocol")
+    step("profile", "row", "preflight", "capture", "csv", "trace")
+    step("ablation", "row", "preflight", "protocol", "chunked")
+    report = steps.add_parser("report")
+    report.add_argument("--shapes", required=True)
+    report.add_argument("--manifests", required=True)
+    report.add_argument("--device", required=True)
+    report.add_argument("--outdir", required=True)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="shapewise", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    verify = sub.add_parser("verify", help="re-hash the files a report's provenance.json lists")
+    verify.add_argument("dir")
+    verify.add_argument("--artifacts-only", action="store_true",
+                        help="skip the inputs (sources, manifests, config): check only the report's own files")
+    validate = sub.add_parser("validate", help="validate shape manifests")
+    validate.add_argument("files", nargs="+")
+    targets = sub.add_parser("targets", help="per-shape result files of the given row ids")
+    targets.add_argument("ids", nargs="+")
+    _job_parser(sub)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.command == "verify":
+        from shapewise.provenance import verify
+
+        return verify(args.dir, artifacts_only=args.artifacts_only)
+    if args.command == "validate":
+        from shapewise.manifest import ManifestError, load_manifests
+
+        try:
+            rows = load_manifests(args.files)
+        except ManifestError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+        for row in rows:
+            print(f"{row['id']}: B={row['batch_size']} S={row['seq_len']} d={row['d_model']} "
+                  f"H={row['num_heads']} ffn={row['ffn_dim']} L={row['num_layers']} {row['dtype']} "
+                  f"causal={row['causal']} mask={row['mask']} route={row['route']}")
+        print(f"{len(rows)} rows valid")
+        return 0
+    if args.command == "targets":
+        steps = ("preflight", "accuracy", "timing", "ablation")
+        paths = [f"results/{s}/{i}.json" for i in args.ids for s in steps]
+        paths += [f"results/profile/{i}/kernels.json" for i in args.ids]
+        print(" ".join(paths))
+        return 0
+    return run_job(args)
+
+
+def run_job(args):
+    # Triton reads TRITON_INTERPRET when it is imported: set it before any job
+    # module (and so torch, the model, the kernels) is imported.
+    if getattr(args, "device", None) == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.step == "report":
+        from shapewise.report import main as report_main
+
+        return report_main(args)
+    import importlib
+
+    module = importlib.import_module(f"shapewise.jobs.{args.step}")
+    return module.main(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

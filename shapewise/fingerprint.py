@@ -1,0 +1,171 @@
+"""Environment and implementation fingerprints.
+
+`cheap_environment()` and `implementation()` import no torch: Snakemake calls
+them while it builds the DAG, and their digests become `params:` of the
+fingerprint rule, so an unchanged environment or implementation reruns
+nothing. `job_environment()` adds what only a job on the compute node can see
+(torch's view of the GPU) and is recorded in every per-shape result, so the
+report can group results by the machine that produced them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+# Files whose content defines "the implementation": every source or data file
+# of the model and its kernels (the routing policy data file included, if any).
+IMPLEMENTATION_DIRS = ("model", "kernels")
+IMPLEMENTATION_SUFFIXES = (".py", ".json", ".yaml", ".yml", ".csv", ".toml")
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def canonical_json(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def digest_of(obj) -> str:
+    return sha256_bytes(canonical_json(obj).encode())
+
+
+def implementation_files(root="."):
+    root = Path(root)
+    files = []
+    for name in IMPLEMENTATION_DIRS:
+        base = root / name
+        if base.is_dir():
+            files += [p for p in base.rglob("*") if p.is_file() and p.suffix in IMPLEMENTATION_SUFFIXES
+                      and "__pycache__" not in p.parts]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def implementation(root="."):
+    """SHA-256 of each implementation file plus one digest over all of them."""
+    root = Path(root)
+    files = {p.relative_to(root).as_posix(): sha256_file(p) for p in implementation_files(root)}
+    return {"files": files, "digest": digest_of(files)}
+
+
+def _run(cmd):
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def nvidia_smi_gpus():
+    """[(name, driver, memory_total)] from nvidia-smi, or [] when there is none."""
+    out = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
+    if not out:
+        return []
+    return [tuple(part.strip() for part in line.split(",")) for line in out.splitlines() if line.strip()]
+
+
+def cpu_model():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def installed_packages():
+    names = set()
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        if name:
+            names.add(f"{name.lower()}=={dist.version}")
+    return sorted(names)
+
+
+def _version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cheap_environment():
+    """The environment as far as it can be read without importing torch."""
+    gpus = nvidia_smi_gpus()
+    packages = installed_packages()
+    return {
+        "gpu_names": sorted({g[0] for g in gpus}),
+        "gpu_count": len(gpus),
+        "driver": gpus[0][1] if gpus else None,
+        "torch": _version("torch"),
+        "triton": _version("triton"),
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "packages_sha256": sha256_bytes("\n".join(packages).encode()),
+        "package_count": len(packages),
+    }
+
+
+def job_environment(device: str):
+    """Everything a result needs to say where it came from; imports torch."""
+    import torch
+
+    env = cheap_environment()
+    env["host"] = socket.gethostname()
+    env["platform"] = platform.platform()
+    env["device"] = device
+    env["torch_full"] = torch.__version__
+    env["cuda_runtime"] = torch.version.cuda
+    if device == "cuda":
+        index = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        env["gpu_name"] = props.name
+        env["gpu_memory_bytes"] = int(props.total_memory)
+        env["gpu_multiprocessors"] = int(props.multi_processor_count)
+        env["gpu_capability"] = f"{props.major}.{props.minor}"
+        env["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+    else:
+        env["gpu_name"] = None
+    env["machine_key"] = machine_key(env)
+    return env
+
+
+def machine_key(env):
+    """What must match for timings to be comparable: the device model and the software."""
+    hardware = env.get("gpu_name") or f"CPU {env.get('cpu')}"
+    software = digest_of({k: env.get(k) for k in ("torch", "triton", "python", "driver", "packages_sha256")})
+    return f"{hardware} | software {software[:12]}"
+
+
+def write_if_changed(path, text: str) -> bool:
+    """Write `text` unless the file already holds exactly it; True when written."""
+    path = Path(path)
+    if path.is_file() and path.read_text() == text:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return True

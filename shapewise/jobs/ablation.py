@@ -1,0 +1,79 @@
+"""Ablation: switch off one optimization at a time.
+
+For the "all on" model and for each name in model.optimized.OPTIMIZATIONS,
+UserOptimizedTransformer(cfg, disable=(name,)): one accuracy trial against
+the reference (official tolerance; chunked reference when the plain one does
+not fit) and a median time with the shorter ablation protocol. A variant the
+model refuses (for example a forced route that needs the disabled switch) is
+recorded with its error; the job fails only when the "all on" model fails.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import torch
+
+from shapewise.jobs.check import check
+from shapewise.jobs.common import (FIRST_TRIAL_SEED, build_models, build_optimized, header, log, make_case,
+                                   model_config, read_json, route_of, run_optimized, set_precision, setup,
+                                   time_calls, write_result)
+from shapewise.jobs.preflight import fits
+
+
+def main(args):
+    from model.optimized import OPTIMIZATIONS
+
+    device = setup(args.device, args.threads)
+    row = json.loads(args.row)
+    protocol = json.loads(args.protocol)
+    settings = dict(json.loads(args.chunked), batch_samples=1)
+    preflight = read_json(args.preflight)
+    result = header("ablation", row, args.device)
+    result["protocol"] = protocol
+    result["switches"] = list(OPTIMIZATIONS)
+    result["variants"] = []
+    if not fits(preflight, "optimized"):
+        result["status"] = "resource-skip"
+        write_result(args.out, result)
+        return 0
+    config = model_config(row)
+    reference_fits = fits(preflight, "reference")
+    reference, _ = build_models(row, config, device)
+    x, mask, _ = make_case(row, config, device, FIRST_TRIAL_SEED)
+    set_precision(reference=False)
+    for name, disable in [("all-on", ())] + [(s, (s,)) for s in OPTIMIZATIONS]:
+        variant = {"variant": name, "disable": list(disable)}
+        try:
+            model = build_optimized(row, config, device, disable=disable)
+            with torch.inference_mode():
+                out = run_optimized(model, x, mask, row)
+                time_calls(lambda: run_optimized(model, x, mask, row), device, protocol["warmup"])
+                times = []
+                for _ in range(protocol["rounds"]):
+                    times += time_calls(lambda: run_optimized(model, x, mask, row), device, protocol["calls"])
+        except Exception as exc:  # noqa: BLE001 - recorded, and re-raised for the all-on model
+            if not disable:
+                raise
+            variant["error"] = f"{type(exc).__name__}: {exc}"
+            log(f"{row['id']} without {name}: {variant['error']}")
+            result["variants"].append(variant)
+            continue
+        comparisons, checked = check(reference, out, x, mask, reference_fits, settings)
+        variant["route"], variant["route_detail"] = route_of(model)
+        variant["median_ms"] = statistics.median(times)
+        variant["accuracy"] = comparisons["official"]
+        variant["passed"] = comparisons["official"]["passed"]
+        variant["checked"] = checked
+        result["variants"].append(variant)
+        log(f"{row['id']} {name}: {variant['median_ms']:.4f} ms, route {variant['route']}, "
+            f"{'pass' if variant['passed'] else 'FAIL'}")
+        del model, out
+    base = result["variants"][0]["median_ms"]
+    for variant in result["variants"]:
+        if "median_ms" in variant:
+            variant["slowdown_vs_all_on"] = variant["median_ms"] / base
+    result["status"] = "ok"
+    write_result(args.out, result)
+    return 0

@@ -1,0 +1,79 @@
+"""Accuracy of the optimized model against the reference, per trial.
+
+Trial t uses inputs seeded 1234 + t; both models share weights seeded with
+torch.manual_seed(0). The status is pass when every trial passes the
+official tolerance, fail otherwise, resource-skip when the optimized model
+does not fit. The strict preset is recorded alongside.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from shapewise.jobs.check import check
+from shapewise.jobs.common import (FIRST_TRIAL_SEED, build_models, header, log, make_case, model_config,
+                                   read_json, route_of, run_optimized, set_precision, setup, write_result)
+from shapewise.jobs.preflight import fits
+
+
+def aggregate(trials):
+    out = {}
+    for preset in trials[0]["comparisons"]:
+        runs = [t["comparisons"][preset] for t in trials]
+        out[preset] = {
+            "passed": all(r["passed"] for r in runs),
+            "trials_passed": sum(r["passed"] for r in runs),
+            "failed_elements": sum(r["failed_elements"] for r in runs),
+            "total_elements": sum(r["total_elements"] for r in runs),
+            "max_abs_error": max(r["max_abs_error"] for r in runs),
+            "max_rel_error": max(r["max_rel_error"] for r in runs),
+        }
+    return out
+
+
+def main(args):
+    device = setup(args.device, args.threads)
+    row = json.loads(args.row)
+    settings = json.loads(args.chunked)
+    preflight = read_json(args.preflight)
+    result = header("accuracy", row, args.device)
+    result["trials"] = []
+    if not fits(preflight, "optimized"):
+        result["status"] = "resource-skip"
+        result["skip_reason"] = (f"optimized model needs ~{preflight['models']['optimized']['estimate_bytes']} bytes, "
+                                 f"budget {preflight['budget_bytes']} bytes")
+        log(f"{row['id']}: resource skip: {result['skip_reason']}")
+        write_result(args.out, result)
+        return 0
+    reference_fits = fits(preflight, "reference")
+    config = model_config(row)
+    reference, optimized = build_models(row, config, device)
+    routes = set()
+    for t in range(row["trials"]):
+        seed = FIRST_TRIAL_SEED + t
+        x, mask, mask_kind = make_case(row, config, device, seed)
+        set_precision(reference=False)
+        with torch.inference_mode():
+            out = run_optimized(optimized, x, mask, row)
+        route_name, route = route_of(optimized)
+        routes.add(route_name)
+        comparisons, checked = check(reference, out, x, mask, reference_fits, settings)
+        trial = {"trial": t, "seed": seed, "mask_kind": mask_kind, "route": route_name, "route_detail": route,
+                 "comparisons": comparisons, "checked": checked,
+                 "output_finite": bool(torch.isfinite(out).all().item())}
+        result["trials"].append(trial)
+        official = comparisons["official"]
+        log(f"{row['id']} trial {t} (seed {seed}) route {route_name}: "
+            f"{official['failed_elements']}/{official['total_elements']} failed, "
+            f"max abs {official['max_abs_error']:.3g}, check {checked['method']}")
+        del x, mask, out
+    result["aggregate"] = aggregate(result["trials"])
+    result["routes"] = sorted(r for r in routes if r is not None)
+    result["route"] = ",".join(result["routes"])
+    result["check_method"] = result["trials"][0]["checked"]["method"]
+    result["status"] = "pass" if result["aggregate"]["official"]["passed"] else "fail"
+    log(f"{row['id']}: {result['status']}")
+    write_result(args.out, result)
+    return 0

@@ -1,0 +1,31 @@
+"""The fingerprint job: results/fingerprint/{environment,implementation}.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shapewise import fingerprint as fp
+from shapewise.jobs.common import header, log, setup, write_result
+
+
+def main(args):
+    if args.kind == "implementation":
+        impl = fp.implementation(Path(args.root))
+        if args.dag_digest and impl["digest"] != args.dag_digest:
+            raise SystemExit(
+                f"the implementation changed while the workflow ran (digest {impl['digest'][:12]} now, "
+                f"{args.dag_digest[:12]} when the DAG was built); run snakemake again"
+            )
+        result = {"step": "fingerprint", "kind": "implementation", **impl}
+        log(f"{len(impl['files'])} implementation files, digest {impl['digest']}")
+        write_result(args.out, result)
+        return 0
+    setup(args.device)
+    result = header("fingerprint", None, args.device)
+    result["kind"] = "environment"
+    result["dag_digest"] = args.dag_digest
+    result["digest"] = fp.digest_of(fp.cheap_environment())
+    result["packages"] = fp.installed_packages()
+    log(f"environment on {result['environment']['host']}: {result['environment']['machine_key']}")
+    write_result(args.out, result)
+    return 0

@@ -1,0 +1,116 @@
+"""A torch.profiler capture of a few optimized calls.
+
+Writes a per-kernel table (name, calls, total time) as JSON and CSV, and a
+Chrome trace. Lists which of our Triton kernels (the @triton.jit functions in
+kernels/) ran. On a CPU the kernels run in Triton's interpreter, which the
+profiler cannot see; there each interpreted launch is wrapped in a
+torch.profiler.record_function named after the kernel, so the table still
+says which kernels ran and how often (their times are interpreter times).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import inspect
+import json
+import pkgutil
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from shapewise.jobs.common import (FIRST_TRIAL_SEED, build_optimized, header, log, make_case, model_config,
+                                   read_json, route_of, run_optimized, setup, sync, write_result)
+from shapewise.jobs.preflight import fits
+
+
+TRITON_WRAPPERS = ("JITFunction", "InterpretedFunction", "Autotuner", "Heuristics")
+
+
+def our_triton_kernels():
+    """Names of every @triton.jit function defined in the kernels package."""
+    import kernels
+
+    names = set()
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"kernels.{info.name}")
+        for attr in vars(module).values():
+            if type(attr).__name__ not in TRITON_WRAPPERS:
+                continue
+            fn = attr
+            for _ in range(5):  # Autotuner -> JITFunction -> python function
+                if inspect.isfunction(fn) or not hasattr(fn, "fn"):
+                    break
+                fn = fn.fn
+            if inspect.isfunction(fn):
+                names.add(fn.__name__)
+    return sorted(names)
+
+
+def annotate_interpreted_launches():
+    """Make interpreted Triton launches visible to the CPU profiler."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    original = InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        with record_function(getattr(self.fn, "__name__", "triton_kernel")):
+            return original(self, *args, **kwargs)
+
+    InterpretedFunction.run = run
+
+
+def main(args):
+    device = setup(args.device, args.threads)
+    row = json.loads(args.row)
+    capture = json.loads(args.capture)
+    preflight = read_json(args.preflight)
+    result = header("profile", row, args.device)
+    result["capture"] = capture
+    table = []
+    if not fits(preflight, "optimized"):
+        result["status"] = "resource-skip"
+        with open(args.trace, "w") as fh:
+            json.dump({"traceEvents": [], "note": "resource skip: the optimized model does not fit"}, fh)
+    else:
+        interpreted = device.type == "cpu"
+        if interpreted:
+            annotate_interpreted_launches()
+        config = model_config(row)
+        model = build_optimized(row, config, device)
+        x, mask, _ = make_case(row, config, device, FIRST_TRIAL_SEED)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch.inference_mode():
+            for _ in range(capture["warmup"]):
+                run_optimized(model, x, mask, row)
+            sync(device)
+            log(f"{row['id']}: profiling {capture['calls']} calls")
+            with profile(activities=activities) as prof:
+                for _ in range(capture["calls"]):
+                    run_optimized(model, x, mask, row)
+                sync(device)
+        prof.export_chrome_trace(args.trace)
+        result["route"], result["route_detail"] = route_of(model)
+        time_field = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        for evt in prof.key_averages():
+            total_us = float(getattr(evt, time_field, 0.0) or 0.0)
+            if device.type == "cuda" and total_us <= 0:
+                continue  # host-only entries: the table lists device kernels
+            table.append({"name": evt.key, "calls": int(evt.count), "total_us": total_us,
+                          "mean_us": total_us / max(1, int(evt.count))})
+        table.sort(key=lambda r: -r["total_us"])
+        ours = our_triton_kernels()
+        result["triton_kernels_defined"] = ours
+        result["triton_kernels_ran"] = sorted({r["name"] for r in table
+                                               if any(r["name"].startswith(k) for k in ours)})
+        result["time_source"] = ("CUDA kernel time (self device time)" if device.type == "cuda"
+                                 else "CPU time; Triton kernels timed inside the interpreter")
+        result["status"] = "ok"
+        log(f"{row['id']}: {len(table)} entries; our Triton kernels that ran: {result['triton_kernels_ran']}")
+    result["kernels"] = table
+    with open(args.csv, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=["name", "calls", "total_us", "mean_us"])
+        writer.writeheader()
+        writer.writerows(table)
+    write_result(args.out, result)
+    return 0
