@@ -1,0 +1,273 @@
+"""`UserOptimizedTransformer`: the reference's drop-in, routed per input signature to the fastest correct path.
+
+Same constructor, same `forward(x, valid_token_mask=None)`, same parameter names (it *is* a
+`BaselineTransformer` with other forward paths), so `load_state_dict(reference.state_dict(), strict=True)`
+works. Derived weights (packed QKV, operand-precision copies) are cached as plain attributes, never
+registered, and refreshed in place when a source parameter's version counter moves.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from .reference import BaselineTransformer, TransformerConfig, check_inputs
+from .routing import ROUTES, RouteUnavailable, Shape, select_route
+
+# Ablation switches: each can be turned off alone (constructor `disable=` or env SHAPEWISE_DISABLE).
+OPTIMIZATIONS = (
+    "cuda_graph",  # replay a captured CUDA graph per input signature (off: launch every kernel eagerly)
+    "reduced_precision",  # tensor-core operand precision from the routing policy (off: exact fp32 operands)
+    "flash_attention",  # our Triton flash attention (off: PyTorch SDPA inside the same route)
+    "fused_layernorm",  # our Triton residual add + LayerNorm (off: separate PyTorch add and layer_norm)
+    "packed_qkv",  # one QKV GEMM over a packed weight (off: three GEMMs)
+)
+
+_OPERAND_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@contextmanager
+def _matmul_precision(precision: str):
+    """cuBLAS fp32 GEMMs in exact fp32 or TF32, restored afterwards."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+class UserOptimizedTransformer(BaselineTransformer):
+    def __init__(self, config, route: str = "auto", disable=(), precision: str | None = None):
+        super().__init__(TransformerConfig.from_any(config))
+        route = os.environ.get("SHAPEWISE_ROUTE", route) or "auto"
+        if route != "auto" and route not in ROUTES:
+            raise ValueError(f"UserOptimizedTransformer: unknown route {route!r}; choose auto or one of {ROUTES}")
+        env_disable = [s.strip() for s in os.environ.get("SHAPEWISE_DISABLE", "").split(",") if s.strip()]
+        disabled = frozenset(disable) | frozenset(env_disable)
+        unknown = sorted(disabled - set(OPTIMIZATIONS))
+        if unknown:
+            raise ValueError(f"UserOptimizedTransformer: unknown optimization(s) {unknown}; known: {OPTIMIZATIONS}")
+        if precision is not None and precision not in _OPERAND_DTYPE:
+            raise ValueError(f"UserOptimizedTransformer: precision must be one of {tuple(_OPERAND_DTYPE)}, "
+                             f"got {precision!r}")
+        self.route = route
+        self.precision = precision  # overrides the policy's operand precision for float32 inputs
+        self.disabled = disabled
+        self.last_route = None
+        self._routes = {}  # input signature -> Route
+        self._weights = {}  # (precision, packed) -> derived weight tensors
+        self._weight_versions = None
+        self._graphs = {}  # input signature -> captured graph and its static tensors
+
+    # -------------------------------------------------------------------------------------------
+    # Public forward
+    # -------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, valid_token_mask=None) -> torch.Tensor:
+        check_inputs(self.config, x, valid_token_mask)
+        key = (x.shape, x.dtype, x.device, valid_token_mask is None)
+        route = self._routes.get(key)
+        if route is None:
+            route = self._select(x, valid_token_mask)
+            self._routes[key] = route
+        self.last_route = route
+        if route.name == "reference":
+            return super().forward(x, valid_token_mask)
+        if route.name == "sdpa":
+            return self._forward_sdpa(x, valid_token_mask)
+        self._refresh_weights()
+        if route.name == "graph" and "cuda_graph" not in self.disabled:
+            return self._forward_graph(x, valid_token_mask, route)
+        with torch.no_grad():
+            return self._forward_kernels(x, valid_token_mask, route.precision)
+
+    def _select(self, x, mask):
+        cfg = self.config
+        shape = Shape(x.shape[0], x.shape[1], cfg.d_model, cfg.num_heads, cfg.ffn_dim, cfg.num_layers, cfg.causal)
+        route = select_route(shape, x.dtype, x.device, "none" if mask is None else "general", forced=self.route)
+        if x.dtype == torch.float32 and route.name in ("triton", "graph"):
+            if "reduced_precision" in self.disabled:
+                route = replace(route, precision="fp32", reason=route.reason + "; reduced_precision disabled")
+            elif self.precision is not None:
+                route = replace(route, precision=self.precision, reason=route.reason + "; precision set by caller")
+        return route
+
+    # -------------------------------------------------------------------------------------------
+    # Derived weights: packed QKV and operand-precision copies, refreshed in place
+    # -------------------------------------------------------------------------------------------
+    def _versions(self):
+        return tuple(p._version for p in self.parameters())
+
+    def _refresh_weights(self):
+        versions = self._versions()
+        if versions == self._weight_versions:
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            for (precision, packed), cache in self._weights.items():
+                for name, fresh in self._derive(precision, packed).items():
+                    cache[name].copy_(fresh)  # in place: captured graphs keep reading the same buffers
+        self._weight_versions = versions
+
+    def _weights_for(self, precision: str, packed: bool):
+        cache = self._weights.get((precision, packed))
+        if cache is None:
+            with torch.inference_mode(False), torch.no_grad():
+                cache = self._derive(precision, packed)
+            self._weights[(precision, packed)] = cache
+        return cache
+
+    def _derive(self, precision: str, packed: bool):
+        dt = _OPERAND_DTYPE[precision]
+        out = {}
+        for i, layer in enumerate(self.layers):
+            a = layer.attention
+            if packed:
+                out[f"{i}.qkv_w"] = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).to(dt)
+                out[f"{i}.qkv_b"] = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).to(dt)
+            else:
+                for n in ("q", "k", "v"):
+                    proj = getattr(a, f"{n}_proj")
+                    out[f"{i}.{n}_w"], out[f"{i}.{n}_b"] = proj.weight.to(dt), proj.bias.to(dt)
+            for n, lin in (("o", a.out_proj), ("in", layer.ffn_in), ("out", layer.ffn_out)):
+                out[f"{i}.{n}_w"], out[f"{i}.{n}_b"] = lin.weight.to(dt), lin.bias.to(dt)
+            for n, norm in (("n1", layer.norm1), ("n2", layer.norm2)):
+                out[f"{i}.{n}_w"], out[f"{i}.{n}_b"] = norm.weight.float(), norm.bias.float()
+        out["final_w"], out["final_b"] = self.final_norm.weight.float(), self.final_norm.bias.float()
+        return {k: v.contiguous().clone() for k, v in out.items()}
+
+    def _apply(self, fn, *args, **kwargs):  # .to(), .cuda(), .half(): derived state is rebuilt lazily
+        self._weights, self._weight_versions, self._graphs, self._routes = {}, None, {}, {}
+        return super()._apply(fn, *args, **kwargs)
+
+    # -------------------------------------------------------------------------------------------
+    # Route `triton` (and the body of route `graph`)
+    # -------------------------------------------------------------------------------------------
+    def _forward_kernels(self, x, mask, precision: str):
+        from kernels.attention import flash_attention
+        from kernels.layernorm import add_layernorm
+
+        cfg = self.config
+        B, S, d = x.shape
+        H, D, N = cfg.num_heads, cfg.head_dim, B * S
+        packed = "packed_qkv" not in self.disabled
+        w = self._weights_for(precision, packed)
+        act = _OPERAND_DTYPE[precision]
+        key_mask = mask
+        fused_ln = "fused_layernorm" not in self.disabled
+
+        def add_ln(res, branch, name, row_mask=None, out_dtype=act, last=False):
+            if fused_ln:
+                return add_layernorm(res, branch, w[name + "_w"], w[name + "_b"], out_dtype=out_dtype,
+                                     row_mask=row_mask, write_residual=not last,
+                                     residual_out=None if res is x or last else res)
+            r = res.float() if branch is None else res.float() + branch.float()
+            if row_mask is not None:
+                r = r.masked_fill(~row_mask[..., None], 0.0)
+            y = F.layer_norm(r, (d,), w[name + "_w"], w[name + "_b"], 1e-5)
+            if row_mask is not None:
+                y = y.masked_fill(~row_mask[..., None], 0.0)
+            return r, y.to(out_dtype)
+
+        def attention(h2d, i):
+            if packed:
+                qkv = F.linear(h2d, w[f"{i}.qkv_w"], w[f"{i}.qkv_b"]).view(B, S, 3, H, D)
+                q, k, v = qkv.unbind(2)
+            else:
+                q, k, v = (F.linear(h2d, w[f"{i}.{n}_w"], w[f"{i}.{n}_b"]).view(B, S, H, D) for n in "qkv")
+            if "flash_attention" not in self.disabled:
+                return flash_attention(q, k, v, causal=cfg.causal, key_mask=key_mask, precision=precision)
+            return _sdpa(q, k, v, cfg.causal, key_mask)
+
+        with _matmul_precision(precision):
+            _, h = add_ln(x, None, "0.n1", last=True)  # normalize only: the input stays the residual
+            res = x
+            for i in range(cfg.num_layers):
+                o = attention(h.view(N, d), i)
+                y = F.linear(o.reshape(N, d), w[f"{i}.o_w"], w[f"{i}.o_b"]).view(B, S, d)
+                res, h = add_ln(res, y, f"{i}.n2")
+                f = F.gelu(F.linear(h.view(N, d), w[f"{i}.in_w"], w[f"{i}.in_b"]), approximate="none")
+                y = F.linear(f, w[f"{i}.out_w"], w[f"{i}.out_b"]).view(B, S, d)
+                last = i == cfg.num_layers - 1
+                res, h = add_ln(res, y, "final" if last else f"{i + 1}.n1", row_mask=mask,
+                                out_dtype=x.dtype if last else act, last=last)
+        return h
+
+    # -------------------------------------------------------------------------------------------
+    # Route `graph`: one CUDA graph per input signature; inputs copied in, output copied out
+    # -------------------------------------------------------------------------------------------
+    def _forward_graph(self, x, mask, route):
+        key = (x.shape, x.dtype, x.device, mask is None, route.precision)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(x, mask, route.precision)
+            self._graphs[key] = entry
+        graph, static_x, static_mask, static_out = entry
+        static_x.copy_(x)
+        if mask is not None:
+            static_mask.copy_(mask)
+        graph.replay()
+        return static_out.clone()  # never hand out the graph's own buffer
+
+    def _capture(self, x, mask, precision):
+        with torch.inference_mode(False), torch.no_grad():
+            static_x = x.detach().clone()
+            static_mask = None if mask is None else mask.detach().clone()
+            side = torch.cuda.Stream(device=x.device)
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(side):  # compile, autotune and warm the allocator outside the capture
+                for _ in range(2):
+                    self._forward_kernels(static_x, static_mask, precision)
+            torch.cuda.current_stream(x.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = self._forward_kernels(static_x, static_mask, precision)
+        return graph, static_x, static_mask, static_out
+
+    # -------------------------------------------------------------------------------------------
+    # Route `sdpa`: packed QKV and PyTorch's fused attention, eager
+    # -------------------------------------------------------------------------------------------
+    def _forward_sdpa(self, x, mask):
+        cfg = self.config
+        B, S, d = x.shape
+        H, D = cfg.num_heads, cfg.head_dim
+        keep = None if mask is None else mask[..., None]
+        with torch.no_grad():
+            for layer in self.layers:
+                a = layer.attention
+                h = layer.norm1(x)
+                qkv = F.linear(h, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                               torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])).view(B, S, 3, H, D)
+                q, k, v = qkv.unbind(2)
+                o = _sdpa(q, k, v, cfg.causal, mask).reshape(B, S, d)
+                o = a.out_proj(o)
+                if keep is not None:
+                    o = o.masked_fill(~keep, 0.0)
+                x = x + o
+                x = x + layer.ffn_out(F.gelu(layer.ffn_in(layer.norm2(x)), approximate="none"))
+                if keep is not None:
+                    x = x.masked_fill(~keep, 0.0)
+            x = self.final_norm(x)
+            if keep is not None:
+                x = x.masked_fill(~keep, 0.0)
+        return x
+
+
+def _sdpa(q, k, v, causal, key_mask):
+    """PyTorch SDPA on [B, S, H, D] views with the contract's masks; keyless and invalid query rows give 0."""
+    B, S, H, D = q.shape
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    if key_mask is None:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal)
+    else:
+        allowed = key_mask[:, None, None, :]
+        if causal:
+            allowed = allowed & torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed)
+        o = o.masked_fill(~key_mask[:, None, :, None], 0.0)  # invalid queries (the only keyless ones)
+    return o.transpose(1, 2)
+
+
+__all__ = ["OPTIMIZATIONS", "RouteUnavailable", "UserOptimizedTransformer"]

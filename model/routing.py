@@ -1,0 +1,135 @@
+"""Which path serves a forward: one pure function, `select_route`, and the policy data it reads.
+
+Routes:
+- `reference`: the contract's own math in PyTorch (explicit scores). Serves anything the reference serves.
+- `sdpa`: packed QKV + `torch.nn.functional.scaled_dot_product_attention`, eager. CPU and CUDA.
+- `triton`: our Triton kernels (flash attention, fused residual + LayerNorm) with cuBLAS GEMMs, eager.
+  On a CPU it runs under `TRITON_INTERPRET=1` (slow: for tests).
+- `graph`: the `triton` route captured once per input signature in a CUDA graph and replayed. CUDA only.
+
+The policy (thresholds and precisions) lives in `routing_policy.json` beside this file, read off the
+H200 accuracy and ablation tables; `select_route` itself is pure: same inputs, same Route.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROUTES = ("reference", "sdpa", "triton", "graph")
+CPU_ROUTES = ("reference", "sdpa", "triton")  # triton only under TRITON_INTERPRET=1
+MASK_KINDS = ("none", "prefix", "general")
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+POLICY_PATH = Path(__file__).with_name("routing_policy.json")
+POLICY = json.loads(POLICY_PATH.read_text())
+
+
+class RouteUnavailable(RuntimeError):
+    """A forced route cannot serve this input."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch_size: int
+    seq_len: int
+    d_model: int
+    num_heads: int
+    ffn_dim: int
+    num_layers: int
+    causal: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+@dataclass(frozen=True)
+class Route:
+    name: str
+    precision: str  # operand precision of GEMMs and attention matmuls ("fp32" = exact fp32)
+    reason: str
+    forced: bool = False
+
+    def __str__(self) -> str:
+        how = "forced" if self.forced else "auto"
+        return f"{self.name}/{self.precision} ({how}: {self.reason})"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _device_type(device) -> str:
+    return device if isinstance(device, str) and ":" not in device else getattr(device, "type", str(device).split(":")[0])
+
+
+def _precision_for(name: str, dtype: str, shape: Shape) -> str:
+    if dtype == "float16":
+        return "fp16"
+    if dtype == "bfloat16":
+        return "bf16"
+    if name in ("reference", "sdpa"):
+        return "fp32"
+    rules = POLICY["fp32_precision"]
+    for rule in rules["by_d_model_at_least"]:
+        if shape.d_model >= rule["d_model"]:
+            return rule["precision"]
+    return rules["default"]
+
+
+def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool) -> str | None:
+    """Why route `name` cannot serve this input, or None if it can."""
+    dev, dt = _device_type(device), _dtype_name(dtype)
+    if name not in ROUTES:
+        return f"unknown route {name!r}; routes are {', '.join(ROUTES)}"
+    if name in ("reference", "sdpa"):
+        return None
+    if dt not in ("float32", "float16", "bfloat16"):
+        return f"route {name!r} serves float32/float16/bfloat16, not {dt}"
+    if shape.head_dim > 256:
+        return f"route {name!r} serves head_dim <= 256, got {shape.head_dim}"
+    if name == "graph" and dev != "cuda":
+        return f"route 'graph' needs a CUDA device, got {dev}"
+    if name == "triton" and dev != "cuda" and not (dev == "cpu" and interpret):
+        return f"route 'triton' needs a CUDA device, or TRITON_INTERPRET=1 on the CPU (device {dev})"
+    return None
+
+
+def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: str | None = None,
+                 interpret: bool | None = None) -> Route:
+    """Pick the route for one input signature. Pure: reads only its arguments and the policy data.
+
+    `forced` (a route name, or None/"auto") is honoured or refused with RouteUnavailable, never replaced.
+    """
+    if mask_kind not in MASK_KINDS:
+        raise ValueError(f"mask_kind must be one of {MASK_KINDS}, got {mask_kind!r}")
+    if interpret is None:
+        interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    dt = _dtype_name(dtype)
+    if forced not in (None, "auto"):
+        if forced not in ROUTES:
+            raise ValueError(f"unknown route {forced!r}; choose one of auto, {', '.join(ROUTES)}")
+        why = why_unavailable(forced, shape, dtype, device, interpret)
+        if why:
+            raise RouteUnavailable(why)
+        return Route(forced, _precision_for(forced, dt, shape), "forced by the caller", forced=True)
+
+    dev = _device_type(device)
+    if dev != "cuda":
+        return Route("sdpa", _precision_for("sdpa", dt, shape), f"{dev}: eager PyTorch path")
+    if why_unavailable("triton", shape, dtype, device, interpret):
+        return Route("sdpa", _precision_for("sdpa", dt, shape), "outside the Triton kernels' range")
+    graph = POLICY["graph"]
+    if shape.tokens * shape.d_model <= graph["max_tokens_x_d_model"]:
+        return Route("graph", _precision_for("graph", dt, shape),
+                     f"launch-bound (tokens*d = {shape.tokens * shape.d_model} <= {graph['max_tokens_x_d_model']})")
+    return Route("triton", _precision_for("triton", dt, shape),
+                 f"compute/memory-bound (tokens*d = {shape.tokens * shape.d_model})")
