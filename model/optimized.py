@@ -99,7 +99,9 @@ class UserOptimizedTransformer(BaselineTransformer):
     # Derived weights: packed QKV and operand-precision copies, refreshed in place
     # -------------------------------------------------------------------------------------------
     def _versions(self):
-        return tuple(p._version for p in self.parameters())
+        # Inference tensors (parameters moved inside torch.inference_mode) carry no version counter:
+        # their in-place edits cannot be seen, so they count by identity only.
+        return tuple(p.data_ptr() if p.is_inference() else p._version for p in self.parameters())
 
     def _refresh_weights(self):
         versions = self._versions()

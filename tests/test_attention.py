@@ -168,7 +168,7 @@ PRECISION_POINTS = [
 
 @pytest.mark.parametrize("precision,dtype,S,D,causal,mask_kind", PRECISION_POINTS)
 def test_reduced_precisions(precision, dtype, S, D, causal, mask_kind, assert_close):
-    if precision == "bf16" and INTERPRETED:
+    if precision == "bf16" and INTERPRETED and False:
         pytest.skip(BF16_DOT_REASON)
     run_case(2, S, 2, D, causal, mask_kind, precision, dtype, assert_close)
 
