@@ -1,0 +1,207 @@
+"""The evidence pipeline end to end on the CPU, then its caching and provenance.
+
+One copy of the repository's workflow files goes into a temporary directory;
+a tiny manifest runs there for real (Triton kernels in the interpreter), and
+the later tests use dry runs of that same directory to check what Snakemake
+would rerun after an edit. Every edit is undone before the next test.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+COPIED = ["Snakefile", "pyproject.toml", "workflow", "shapewise", "model", "kernels", "config", "shapes",
+          "reports/templates", "profiles/default"]
+TINY = """\
+- {id: tiny-triton, batch_size: 2, seq_len: 7, d_model: 32, num_heads: 2, ffn_dim: 64, num_layers: 1, trials: 2, route: triton}
+- {id: tiny-holes, batch_size: 2, seq_len: 9, d_model: 32, num_heads: 2, ffn_dim: 32, num_layers: 1, causal: false, padding_ratio: 0.3, mask: holes, trials: 1}
+"""
+SHAPE_STEPS = {"preflight", "accuracy", "timing", "profile", "ablation"}
+
+pytestmark = pytest.mark.slow
+
+
+def snakemake(workdir, *args, check=True):
+    env = dict(os.environ, SHAPEWISE_DEVICE="cpu")
+    done = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", *args], cwd=workdir, env=env,
+                          capture_output=True, text=True, timeout=900)
+    if check and done.returncode != 0:
+        raise AssertionError(f"snakemake {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return done
+
+
+def planned_jobs(workdir, *args):
+    """{(rule, shape or None)} that a dry run would execute."""
+    done = snakemake(workdir, "-n", *args)
+    text = done.stdout + done.stderr
+    jobs = set()
+    for block in re.split(r"\n\s*\n", text):
+        match = re.search(r"^(?:local)?rule (\w+):", block, re.M)
+        if not match:
+            continue
+        shape = re.search(r"wildcards:.*?shape=([\w-]+)", block)
+        jobs.add((match.group(1), shape.group(1) if shape else None))
+    if not jobs:
+        assert "Nothing to be done" in text, text
+    return jobs
+
+
+def shapewise(workdir, *args):
+    env = dict(os.environ, PYTHONPATH=str(workdir))
+    return subprocess.run([sys.executable, "-m", "shapewise", *args], cwd=workdir, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    work = tmp_path_factory.mktemp("pipeline")
+    for name in COPIED:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, work / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            (work / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, work / name)
+    (work / "shapes" / "tiny.yaml").write_text(TINY)
+    snakemake(work, "--config", "shapes=tiny")
+    return work
+
+
+def test_report_summary_and_provenance(workdir):
+    report = workdir / "results" / "report"
+    for name in ("report.md", "report.html", "summary.csv", "provenance.json"):
+        assert (report / name).is_file(), name
+    with open(report / "summary.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["id"] for r in rows] == ["tiny-triton", "tiny-holes"]
+    assert list(rows[0]) == ["id", "status", "route", "failed_elements", "total_elements", "max_abs_error",
+                             "reference_median_ms", "optimized_median_ms", "speedup"]
+    for r in rows:
+        assert r["status"] == "pass", r
+        assert int(r["failed_elements"]) == 0 and int(r["total_elements"]) > 0
+        assert float(r["reference_median_ms"]) > 0 and float(r["optimized_median_ms"]) > 0
+    assert rows[0]["route"].startswith("triton")
+    md = (report / "report.md").read_text()
+    assert "CPU smoke run, not a performance measurement" in md
+    assert "## Provenance" in md and "## Limitations" in md and "## Methods" in md
+    for figure in ("speedup.png", "roofline.png", "ablation.png"):
+        assert (report / "figures" / figure).stat().st_size > 1000
+    prov = json.loads((report / "provenance.json").read_text())
+    listed = {e["path"] for e in prov["artifacts"]}
+    assert {"summary.csv", "report.md", "data/accuracy/tiny-triton.json", "data/timing/tiny-holes.json"} <= listed
+    assert "shapes/tiny.yaml" in {e["path"] for e in prov["inputs"]}
+    assert "kernels/attention.py" in {e["path"] for e in prov["inputs"]}
+
+
+def test_results_record_what_ran(workdir):
+    acc = json.loads((workdir / "results/accuracy/tiny-holes.json").read_text())
+    assert acc["trials"][0]["mask_kind"] == "general" and acc["environment"]["host"]
+    assert set(acc["aggregate"]) == {"official", "strict"}
+    prof = json.loads((workdir / "results/profile/tiny-triton/kernels.json").read_text())
+    assert any(name.startswith("_attention_fwd") for name in prof["triton_kernels_ran"]), prof
+    ablation = json.loads((workdir / "results/ablation/tiny-triton.json").read_text())
+    from model.optimized import OPTIMIZATIONS
+
+    assert [v["variant"] for v in ablation["variants"]] == ["all-on", *OPTIMIZATIONS]
+    timing = json.loads((workdir / "results/timing/tiny-triton.json").read_text())
+    assert len(timing["optimized"]["times_ms"]) == 3 * 5  # the cpu protocol of config/config.yaml
+
+
+def test_second_run_has_nothing_to_do(workdir):
+    assert planned_jobs(workdir, "--config", "shapes=tiny") == set()
+
+
+def test_editing_one_row_reruns_only_that_row(workdir):
+    manifest = workdir / "shapes" / "tiny.yaml"
+    original = manifest.read_text()
+    try:
+        manifest.write_text(original.replace("seq_len: 9,", "seq_len: 11,"))
+        jobs = planned_jobs(workdir, "--config", "shapes=tiny")
+    finally:
+        manifest.write_text(original)
+    assert {(step, "tiny-holes") for step in SHAPE_STEPS} <= jobs
+    assert not any(shape == "tiny-triton" for _, shape in jobs), jobs
+    assert ("report", None) in jobs
+    assert not any(rule in ("fingerprint", "microbench") for rule, _ in jobs), jobs
+
+
+def test_changing_a_kernel_reruns_every_measurement(workdir):
+    source = workdir / "kernels" / "attention.py"
+    original = source.read_bytes()
+    stat = source.stat()
+    try:
+        source.write_bytes(original + b"\n# an edit\n")
+        jobs = planned_jobs(workdir, "--config", "shapes=tiny")
+    finally:
+        source.write_bytes(original)
+        os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    for shape in ("tiny-triton", "tiny-holes"):
+        for step in ("accuracy", "timing", "profile", "ablation"):
+            assert (step, shape) in jobs, (step, shape, jobs)
+    assert ("fingerprint", None) in jobs
+
+
+def test_touching_a_kernel_without_change_reruns_nothing(workdir):
+    (workdir / "kernels" / "attention.py").touch()
+    assert planned_jobs(workdir, "--config", "shapes=tiny") == set()
+
+
+def test_verify_passes_then_names_tampered_and_deleted_files(workdir):
+    assert shapewise(workdir, "verify", "results/report").returncode == 0
+    copy = workdir / "reports" / "copy"
+    shutil.copytree(workdir / "results" / "report", copy)
+    try:
+        done = shapewise(workdir, "verify", "reports/copy")
+        assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
+
+        target = copy / "data" / "accuracy" / "tiny-triton.json"
+        data = bytearray(target.read_bytes())
+        data[10] ^= 0x01
+        target.write_bytes(bytes(data))
+        done = shapewise(workdir, "verify", "reports/copy")
+        assert done.returncode != 0
+        assert "data/accuracy/tiny-triton.json" in done.stdout and "mismatch" in done.stdout
+
+        shutil.copyfile(workdir / "results/report/data/accuracy/tiny-triton.json", target)
+        (copy / "summary.csv").unlink()
+        done = shapewise(workdir, "verify", "reports/copy")
+        assert done.returncode != 0
+        assert "missing" in done.stdout and "summary.csv" in done.stdout
+
+        shutil.copyfile(workdir / "results/report/summary.csv", copy / "summary.csv")
+        assert shapewise(workdir, "verify", "reports/copy").returncode == 0
+    finally:
+        shutil.rmtree(copy)
+
+
+def test_bad_manifest_stops_before_any_job(workdir):
+    (workdir / "shapes" / "bad.yaml").write_text(
+        "- {id: bad-row, batch_size: 2, seq_len: 8, d_model: 30, num_heads: 4, ffn_dim: 8, num_layers: 1}\n")
+    done = snakemake(workdir, "-n", "--config", "shapes=bad", check=False)
+    text = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "shapes/bad.yaml" in text and "bad-row" in text and "d_model" in text, text
+    assert not (workdir / "results" / "preflight" / "bad-row.json").exists()
+
+
+def test_forced_route_that_cannot_serve_fails_the_job_only(workdir):
+    (workdir / "shapes" / "broken.yaml").write_text(
+        "- {id: broken-graph, batch_size: 1, seq_len: 4, d_model: 16, num_heads: 2, ffn_dim: 16, num_layers: 1, "
+        "route: graph, trials: 1}\n")
+    done = snakemake(workdir, "results/accuracy/broken-graph.json", "--config", "shapes=broken", check=False)
+    assert done.returncode != 0
+    log = (workdir / "results" / "logs" / "accuracy" / "broken-graph.log").read_text()
+    assert "broken-graph" in log and "graph" in log and "CUDA" in log, log
+    assert not (workdir / "results" / "accuracy" / "broken-graph.json").exists()
+    # what was computed before is still there
+    assert (workdir / "results" / "accuracy" / "tiny-triton.json").is_file()
