@@ -61,6 +61,7 @@ class UserOptimizedTransformer(BaselineTransformer):
         self._routes = {}  # input signature -> Route
         self._weights = {}  # (precision, packed) -> derived weight tensors
         self._weight_versions = None
+        self._param_list = None  # the parameters, listed once (walking the module tree costs ~100 us)
         self._graphs = {}  # input signature -> captured graph and its static tensors
 
     # -------------------------------------------------------------------------------------------
@@ -101,7 +102,10 @@ class UserOptimizedTransformer(BaselineTransformer):
     def _versions(self):
         # Inference tensors (parameters moved inside torch.inference_mode) carry no version counter:
         # their in-place edits cannot be seen, so they count by identity only.
-        return tuple(p.data_ptr() if p.is_inference() else p._version for p in self.parameters())
+        params = self._param_list
+        if params is None:
+            params = self._param_list = [(p, p.is_inference()) for p in self.parameters()]
+        return [p.data_ptr() if inference else p._version for p, inference in params]
 
     def _refresh_weights(self):
         versions = self._versions()
@@ -142,6 +146,7 @@ class UserOptimizedTransformer(BaselineTransformer):
 
     def _apply(self, fn, *args, **kwargs):  # .to(), .cuda(), .half(): derived state is rebuilt lazily
         self._weights, self._weight_versions, self._graphs, self._routes = {}, None, {}, {}
+        self._param_list = None
         return super()._apply(fn, *args, **kwargs)
 
     # -------------------------------------------------------------------------------------------

@@ -69,10 +69,13 @@ def probe_row(row, precisions, routes, log):
                        "official_failed": cmp["official"]["failed_elements"],
                        "strict_failed": cmp["strict"]["failed_elements"],
                        "max_abs_error": cmp["official"]["max_abs_error"], "taken": str(opt.last_route)}
+                if opt._graphs:
+                    graph = next(iter(opt._graphs.values()))[0]
+                    rec["replay_only_ms"] = median_ms(graph.replay)
                 out["variants"].append(rec)
                 log(f"row {row:2d} {route:6s} {prec:5s} ref {out['reference_ms']:.3f} ms  opt {ms:.3f} ms  "
                     f"x{out['reference_ms'] / ms:.1f}  fail {rec['official_failed']}/{rec['strict_failed']}  "
-                    f"err {rec['max_abs_error']:.2e}  first {first:.1f}s")
+                    f"err {rec['max_abs_error']:.2e}  first {first:.1f}s  replay {rec.get('replay_only_ms', 0):.3f}")
                 del opt, got
     del ref, want, x
     torch.cuda.empty_cache()
