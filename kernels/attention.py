@@ -212,7 +212,8 @@ def _configs():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
     out = []
     for bm, bn, warps, stages in [
-        (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 32, 4, 2), (32, 32, 4, 2), (16, 32, 4, 2),
+        (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 32, 4, 2), (32, 32, 4, 2),
+        (16, 32, 4, 2),
     ]:
         out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
     return out
