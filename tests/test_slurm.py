@@ -8,7 +8,7 @@ Snakemake there with the SLURM profile, unchanged except for faster status
 polling (a local cluster answers at once; the profile's defaults are meant
 for real clusters).
 
-    sudo -E python -m pytest -m slurm tests/test_slurm.py -v     # ~4-6 minutes
+    sudo -E python -m pytest -m slurm tests/test_slurm.py -v     # about 6 minutes on 2 cores
 """
 
 from __future__ import annotations
