@@ -134,3 +134,92 @@ def test_official_row(row, route, no_tf32):
 def test_strict_row(row, no_tf32):
     """The strict comparator (atol 1e-3, rtol 1e-2) on route auto: recorded per row, asserted like official."""
     _check(row, "auto", "strict")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Beyond the official rows, on the GPU: every route with padding masks, and the graph route's state handling
+# ----------------------------------------------------------------------------------------------------------
+def _masks(kind, B, S, dev):
+    g = torch.Generator().manual_seed(S)
+    if kind == "holes":
+        m = torch.rand(B, S, generator=g) < 0.7
+        m[:, 0] = False
+        m[:, S // 2] = True
+    elif kind == "left":
+        lengths = torch.randint(1, S + 1, (B,), generator=g)
+        m = torch.arange(S)[None, :] >= (S - lengths)[:, None]
+    elif kind == "one_empty":
+        m = torch.ones(B, S, dtype=torch.bool)
+        m[1] = False
+        m[0, S - 5:] = False
+    else:
+        raise AssertionError(kind)
+    return m.to(dev)
+
+
+ALL_ROUTES = ["auto", "reference", "sdpa", "triton", "graph"]
+MASKED_CFG = (8, 200, 128, 2, 256, 2)  # head_dim 64, S not a multiple of any tile
+
+
+@pytest.mark.parametrize("route", ALL_ROUTES)
+@pytest.mark.parametrize("mask_kind", ["prefix", "holes", "left", "one_empty", "holes_transposed"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@torch.no_grad()
+def test_masked_inputs_every_route(route, mask_kind, causal, no_tf32):
+    from model import (TOLERANCES, BaselineTransformer, TransformerConfig, UserOptimizedTransformer,
+                       compare_outputs, generate_random_case)
+
+    B, S, d, H, f, L = MASKED_CFG
+    cfg = TransformerConfig(B, S, d, H, f, L, causal)
+    dev = torch.device("cuda")
+    torch.manual_seed(5)
+    ref = BaselineTransformer(cfg).to(dev).eval()
+    opt = UserOptimizedTransformer(cfg, route=route).to(dev).eval()
+    opt.load_state_dict(ref.state_dict(), strict=True)
+    if mask_kind == "prefix":
+        x, mask = generate_random_case(cfg, dev, torch.float32, 99, padding_ratio=0.5)
+    else:
+        x, _ = generate_random_case(cfg, dev, torch.float32, 99)
+        mask = _masks(mask_kind.replace("_transposed", ""), B, S, dev)
+        if mask_kind.endswith("_transposed"):
+            mask = mask.t().contiguous().t()
+    r = ref(x, mask)
+    y = opt(x, mask)
+    y_again = opt(x, mask)  # a second call (graph replay) gives the same numbers
+    tol = TOLERANCES["official"]
+    cmp = compare_outputs(r, y, rtol=tol["rtol"], atol=tol["atol"])
+    print(f"[masked  ] route={route:<9} took={opt.last_route.name}/{opt.last_route.precision} mask={mask_kind:<16} "
+          f"causal={causal} failed={cmp.failed_elements}/{cmp.total_elements} max_abs={cmp.max_abs_error:.3e}")
+    assert cmp.failed_elements == 0, f"{cmp.failed_elements} failed, worst {cmp.worst_index}"
+    assert torch.equal(y, y_again)
+    if (~mask).any():
+        assert y[~mask].abs().max().item() == 0.0, "invalid rows are not exactly zero"
+
+
+@pytest.mark.parametrize("route", ["graph", "triton", "auto"])
+@torch.no_grad()
+def test_gpu_weight_edit_and_no_aliasing(route, no_tf32):
+    """After a first forward (graph captured), an in-place weight edit must show in the next output, and the
+    output of call 1 must survive call 2 (the graph's static output buffer is not handed out)."""
+    from model import TOLERANCES, BaselineTransformer, TransformerConfig, UserOptimizedTransformer, compare_outputs
+
+    cfg = TransformerConfig(4, 128, 128, 4, 128, 2, True)
+    dev = torch.device("cuda")
+    torch.manual_seed(8)
+    ref = BaselineTransformer(cfg).to(dev).eval()
+    opt = UserOptimizedTransformer(cfg, route=route).to(dev).eval()
+    opt.load_state_dict(ref.state_dict(), strict=True)
+    x1 = torch.randn(4, 128, 128, device=dev)
+    x2 = torch.randn(4, 128, 128, device=dev)
+    y1 = opt(x1)
+    keep = y1.clone()
+    y2 = opt(x2)
+    assert torch.equal(y1, keep), "output of call 1 changed by call 2"
+    dict(opt.named_parameters())["layers.1.attention.v_proj.weight"].mul_(-1.0)
+    dict(opt.named_parameters())["final_norm.bias"].add_(0.5)
+    ref.load_state_dict(opt.state_dict(), strict=True)
+    y3 = opt(x2)
+    tol = TOLERANCES["official"]
+    cmp = compare_outputs(ref(x2), y3, rtol=tol["rtol"], atol=tol["atol"])
+    assert cmp.failed_elements == 0, f"after in-place edit: {cmp.failed_elements} failed"
+    assert not torch.allclose(y2, y3)
