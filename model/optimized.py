@@ -19,6 +19,7 @@ from .routing import ROUTES, RouteUnavailable, Shape, select_route
 
 # Ablation switches: each can be turned off alone (constructor `disable=` or env SHAPEWISE_DISABLE).
 OPTIMIZATIONS = (
+    "fused_layer",  # a whole layer per Triton kernel for short, narrow shapes (off: one kernel per op)
     "cuda_graph",  # replay a captured CUDA graph per input signature (off: launch every kernel eagerly)
     "reduced_precision",  # tensor-core operand precision from the routing policy (off: exact fp32 operands)
     "flash_attention",  # our Triton flash attention (off: PyTorch SDPA inside the same route)
@@ -80,20 +81,26 @@ class UserOptimizedTransformer(BaselineTransformer):
         if route.name == "sdpa":
             return self._forward_sdpa(x, valid_token_mask)
         self._refresh_weights()
-        if route.name == "graph" and "cuda_graph" not in self.disabled:
+        if route.name in ("graph", "fused") and x.is_cuda and "cuda_graph" not in self.disabled:
             return self._forward_graph(x, valid_token_mask, route)
         with torch.no_grad():
-            return self._forward_kernels(x, valid_token_mask, route.precision)
+            return self._forward_kernels(x, valid_token_mask, route)
 
     def _select(self, x, mask):
         cfg = self.config
         shape = Shape(x.shape[0], x.shape[1], cfg.d_model, cfg.num_heads, cfg.ffn_dim, cfg.num_layers, cfg.causal)
-        route = select_route(shape, x.dtype, x.device, "none" if mask is None else "general", forced=self.route)
-        if x.dtype == torch.float32 and route.name in ("triton", "graph"):
+        route = select_route(shape, x.dtype, x.device, "none" if mask is None else "general", forced=self.route,
+                             allow_fused="fused_layer" not in self.disabled)
+        if x.dtype == torch.float32 and route.name in ("triton", "graph", "fused"):
             if "reduced_precision" in self.disabled:
                 route = replace(route, precision="fp32", reason=route.reason + "; reduced_precision disabled")
             elif self.precision is not None:
                 route = replace(route, precision=self.precision, reason=route.reason + "; precision set by caller")
+        if route.name == "fused" and route.precision not in ("fp16", "bf16"):
+            if route.forced:
+                raise RouteUnavailable(f"route 'fused' needs fp16 or bf16 operands, not {route.precision}")
+            route = replace(route, name="graph" if x.is_cuda else "triton",
+                            reason=route.reason + f"; fused layers need fp16/bf16 operands, not {route.precision}")
         return route
 
     # -------------------------------------------------------------------------------------------
@@ -152,10 +159,13 @@ class UserOptimizedTransformer(BaselineTransformer):
     # -------------------------------------------------------------------------------------------
     # Route `triton` (and the body of route `graph`)
     # -------------------------------------------------------------------------------------------
-    def _forward_kernels(self, x, mask, precision: str):
+    def _forward_kernels(self, x, mask, route):
+        if route.name == "fused":
+            return self._forward_fused(x, mask, route.precision)
         from kernels.attention import flash_attention
         from kernels.layernorm import add_layernorm
 
+        precision = route.precision
         cfg = self.config
         B, S, d = x.shape
         H, D, N = cfg.num_heads, cfg.head_dim, B * S
@@ -202,14 +212,27 @@ class UserOptimizedTransformer(BaselineTransformer):
                                 out_dtype=x.dtype if last else act, last=last)
         return h
 
+    def _forward_fused(self, x, mask, precision):
+        from kernels.fused_layer import fused_layer
+
+        cfg = self.config
+        w = self._weights_for(precision, True)
+        names = ("qkv_w", "qkv_b", "o_w", "o_b", "in_w", "in_b", "out_w", "out_b", "n1_w", "n1_b", "n2_w", "n2_b")
+        res = x
+        for i in range(cfg.num_layers):
+            last = i == cfg.num_layers - 1
+            res = fused_layer(res, {n: w[f"{i}.{n}"] for n in names}, num_heads=cfg.num_heads, causal=cfg.causal,
+                              mask=mask, final=(w["final_w"], w["final_b"]) if last else None)
+        return res
+
     # -------------------------------------------------------------------------------------------
-    # Route `graph`: one CUDA graph per input signature; inputs copied in, output copied out
+    # Routes `graph` and `fused` on CUDA: one CUDA graph per input signature; inputs copied in, output copied out
     # -------------------------------------------------------------------------------------------
     def _forward_graph(self, x, mask, route):
-        key = (x.shape, x.dtype, x.device, mask is None, route.precision)
+        key = (x.shape, x.dtype, x.device, mask is None, route)
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._capture(x, mask, route.precision)
+            entry = self._capture(x, mask, route)
             self._graphs[key] = entry
         graph, static_x, static_mask, static_out = entry
         static_x.copy_(x)
@@ -218,7 +241,7 @@ class UserOptimizedTransformer(BaselineTransformer):
         graph.replay()
         return static_out.clone()  # never hand out the graph's own buffer
 
-    def _capture(self, x, mask, precision):
+    def _capture(self, x, mask, route):
         with torch.inference_mode(False), torch.no_grad():
             static_x = x.detach().clone()
             static_mask = None if mask is None else mask.detach().clone()
@@ -226,11 +249,11 @@ class UserOptimizedTransformer(BaselineTransformer):
             side.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(side):  # compile, autotune and warm the allocator outside the capture
                 for _ in range(2):
-                    self._forward_kernels(static_x, static_mask, precision)
+                    self._forward_kernels(static_x, static_mask, route)
             torch.cuda.current_stream(x.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                static_out = self._forward_kernels(static_x, static_mask, precision)
+                static_out = self._forward_kernels(static_x, static_mask, route)
         return graph, static_x, static_mask, static_out
 
     # -------------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ Routes:
 - `triton`: our Triton kernels (flash attention, fused residual + LayerNorm) with cuBLAS GEMMs, eager.
   On a CPU it runs under `TRITON_INTERPRET=1` (slow: for tests).
 - `graph`: the `triton` route captured once per input signature in a CUDA graph and replayed. CUDA only.
+- `fused`: one Triton kernel per layer (kernels/fused_layer.py) where a sequence fits on chip
+  (seq_len <= 128, d_model <= 128), fp16/bf16 operands; captured in a CUDA graph on CUDA.
 
 The policy (thresholds and precisions) lives in `routing_policy.json` beside this file, read off the
 H200 accuracy and ablation tables; `select_route` itself is pure: same inputs, same Route.
@@ -17,8 +19,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROUTES = ("reference", "sdpa", "triton", "graph")
-CPU_ROUTES = ("reference", "sdpa", "triton")  # triton only under TRITON_INTERPRET=1
+ROUTES = ("reference", "sdpa", "triton", "graph", "fused")
+CPU_ROUTES = ("reference", "sdpa", "triton", "fused")  # triton and fused only under TRITON_INTERPRET=1
 MASK_KINDS = ("none", "prefix", "general")
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 POLICY_PATH = Path(__file__).with_name("routing_policy.json")
@@ -98,13 +100,15 @@ def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool) -> 
         return f"route {name!r} serves head_dim <= 256, got {shape.head_dim}"
     if name == "graph" and dev != "cuda":
         return f"route 'graph' needs a CUDA device, got {dev}"
-    if name == "triton" and dev != "cuda" and not (dev == "cpu" and interpret):
-        return f"route 'triton' needs a CUDA device, or TRITON_INTERPRET=1 on the CPU (device {dev})"
+    if name in ("triton", "fused") and dev != "cuda" and not (dev == "cpu" and interpret):
+        return f"route {name!r} needs a CUDA device, or TRITON_INTERPRET=1 on the CPU (device {dev})"
+    if name == "fused" and not (shape.seq_len <= 128 and 16 <= shape.d_model <= 128):
+        return f"route 'fused' serves seq_len <= 128 and 16 <= d_model <= 128, got {shape.seq_len}, {shape.d_model}"
     return None
 
 
 def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: str | None = None,
-                 interpret: bool | None = None) -> Route:
+                 interpret: bool | None = None, allow_fused: bool = True) -> Route:
     """Pick the route for one input signature. Pure: reads only its arguments and the policy data.
 
     `forced` (a route name, or None/"auto") is honoured or refused with RouteUnavailable, never replaced.
@@ -127,6 +131,8 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
         return Route("sdpa", _precision_for("sdpa", dt, shape), f"{dev}: eager PyTorch path")
     if why_unavailable("triton", shape, dtype, device, interpret):
         return Route("sdpa", _precision_for("sdpa", dt, shape), "outside the Triton kernels' range")
+    if allow_fused and not why_unavailable("fused", shape, dtype, device, interpret):
+        return Route("fused", _precision_for("fused", dt, shape), "short, narrow shape: one kernel per layer")
     graph = POLICY["graph"]
     if shape.tokens * shape.d_model <= graph["max_tokens_x_d_model"]:
         return Route("graph", _precision_for("graph", dt, shape),

@@ -106,6 +106,26 @@ def probe_row14(log):
     return res
 
 
+def probe_row14_full(log):
+    cfg = TransformerConfig(*OFFICIAL[14], causal=True)
+    torch.manual_seed(0)
+    opt = UserOptimizedTransformer(cfg).cuda().eval()
+    x, mask = generate_random_case(cfg, "cuda", torch.float32, 1234)
+    torch.set_float32_matmul_precision("high")
+    torch.cuda.reset_peak_memory_stats()
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        y = opt(x, mask)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        del y
+        ms = median_ms(lambda: opt(x, mask), warmup=0, iters=2)
+    res = {"first_s": first, "median_ms": ms, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+           "route": str(opt.last_route)}
+    log(f"row 14 full: {ms:.0f} ms (first {first:.1f}s), peak {res['peak_gib']:.1f} GiB, {res['route']}")
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -113,6 +133,7 @@ def main():
     ap.add_argument("--precisions", default="tf32,fp16")
     ap.add_argument("--routes", default="graph,triton")
     ap.add_argument("--row14", action="store_true")
+    ap.add_argument("--row14-full", action="store_true", help="time whole row-14 forwards (auto route)")
     args = ap.parse_args()
     lines = []
 
@@ -130,6 +151,8 @@ def main():
         json.dump(result, open(args.out, "w"), indent=1)
     if args.row14:
         result["row14_attention"] = probe_row14(log)
+    if args.row14_full:
+        result["row14_full"] = probe_row14_full(log)
     result["log"] = lines
     json.dump(result, open(args.out, "w"), indent=1)
 

@@ -1,0 +1,219 @@
+"""One whole pre-LayerNorm Transformer layer in one Triton kernel, for short sequences of narrow models.
+
+Where a sequence's activations fit on chip (seq_len <= 128, d_model <= 128), one program takes
+BLOCK_M query rows of one sequence and runs: LayerNorm 1 of the whole sequence (its keys and values),
+the QKV projection head by head, exact softmax attention over the (short) key range with causal and key
+masks in the tile, the out-projection accumulated head by head, the residual add, LayerNorm 2, the FFN
+(bias, exact GELU, bias) chunk by chunk, the second residual add and the invalid-row zeroing; the last
+layer also applies the final LayerNorm. Each layer reads the residual stream once and writes it once:
+no intermediate tensor touches global memory. Matmul operands are fp16 or bf16, accumulation and all
+statistics fp32.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_SEQ = 128
+MAX_D_MODEL = 128
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain torch reference (one layer of the contract, optionally with the final norm)
+# ----------------------------------------------------------------------------------------------
+def fused_layer_reference(x, w, *, num_heads, causal, mask=None, final=None, eps=1e-5):
+    """x: [B, S, d] (float); w: dict of fp32/fp64 tensors named as in `pack_layer_weights`."""
+    B, S, d = x.shape
+    hd = d // num_heads
+    x = x.double()
+    n1 = torch.nn.functional.layer_norm(x, (d,), w["n1_w"].double(), w["n1_b"].double(), eps)
+    qkv = n1 @ w["qkv_w"].double().t() + w["qkv_b"].double()
+    q, k, v = qkv.view(B, S, 3, num_heads, hd).permute(2, 0, 3, 1, 4)
+    s = q @ k.transpose(-1, -2) * hd**-0.5
+    if causal:
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
+    o = (torch.softmax(s, -1).nan_to_num(0.0) @ v).transpose(1, 2).reshape(B, S, d)
+    x = x + o @ w["o_w"].double().t() + w["o_b"].double()
+    n2 = torch.nn.functional.layer_norm(x, (d,), w["n2_w"].double(), w["n2_b"].double(), eps)
+    f = torch.nn.functional.gelu(n2 @ w["in_w"].double().t() + w["in_b"].double())
+    x = x + f @ w["out_w"].double().t() + w["out_b"].double()
+    if mask is not None:
+        x = x.masked_fill(~mask[..., None], 0.0)
+    if final is not None:
+        x = torch.nn.functional.layer_norm(x, (d,), final[0].double(), final[1].double(), eps)
+        if mask is not None:
+            x = x.masked_fill(~mask[..., None], 0.0)
+    return x
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _layer_norm_rows(x, w_ptr, b_ptr, cols, col_ok, n_cols, eps):
+    """LayerNorm of each row of an fp32 tile whose padding columns are 0."""
+    mean = tl.sum(x, 1) / n_cols
+    xc = tl.where(col_ok[None, :], x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 1) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0)
+    b = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
+    return xc * rstd[:, None] * w[None, :] + b[None, :]
+
+
+@triton.jit
+def _fused_layer_fwd(
+    X,  # pointer to the residual stream in, [B, S, d] (fp32, or the input dtype for layer 0)
+    Y,  # pointer to the output, [B, S, d]: fp32 residual, or the final normalized output when FINAL_NORM
+    Mask,  # pointer to int8 [B, S], 1 = valid token; read when HAS_MASK
+    Wqkv, Bqkv,  # pointers to the packed QKV weight [3d, d] (rows: q, k, v outputs) and bias [3d]
+    Wo, Bo,  # pointers to the out-projection weight [d, d] and bias [d]
+    Win, Bin,  # pointers to the FFN input weight [ffn, d] and bias [ffn]
+    Wout, Bout,  # pointers to the FFN output weight [d, ffn] and bias [d]
+    N1w, N1b, N2w, N2b,  # pointers to LayerNorm 1 and 2 weight/bias [d] (fp32)
+    NFw, NFb,  # pointers to the final LayerNorm weight/bias [d] (fp32); read when FINAL_NORM
+    stride_xb, stride_xs,  # X strides (elements) for batch and sequence; unit stride along d
+    stride_yb, stride_ys,  # Y strides
+    stride_mb,  # Mask stride between batch elements
+    seq_len, d_model, ffn_dim, qk_scale, eps,  # qk_scale = head_dim**-0.5 * log2(e)
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    op_ty = Wqkv.dtype.element_ty
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's queries
+    keys = tl.arange(0, BLOCK_S)  # the whole (short) sequence
+    cols = tl.arange(0, BLOCK_D)
+    hcol = tl.arange(0, BLOCK_HD)
+    col_ok = cols < d_model
+    row_ok = rows < seq_len
+    key_ok = keys < seq_len
+    hd_ok = hcol < HEAD_DIM
+    x_base = X + b * stride_xb
+    if HAS_MASK:
+        key_ok = key_ok & (tl.load(Mask + b * stride_mb + keys, mask=keys < seq_len, other=0) != 0)
+
+    # LayerNorm 1 of every key row and of this program's query rows
+    xk = tl.load(x_base + keys[:, None] * stride_xs + cols[None, :], mask=(keys < seq_len)[:, None] & col_ok[None, :],
+                 other=0.0).to(tl.float32)
+    hk = _layer_norm_rows(xk, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
+    xq = tl.load(x_base + rows[:, None] * stride_xs + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                 other=0.0).to(tl.float32)
+    hq = _layer_norm_rows(xq, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
+
+    visible = key_ok[None, :]
+    if IS_CAUSAL:
+        visible = visible & (keys[None, :] <= rows[:, None])
+
+    # attention, head by head, with the out-projection accumulated per head
+    attn = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    w_mask = col_ok[:, None] & hd_ok[None, :]  # [BLOCK_D, BLOCK_HD] slices of a [*, d] weight
+    for h in range(NUM_HEADS):
+        f0 = h * HEAD_DIM
+        # W^T slices [d, head_dim]: element (c, j) of the q/k/v weight is row (part*d + f0 + j), column c
+        wq = tl.load(Wqkv + (f0 + hcol[None, :]) * d_model + cols[:, None], mask=w_mask, other=0.0)
+        wk = tl.load(Wqkv + (d_model + f0 + hcol[None, :]) * d_model + cols[:, None], mask=w_mask, other=0.0)
+        wv = tl.load(Wqkv + (2 * d_model + f0 + hcol[None, :]) * d_model + cols[:, None], mask=w_mask, other=0.0)
+        bq = tl.load(Bqkv + f0 + hcol, mask=hd_ok, other=0.0).to(tl.float32)
+        bk = tl.load(Bqkv + d_model + f0 + hcol, mask=hd_ok, other=0.0).to(tl.float32)
+        bv = tl.load(Bqkv + 2 * d_model + f0 + hcol, mask=hd_ok, other=0.0).to(tl.float32)
+        q = (tl.dot(hq, wq) + bq[None, :]).to(op_ty)
+        k = (tl.dot(hk, wk) + bk[None, :]).to(op_ty)
+        v = (tl.dot(hk, wv) + bv[None, :]).to(op_ty)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(visible, s, float("-inf"))
+        m = tl.max(s, 1)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        p = tl.math.exp2(s - m[:, None])
+        l = tl.sum(p, 1)
+        o = tl.dot(p.to(op_ty), v) / tl.where(l == 0.0, 1.0, l)[:, None]
+        # out-projection rows f0..f0+head_dim of W_o^T: element (j, n) is Wo[n, f0 + j]
+        wo = tl.load(Wo + cols[None, :] * d_model + f0 + hcol[:, None], mask=hd_ok[:, None] & col_ok[None, :],
+                     other=0.0)
+        attn += tl.dot(o.to(op_ty), wo)
+    bo = tl.load(Bo + cols, mask=col_ok, other=0.0).to(tl.float32)
+    x1 = xq + attn + bo[None, :]
+
+    # FFN, chunk by chunk over ffn_dim
+    h2 = _layer_norm_rows(x1, N2w, N2b, cols, col_ok, d_model, eps).to(op_ty)
+    fcol = tl.arange(0, BLOCK_F)
+    ffn = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for f_start in range(0, ffn_dim, BLOCK_F):
+        f_ok = (f_start + fcol) < ffn_dim
+        w_in = tl.load(Win + (f_start + fcol[None, :]) * d_model + cols[:, None],
+                       mask=col_ok[:, None] & f_ok[None, :], other=0.0)  # [BLOCK_D, BLOCK_F] = W_in^T slice
+        b_in = tl.load(Bin + f_start + fcol, mask=f_ok, other=0.0).to(tl.float32)
+        t = tl.dot(h2, w_in) + b_in[None, :]
+        t = 0.5 * t * (1.0 + tl.erf(t * 0.7071067811865476))  # exact GELU
+        w_out = tl.load(Wout + cols[None, :] * ffn_dim + f_start + fcol[:, None],
+                        mask=f_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_F, BLOCK_D] = W_out^T slice
+        ffn += tl.dot(t.to(op_ty), w_out)
+    b_out = tl.load(Bout + cols, mask=col_ok, other=0.0).to(tl.float32)
+    x2 = x1 + ffn + b_out[None, :]
+    if HAS_MASK:
+        row_valid = tl.load(Mask + b * stride_mb + rows, mask=row_ok, other=0) != 0
+        x2 = tl.where(row_valid[:, None], x2, 0.0)
+    if FINAL_NORM:
+        x2 = _layer_norm_rows(x2, NFw, NFb, cols, col_ok, d_model, eps)
+        if HAS_MASK:
+            x2 = tl.where(row_valid[:, None], x2, 0.0)
+    y_ptrs = Y + b * stride_yb + rows[:, None] * stride_ys + cols[None, :]
+    tl.store(y_ptrs, x2.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher and public function
+# ----------------------------------------------------------------------------------------------
+def supports(seq_len: int, d_model: int, num_heads: int) -> bool:
+    """Whether `fused_layer` serves this shape."""
+    return seq_len <= MAX_SEQ and d_model <= MAX_D_MODEL and d_model % num_heads == 0 and d_model >= 16
+
+
+def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out=None, block_m=None):
+    """One layer (and the final norm when `final=(weight, bias)`) over `x [B, S, d]`.
+
+    w: dict with qkv_w [3d, d], qkv_b [3d], o_w, o_b, in_w [ffn, d], in_b, out_w [d, ffn], out_b in the
+    operand dtype (fp16/bf16) and n1_w, n1_b, n2_w, n2_b in fp32. Returns the new fp32 residual
+    `[B, S, d]`, or the normalized output in x's dtype when `final` is given.
+    """
+    B, S, d = x.shape
+    if not supports(S, d, num_heads):
+        raise ValueError(f"fused_layer: serves seq_len <= {MAX_SEQ} and 16 <= d_model <= {MAX_D_MODEL}, "
+                         f"got seq_len={S}, d_model={d}")
+    if x.stride(-1) != 1:
+        raise ValueError(f"fused_layer: x must have unit stride along d_model, got strides {x.stride()}")
+    op = w["qkv_w"].dtype
+    if op not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"fused_layer: weights must be float16 or bfloat16, got {op}")
+    ffn = w["in_w"].shape[0]
+    if w["qkv_w"].shape != (3 * d, d) or w["in_w"].shape != (ffn, d) or w["out_w"].shape != (d, ffn):
+        raise ValueError("fused_layer: weight shapes do not match d_model/ffn_dim")
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, S)):
+        raise ValueError(f"fused_layer: mask must be bool [B, S]={B, S}, got {mask.dtype} {tuple(mask.shape)}")
+    hd = d // num_heads
+    if out is None:
+        out = torch.empty((B, S, d), device=x.device, dtype=torch.float32 if final is None else x.dtype)
+    m = mask.view(torch.int8) if mask is not None else out
+    nf_w, nf_b = final if final is not None else (w["n1_w"], w["n1_b"])
+    block_s = max(16, triton.next_power_of_2(S))
+    block_m = block_m or min(block_s, 64)
+    grid = (triton.cdiv(S, block_m), B)
+    _fused_layer_fwd[grid](
+        x, out, m,
+        w["qkv_w"], w["qkv_b"], w["o_w"], w["o_b"], w["in_w"], w["in_b"], w["out_w"], w["out_b"],
+        w["n1_w"], w["n1_b"], w["n2_w"], w["n2_b"], nf_w, nf_b,
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1), m.stride(0) if mask is not None else 0,
+        S, d, ffn, hd**-0.5 * math.log2(math.e), 1e-5,
+        NUM_HEADS=num_heads, HEAD_DIM=hd, BLOCK_HD=max(16, triton.next_power_of_2(hd)),
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_F=min(64, max(16, triton.next_power_of_2(ffn))),
+        BLOCK_M=block_m, BLOCK_S=block_s,
+        IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, FINAL_NORM=final is not None,
+        num_warps=8 if block_m * block_s >= 64 * 128 else 4, num_stages=1,
+    )
+    return out
