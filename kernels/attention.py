@@ -310,7 +310,7 @@ def flash_attention(q, k, v, *, causal: bool, key_lengths=None, key_mask=None, p
         raise ValueError(f"flash_attention: out must be a contiguous {tuple(q.shape)} tensor")
     dummy = torch.empty(1, dtype=torch.int32, device=q.device)
     lengths = key_lengths.to(torch.int32) if key_lengths is not None else dummy
-    mask = key_mask.view(torch.int8) if key_mask is not None else dummy.view(torch.int8)
+    mask = key_mask.contiguous().view(torch.int8) if key_mask is not None else dummy.view(torch.int8)
     block_d = max(16, triton.next_power_of_2(D))
     s_bucket = triton.next_power_of_2(S)
     args = (q, k, v, out, lengths, mask,

@@ -12,6 +12,7 @@ statistics fp32.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -19,6 +20,9 @@ import triton.language as tl
 
 MAX_SEQ = 128
 MAX_D_MODEL = 128
+# Triton 3.6's interpreter computes garbage for bf16 dots (see kernels/attention.py): there the
+# (already bf16-rounded) operands are multiplied in fp32, which gives the tensor cores' products.
+_DOT_IN_FP32 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -54,6 +58,14 @@ def fused_layer_reference(x, w, *, num_heads, causal, mask=None, final=None, eps
 # ----------------------------------------------------------------------------------------------
 # Triton kernel
 # ----------------------------------------------------------------------------------------------
+@triton.jit
+def _mm(a, b):
+    """a @ b with fp32 accumulation (operands already in the fp16/bf16 operand type)."""
+    if _DOT_IN_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
 @triton.jit
 def _layer_norm_rows(x, w_ptr, b_ptr, cols, col_ok, n_cols, eps):
     """LayerNorm of each row of an fp32 tile whose padding columns are 0."""
@@ -123,20 +135,20 @@ def _fused_layer_fwd(
         bq = tl.load(Bqkv + f0 + hcol, mask=hd_ok, other=0.0).to(tl.float32)
         bk = tl.load(Bqkv + d_model + f0 + hcol, mask=hd_ok, other=0.0).to(tl.float32)
         bv = tl.load(Bqkv + 2 * d_model + f0 + hcol, mask=hd_ok, other=0.0).to(tl.float32)
-        q = (tl.dot(hq, wq) + bq[None, :]).to(op_ty)
-        k = (tl.dot(hk, wk) + bk[None, :]).to(op_ty)
-        v = (tl.dot(hk, wv) + bv[None, :]).to(op_ty)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        q = (_mm(hq, wq) + bq[None, :]).to(op_ty)
+        k = (_mm(hk, wk) + bk[None, :]).to(op_ty)
+        v = (_mm(hk, wv) + bv[None, :]).to(op_ty)
+        s = _mm(q, tl.trans(k)) * qk_scale
         s = tl.where(visible, s, float("-inf"))
         m = tl.max(s, 1)
         m = tl.where(m == float("-inf"), 0.0, m)
         p = tl.math.exp2(s - m[:, None])
         l = tl.sum(p, 1)
-        o = tl.dot(p.to(op_ty), v) / tl.where(l == 0.0, 1.0, l)[:, None]
+        o = _mm(p.to(op_ty), v) / tl.where(l == 0.0, 1.0, l)[:, None]
         # out-projection rows f0..f0+head_dim of W_o^T: element (j, n) is Wo[n, f0 + j]
         wo = tl.load(Wo + cols[None, :] * d_model + f0 + hcol[:, None], mask=hd_ok[:, None] & col_ok[None, :],
                      other=0.0)
-        attn += tl.dot(o.to(op_ty), wo)
+        attn += _mm(o.to(op_ty), wo)
     bo = tl.load(Bo + cols, mask=col_ok, other=0.0).to(tl.float32)
     x1 = xq + attn + bo[None, :]
 
@@ -149,11 +161,11 @@ def _fused_layer_fwd(
         w_in = tl.load(Win + (f_start + fcol[None, :]) * d_model + cols[:, None],
                        mask=col_ok[:, None] & f_ok[None, :], other=0.0)  # [BLOCK_D, BLOCK_F] = W_in^T slice
         b_in = tl.load(Bin + f_start + fcol, mask=f_ok, other=0.0).to(tl.float32)
-        t = tl.dot(h2, w_in) + b_in[None, :]
+        t = _mm(h2, w_in) + b_in[None, :]
         t = 0.5 * t * (1.0 + tl.erf(t * 0.7071067811865476))  # exact GELU
         w_out = tl.load(Wout + cols[None, :] * ffn_dim + f_start + fcol[:, None],
                         mask=f_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_F, BLOCK_D] = W_out^T slice
-        ffn += tl.dot(t.to(op_ty), w_out)
+        ffn += _mm(t.to(op_ty), w_out)
     b_out = tl.load(Bout + cols, mask=col_ok, other=0.0).to(tl.float32)
     x2 = x1 + ffn + b_out[None, :]
     if HAS_MASK:
@@ -175,12 +187,12 @@ def supports(seq_len: int, d_model: int, num_heads: int) -> bool:
     return seq_len <= MAX_SEQ and d_model <= MAX_D_MODEL and d_model % num_heads == 0 and d_model >= 16
 
 
-def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out=None, block_m=None):
+def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=None, out=None, block_m=None):
     """One layer (and the final norm when `final=(weight, bias)`) over `x [B, S, d]`.
 
     w: dict with qkv_w [3d, d], qkv_b [3d], o_w, o_b, in_w [ffn, d], in_b, out_w [d, ffn], out_b in the
     operand dtype (fp16/bf16) and n1_w, n1_b, n2_w, n2_b in fp32. Returns the new fp32 residual
-    `[B, S, d]`, or the normalized output in x's dtype when `final` is given.
+    `[B, S, d]`, or the normalized output (in `out_dtype`, default x's dtype) when `final` is given.
     """
     B, S, d = x.shape
     if not supports(S, d, num_heads):
@@ -198,8 +210,8 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out=None, blo
         raise ValueError(f"fused_layer: mask must be bool [B, S]={B, S}, got {mask.dtype} {tuple(mask.shape)}")
     hd = d // num_heads
     if out is None:
-        out = torch.empty((B, S, d), device=x.device, dtype=torch.float32 if final is None else x.dtype)
-    m = mask.view(torch.int8) if mask is not None else out
+        out = torch.empty((B, S, d), device=x.device, dtype=torch.float32 if final is None else out_dtype or x.dtype)
+    m = mask.contiguous().view(torch.int8) if mask is not None else out
     nf_w, nf_b = final if final is not None else (w["n1_w"], w["n1_b"])
     block_s = max(16, triton.next_power_of_2(S))
     block_m = block_m or min(block_s, 64)

@@ -103,7 +103,7 @@ def add_layernorm(residual, branch, weight, bias, *, eps=1e-5, out_dtype=torch.f
         if row_mask.dtype != torch.bool or row_mask.numel() != n:
             raise ValueError(f"add_layernorm: row_mask must be bool with {n} elements, got {row_mask.dtype} "
                              f"{tuple(row_mask.shape)}")
-        m = row_mask.reshape(-1).view(torch.int8)
+        m = row_mask.contiguous().view(-1).view(torch.int8)
     if write_residual:
         if residual_out is None:
             residual_out = torch.empty(residual.shape, dtype=torch.float32, device=residual.device)

@@ -7,6 +7,7 @@ registered, and refreshed in place when a source parameter's version counter mov
 """
 from __future__ import annotations
 
+import operator
 import os
 from contextlib import contextmanager
 from dataclasses import replace
@@ -27,6 +28,7 @@ OPTIMIZATIONS = (
     "packed_qkv",  # one QKV GEMM over a packed weight (off: three GEMMs)
 )
 
+_version_of = operator.attrgetter("_version")
 _OPERAND_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -107,12 +109,24 @@ class UserOptimizedTransformer(BaselineTransformer):
     # Derived weights: packed QKV and operand-precision copies, refreshed in place
     # -------------------------------------------------------------------------------------------
     def _versions(self):
-        # Inference tensors (parameters moved inside torch.inference_mode) carry no version counter:
-        # their in-place edits cannot be seen, so they count by identity only.
+        """Cheap identity of the weights: each parameter's storage address and version counter.
+
+        Catches in-place edits (version), `param.data = ...` swaps (address) and, through
+        `load_state_dict` below, `assign=True` loads. Inference tensors (parameters moved inside
+        torch.inference_mode) carry no version counter: there only the address counts.
+        """
         params = self._param_list
         if params is None:
-            params = self._param_list = [(p, p.is_inference()) for p in self.parameters()]
-        return [p.data_ptr() if inference else p._version for p, inference in params]
+            params = self._param_list = list(self.parameters())
+            self._param_inference = any(p.is_inference() for p in params)
+        ptrs = tuple(map(torch.Tensor.data_ptr, params))
+        if self._param_inference:
+            return ptrs
+        return ptrs, tuple(map(_version_of, params))
+
+    def load_state_dict(self, *args, **kwargs):  # assign=True swaps Parameter objects: list them again
+        self._param_list = None
+        return super().load_state_dict(*args, **kwargs)
 
     def _refresh_weights(self):
         versions = self._versions()
@@ -222,7 +236,7 @@ class UserOptimizedTransformer(BaselineTransformer):
         for i in range(cfg.num_layers):
             last = i == cfg.num_layers - 1
             res = fused_layer(res, {n: w[f"{i}.{n}"] for n in names}, num_heads=cfg.num_heads, causal=cfg.causal,
-                              mask=mask, final=(w["final_w"], w["final_b"]) if last else None)
+                              mask=mask, final=(w["final_w"], w["final_b"]) if last else None, out_dtype=x.dtype)
         return res
 
     # -------------------------------------------------------------------------------------------
