@@ -182,6 +182,12 @@ def _fused_layer_fwd(
 # ----------------------------------------------------------------------------------------------
 # Launcher and public function
 # ----------------------------------------------------------------------------------------------
+def _sm_count(device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def supports(seq_len: int, d_model: int, num_heads: int) -> bool:
     """Whether `fused_layer` serves this shape."""
     return seq_len <= MAX_SEQ and d_model <= MAX_D_MODEL and d_model % num_heads == 0 and d_model >= 16
@@ -214,7 +220,8 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
     m = mask.contiguous().view(torch.int8) if mask is not None else out
     nf_w, nf_b = final if final is not None else (w["n1_w"], w["n1_b"])
     block_s = max(16, triton.next_power_of_2(S))
-    block_m = block_m or min(block_s, 64)
+    if block_m is None:  # few sequences: smaller query blocks put more SMs to work on each sequence
+        block_m = min(block_s, 64 if B * triton.cdiv(S, 64) >= 2 * _sm_count(x.device) else 32)
     grid = (triton.cdiv(S, block_m), B)
     _fused_layer_fwd[grid](
         x, out, m,
