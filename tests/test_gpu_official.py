@@ -157,21 +157,36 @@ def _masks(kind, B, S, dev):
     return m.to(dev)
 
 
-ALL_ROUTES = ["auto", "reference", "sdpa", "triton", "graph"]
-MASKED_CFG = (8, 200, 128, 2, 256, 2)  # head_dim 64, S not a multiple of any tile
+def _all_routes():
+    from model.routing import ROUTES
+
+    return ["auto", *ROUTES]
 
 
-@pytest.mark.parametrize("route", ALL_ROUTES)
+MASKED_CFGS = {
+    "S200": (8, 200, 128, 2, 256, 2),  # head_dim 64, S not a multiple of any tile
+    "S100": (8, 100, 96, 3, 160, 2),  # head_dim 32, short and narrow (the one-kernel-per-layer range)
+}
+
+
+@pytest.mark.parametrize("route", _all_routes())
 @pytest.mark.parametrize("mask_kind", ["prefix", "holes", "left", "one_empty", "holes_transposed"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("shape", sorted(MASKED_CFGS))
 @torch.no_grad()
-def test_masked_inputs_every_route(route, mask_kind, causal, no_tf32):
+def test_masked_inputs_every_route(shape, route, mask_kind, causal, no_tf32):
     from model import (TOLERANCES, BaselineTransformer, TransformerConfig, UserOptimizedTransformer,
                        compare_outputs, generate_random_case)
+    from model.routing import RouteUnavailable, Shape, select_route
 
-    B, S, d, H, f, L = MASKED_CFG
+    B, S, d, H, f, L = MASKED_CFGS[shape]
     cfg = TransformerConfig(B, S, d, H, f, L, causal)
     dev = torch.device("cuda")
+    if route != "auto":
+        try:
+            select_route(Shape(B, S, d, H, f, L, causal), torch.float32, dev, "general", forced=route)
+        except RouteUnavailable as e:
+            pytest.skip(f"route {route} does not serve {shape} (model.routing says: {e})")
     torch.manual_seed(5)
     ref = BaselineTransformer(cfg).to(dev).eval()
     opt = UserOptimizedTransformer(cfg, route=route).to(dev).eval()
@@ -196,7 +211,7 @@ def test_masked_inputs_every_route(route, mask_kind, causal, no_tf32):
         assert y[~mask].abs().max().item() == 0.0, "invalid rows are not exactly zero"
 
 
-@pytest.mark.parametrize("route", ["graph", "triton", "auto"])
+@pytest.mark.parametrize("route", ["graph", "triton", "fused", "auto"])
 @torch.no_grad()
 def test_gpu_weight_edit_and_no_aliasing(route, no_tf32):
     """After a first forward (graph captured), an in-place weight edit must show in the next output, and the
