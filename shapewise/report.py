@@ -46,7 +46,7 @@ def fmt(value, digits=3):
     if isinstance(value, float):
         if value == 0:
             return "0"
-        if abs(value) >= 1e4 or abs(value) < 1e-3:
+        if abs(value) >= 1e4 or abs(value) < 1e-2:
             return f"{value:.{digits}g}"
         return f"{value:.{digits}f}" if abs(value) < 10 else f"{value:.{max(1, digits - 1)}f}"
     return str(value)

@@ -15,6 +15,7 @@ import importlib
 import inspect
 import json
 import pkgutil
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -68,6 +69,8 @@ def main(args):
     result = header("profile", row, args.device)
     result["capture"] = capture
     table = []
+    for path in (args.out, args.csv, args.trace):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
     if not fits(preflight, "optimized"):
         result["status"] = "resource-skip"
         with open(args.trace, "w") as fh:

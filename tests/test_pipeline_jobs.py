@@ -1,0 +1,97 @@
+"""Single pipeline jobs on the CPU: the resource-skip path, the chunked check, the roofline model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shapewise import roofline
+from shapewise.manifest import normalize_row, row_json
+
+ROOT = Path(__file__).resolve().parent.parent
+ROW = normalize_row({"id": "chunk-row", "batch_size": 3, "seq_len": 256, "d_model": 32, "num_heads": 2,
+                     "ffn_dim": 64, "num_layers": 2, "trials": 1})
+
+
+def job(tmp_path, *args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-m", "shapewise", "job", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def headroom_between_estimates(row):
+    """A headroom whose budget lies between the optimized and the reference estimate."""
+    import torch
+
+    from model import TransformerConfig
+    from model.reference import estimate_memory_bytes
+
+    fields = ("batch_size", "seq_len", "d_model", "num_heads", "ffn_dim", "num_layers", "causal")
+    cfg = TransformerConfig(**{k: row[k] for k in fields})
+    ref = estimate_memory_bytes(cfg, torch.float32, "reference")
+    opt = estimate_memory_bytes(cfg, torch.float32, "optimized")
+    assert ref > 4 * opt
+    with open("/proc/meminfo") as fh:
+        available = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
+    return ((ref * opt) ** 0.5) / available  # geometric middle: robust to RAM moving a little
+
+
+@pytest.mark.slow
+def test_reference_that_does_not_fit_uses_the_chunked_check(tmp_path):
+    row = row_json(ROW)
+    job(tmp_path, "preflight", "--device", "cpu", "--row", row, "--headroom", str(headroom_between_estimates(ROW)),
+        "--out", "pre.json")
+    pre = json.loads((tmp_path / "pre.json").read_text())
+    assert pre["models"]["optimized"]["fits"] and not pre["models"]["reference"]["fits"]
+
+    chunked = json.dumps({"batch_samples": 2, "query_block": 64, "query_samples": 2})
+    job(tmp_path, "accuracy", "--device", "cpu", "--row", row, "--preflight", "pre.json", "--chunked", chunked,
+        "--out", "acc.json")
+    acc = json.loads((tmp_path / "acc.json").read_text())
+    checked = acc["trials"][0]["checked"]
+    assert acc["check_method"] == "chunked" and acc["status"] == "pass"
+    assert checked["batch_indices"] == [0, 2]
+    assert checked["query_ranges"] == [[0, 64], [192, 256]]
+    assert checked["elements_compared"] == 2 * 128 * 32
+    assert checked["elements_total"] == 3 * 256 * 32
+    assert acc["aggregate"]["official"]["total_elements"] == 2 * 128 * 32
+
+
+@pytest.mark.slow
+def test_optimized_that_does_not_fit_is_a_resource_skip_not_a_pass(tmp_path):
+    row = row_json(ROW)
+    job(tmp_path, "preflight", "--device", "cpu", "--row", row, "--headroom", "1e-12", "--out", "pre.json")
+    job(tmp_path, "accuracy", "--device", "cpu", "--row", row, "--preflight", "pre.json", "--chunked",
+        json.dumps({"batch_samples": 1, "query_block": 64, "query_samples": "all"}), "--out", "acc.json")
+    acc = json.loads((tmp_path / "acc.json").read_text())
+    assert acc["status"] == "resource-skip" and acc["trials"] == []
+
+
+def test_roofline_counts():
+    row = dict(batch_size=2, seq_len=8, d_model=16, num_heads=2, ffn_dim=32, num_layers=3, causal=False,
+               dtype="float32")
+    f = roofline.flops(**row)
+    assert f["gemm"] == 2 * 16 * (4 * 16 * 16 + 2 * 16 * 32) * 3
+    assert f["attention"] == 4 * 2 * 8 * 8 * 16 * 3
+    assert roofline.flops(**dict(row, causal=True))["attention"] == f["attention"] // 2
+    b = roofline.min_bytes(**row)
+    assert b["activations"] == 2 * 2 * 8 * 16 * 4
+    assert roofline.min_bytes(**dict(row, dtype="float16"))["total"] == b["total"] // 2
+    floor = roofline.floor_seconds(row, peak_flops_per_s=1e12, bandwidth_bytes_per_s=1e9)
+    assert floor["floor_s"] == max(f["total"] / 1e12, b["total"] / 1e9)
+    assert floor["bound"] == "memory"
+
+
+def test_roofline_parameter_count_matches_the_reference_model():
+    from model import BaselineTransformer, TransformerConfig
+
+    cfg = TransformerConfig(batch_size=1, seq_len=4, d_model=24, num_heads=2, ffn_dim=40, num_layers=3)
+    actual = sum(p.numel() for p in BaselineTransformer(cfg).parameters())
+    assert roofline.parameter_count(24, 40, 3) == actual
