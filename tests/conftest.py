@@ -25,8 +25,6 @@ import random  # noqa: E402
 
 import pytest  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
 
 def pytest_collection_modifyitems(config, items):
     # `gpu`, `slow` and `slurm` are declared in pyproject.toml; nothing is registered here.
@@ -50,13 +48,6 @@ def _seed_everything():
     except ImportError:  # pragma: no cover
         pass
     yield
-
-
-@pytest.fixture
-def cuda_device():
-    if not HAS_CUDA:
-        pytest.skip("no CUDA device: torch.cuda.is_available() is False")
-    return torch.device("cuda")
 
 
 def _close_report(actual, expected, atol, rtol, what):

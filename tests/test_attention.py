@@ -143,7 +143,11 @@ LARGE = [
 ]
 
 
-@pytest.mark.parametrize("S,D,causal,mask_kind", SMALL)
+MID = [pytest.param(33, D, causal, m, id=f"S33-D{D}-{'causal' if causal else 'full'}-{m}")
+       for D, causal, m in itertools.product((32, 64, 128), (True, False), MASK_KINDS)]
+
+
+@pytest.mark.parametrize("S,D,causal,mask_kind", SMALL + MID)
 def test_fp32_small_grid(S, D, causal, mask_kind, assert_close):
     run_case(2, S, 2, D, causal, mask_kind, "fp32", torch.float32, assert_close)
 
@@ -156,7 +160,8 @@ def test_fp32_large_points(S, D, causal, mask_kind, assert_close):
 PRECISION_POINTS = [
     pytest.param(p, dt, S, D, causal, m, id=f"{p}-{str(dt).split('.')[-1]}-S{S}-D{D}-{'c' if causal else 'f'}-{m}")
     for (p, dt), (S, D, causal, m) in itertools.product(
-        TOL.keys(), [(33, 80, True, "holes"), (7, 8, False, "lengths"), (128, 64, True, "left")])
+        TOL.keys(), [(33, 80, True, "holes"), (7, 8, False, "lengths"), (128, 64, True, "left"),
+                     (1, 32, True, "empty_element"), (33, 128, False, "prefix_mask")])
     if p != "fp32"
 ]
 

@@ -238,3 +238,28 @@ def test_gpu_weight_edit_and_no_aliasing(route, no_tf32):
     cmp = compare_outputs(ref(x2), y3, rtol=tol["rtol"], atol=tol["atol"])
     assert cmp.failed_elements == 0, f"after in-place edit: {cmp.failed_elements} failed"
     assert not torch.allclose(y2, y3)
+
+
+@pytest.mark.parametrize("batch", [1, 131, 132, 1000])
+@torch.no_grad()
+def test_one_kernel_per_layer_across_batch_sizes(batch, no_tf32):
+    """Route 'fused' on S=128, d=128 across batch sizes. Official row 6 (B=10000) failed on route auto
+    (= fused/fp16) on the H200 while rows 1-5 (B<=128) passed; kernels/fused_layer.py switches its query
+    block from 32 to 64 when B*cdiv(S, 64) >= 2*SMs (B >= 132 on the H200's 132 SMs): this brackets it."""
+    from model import TOLERANCES, BaselineTransformer, TransformerConfig, UserOptimizedTransformer, compare_outputs
+
+    cfg = TransformerConfig(batch, 128, 128, 4, 128, 2, True)
+    dev = torch.device("cuda")
+    torch.manual_seed(3)
+    ref = BaselineTransformer(cfg).to(dev).eval()
+    results = []
+    for disable in ((), ("cuda_graph",)):
+        opt = UserOptimizedTransformer(cfg, route="fused", disable=disable).to(dev).eval()
+        opt.load_state_dict(ref.state_dict(), strict=True)
+        x = torch.randn(batch, 128, 128, device=dev)
+        tol = TOLERANCES["official"]
+        cmp = compare_outputs(ref(x), opt(x), rtol=tol["rtol"], atol=tol["atol"])
+        print(f"[fused   ] B={batch:<5} disable={disable} failed={cmp.failed_elements}/{cmp.total_elements} "
+              f"max_abs={cmp.max_abs_error:.3e} worst={tuple(cmp.worst_index)}")
+        results.append((disable, cmp.failed_elements))
+    assert all(n == 0 for _, n in results), results
