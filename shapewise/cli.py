@@ -19,7 +19,7 @@ def _job_parser(sub):
 
     def step(name, *options):
         p = steps.add_parser(name)
-        p.add_argument("--device", choices=["cuda", "cpu"], required=True)
+        p.add_argument("--device", choices=["auto", "cuda", "cpu"], required=True)
         p.add_argument("--threads", type=int, default=None)
         p.add_argument("--out", required=True)
         for option in options:
@@ -37,7 +37,6 @@ def _job_parser(sub):
     report = steps.add_parser("report")
     report.add_argument("--shapes", required=True)
     report.add_argument("--manifests", required=True)
-    report.add_argument("--device", required=True)
     report.add_argument("--outdir", required=True)
 
 
@@ -88,7 +87,12 @@ def main(argv=None):
 
 def run_job(args):
     # Triton reads TRITON_INTERPRET when it is imported: set it before any job
-    # module (and so torch, the model, the kernels) is imported.
+    # module (the model, the kernels) is imported. torch itself does not
+    # import triton, so asking it whether there is a GPU is safe.
+    if getattr(args, "device", None) == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if getattr(args, "device", None) == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if args.step == "report":

@@ -128,6 +128,13 @@ def cheap_environment():
     }
 
 
+def software_environment():
+    """The part of the environment that is the same on every node of a
+    cluster sharing one file system: what decides reruns."""
+    env = cheap_environment()
+    return {k: env[k] for k in ("torch", "triton", "python", "python_executable", "packages_sha256")}
+
+
 def job_environment(device: str):
     """Everything a result needs to say where it came from; imports torch."""
     import torch

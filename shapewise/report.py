@@ -271,7 +271,6 @@ def main(args):
     inputs = sorted(set(manifests + source_inputs()))
     context = {
         "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": args.device,
         "cpu_run": any(g["is_cpu"] for g in group_list),
         "groups": group_list,
         "mixed_machines": len(group_list) > 1,

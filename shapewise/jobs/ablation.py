@@ -27,7 +27,7 @@ def main(args):
 
     device = setup(args.device, args.threads)
     row = json.loads(args.row)
-    protocol = json.loads(args.protocol)
+    protocol = json.loads(args.protocol)[args.device]
     settings = dict(json.loads(args.chunked), batch_samples=1)
     preflight = read_json(args.preflight)
     result = header("ablation", row, args.device)

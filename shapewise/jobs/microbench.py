@@ -99,7 +99,7 @@ def launch_latency(launches):
 
 def main(args):
     device = setup(args.device, args.threads)
-    settings = json.loads(args.settings)
+    settings = json.loads(args.settings)[args.device]
     result = header("microbench", None, args.device)
     result["settings"] = settings
     na = {"applicable": False, "reason": "needs a CUDA GPU"}

@@ -64,7 +64,7 @@ def annotate_interpreted_launches():
 def main(args):
     device = setup(args.device, args.threads)
     row = json.loads(args.row)
-    capture = json.loads(args.capture)
+    capture = json.loads(args.capture)[args.device]
     preflight = read_json(args.preflight)
     result = header("profile", row, args.device)
     result["capture"] = capture

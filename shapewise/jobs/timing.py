@@ -47,7 +47,7 @@ def roofline_entry(row, median_ms, microbench, environment):
 def main(args):
     device = setup(args.device, args.threads)
     row = json.loads(args.row)
-    protocol = json.loads(args.protocol)
+    protocol = json.loads(args.protocol)[args.device]
     preflight = read_json(args.preflight)
     microbench = read_json(args.microbench)
     result = header("timing", row, args.device)

@@ -28,16 +28,16 @@ def _has_cuda_gpu():
     return done.returncode == 0 and "GPU" in done.stdout
 
 
-def _choose_device():
-    forced = os.environ.get("SHAPEWISE_DEVICE") or config.get("device", "auto")
-    if forced not in ("auto", "cuda", "cpu"):
-        raise ValueError(f"SHAPEWISE_DEVICE / config device must be auto, cuda or cpu, got {forced!r}")
-    if forced != "auto":
-        return forced
-    return "cuda" if _has_cuda_gpu() else "cpu"
-
-
-DEVICE = _choose_device()
+# DEVICE_ARG is what the jobs get: cuda or cpu when the user says so
+# (SHAPEWISE_DEVICE or config `device`), else auto, which each job resolves on
+# the node it runs on (torch.cuda.is_available()). This keeps every job's
+# command line and params the same whether Snakemake parses this file on a
+# GPU node or on a cluster's login node. DEVICE (this machine's guess) only
+# picks the default manifests.
+DEVICE_ARG = os.environ.get("SHAPEWISE_DEVICE") or config.get("device", "auto")
+if DEVICE_ARG not in ("auto", "cuda", "cpu"):
+    raise WorkflowError(f"SHAPEWISE_DEVICE / config device must be auto, cuda or cpu, got {DEVICE_ARG!r}")
+DEVICE = DEVICE_ARG if DEVICE_ARG != "auto" else ("cuda" if _has_cuda_gpu() else "cpu")
 
 
 def _manifest_names():
@@ -68,8 +68,11 @@ def row_param(wildcards):
 
 
 # Digests that decide reruns through Snakemake's params trigger: the files
-# under results/fingerprint/ are rewritten only when these change.
-ENV_DIGEST = sw_fp.digest_of(sw_fp.cheap_environment())
+# under results/fingerprint/ are rewritten only when these change. The
+# environment digest covers the software (the same on a login node and on
+# the compute nodes sharing its file system); the hardware each result came
+# from is recorded by the job itself and separates machines in the report.
+ENV_DIGEST = sw_fp.digest_of(sw_fp.software_environment())
 IMPL_DIGEST = sw_fp.implementation(BASEDIR)["digest"]
 DIGESTS = {"environment": ENV_DIGEST, "implementation": IMPL_DIGEST}
 # The measuring code itself: editing it reruns the measurements, editing the
@@ -84,8 +87,9 @@ FINGERPRINTS = {
 
 
 def device_settings(section):
-    """The config entry of `section` for this device, as canonical JSON."""
-    return json.dumps(config[section][DEVICE], sort_keys=True)
+    """The config entries of `section` (cuda and cpu) as canonical JSON; the
+    job takes the one of the device it runs on."""
+    return json.dumps(config[section], sort_keys=True)
 
 
 def _is_large(shape):
@@ -94,12 +98,10 @@ def _is_large(shape):
 
 
 def res(name):
-    """A resource function: config resources (cpu, default or large per row)."""
+    """A resource function: config resources (default, or large per row)."""
 
     def pick(wildcards):
-        if DEVICE == "cpu":
-            entry = config["resources"]["cpu"]
-        elif _is_large(getattr(wildcards, "shape", "")):
+        if _is_large(getattr(wildcards, "shape", "")):
             entry = config["resources"]["large"]
         else:
             entry = config["resources"]["default"]
@@ -109,11 +111,9 @@ def res(name):
 
 
 # The job command: our package, from this checkout, with the Python that runs
-# Snakemake. On a CPU-only run the Triton kernels execute in the interpreter,
-# which must be switched on before triton is imported.
+# Snakemake. A job that resolves to the CPU switches on TRITON_INTERPRET=1
+# itself (shapewise.cli) before anything imports triton.
 _env = f"PYTHONPATH={shlex.quote(str(BASEDIR))}${{PYTHONPATH:+:$PYTHONPATH}}"
-if DEVICE == "cpu":
-    _env += " TRITON_INTERPRET=1"
 JOB = f"{_env} {shlex.quote(sys.executable)} -m shapewise job"
 
 

@@ -18,7 +18,7 @@ rule fingerprint:
         mem_mb=2000,
         runtime=10,
     shell:
-        "{JOB} fingerprint --kind {wildcards.kind} --device {DEVICE} "
+        "{JOB} fingerprint --kind {wildcards.kind} --device {DEVICE_ARG} "
         "--dag-digest {params.digest} --root {params.root:q} --out {output} > {log} 2>&1"
 
 
@@ -38,7 +38,7 @@ rule microbench:
         mem_mb=res("mem_mb"),
         runtime=res("runtime"),
     shell:
-        "{JOB} microbench --device {DEVICE} --settings {params.settings:q} "
+        "{JOB} microbench --device {DEVICE_ARG} --settings {params.settings:q} "
         "--threads {threads} --out {output} > {log} 2>&1"
 
 
@@ -59,7 +59,7 @@ rule preflight:
         mem_mb=2000,
         runtime=10,
     shell:
-        "{JOB} preflight --device {DEVICE} --row {params.row:q} --headroom {params.headroom} "
+        "{JOB} preflight --device {DEVICE_ARG} --row {params.row:q} --headroom {params.headroom} "
         "--out {output} > {log} 2>&1"
 
 
@@ -81,7 +81,7 @@ rule accuracy:
         mem_mb=res("mem_mb"),
         runtime=res("runtime"),
     shell:
-        "{JOB} accuracy --device {DEVICE} --row {params.row:q} --preflight {input.preflight} "
+        "{JOB} accuracy --device {DEVICE_ARG} --row {params.row:q} --preflight {input.preflight} "
         "--chunked {params.chunked:q} --threads {threads} --out {output} > {log} 2>&1"
 
 
@@ -104,7 +104,7 @@ rule timing:
         mem_mb=res("mem_mb"),
         runtime=res("runtime"),
     shell:
-        "{JOB} timing --device {DEVICE} --row {params.row:q} --preflight {input.preflight} "
+        "{JOB} timing --device {DEVICE_ARG} --row {params.row:q} --preflight {input.preflight} "
         "--microbench {input.microbench} --protocol {params.protocol:q} --threads {threads} "
         "--out {output} > {log} 2>&1"
 
@@ -129,7 +129,7 @@ rule profile:
         mem_mb=res("mem_mb"),
         runtime=res("runtime"),
     shell:
-        "{JOB} profile --device {DEVICE} --row {params.row:q} --preflight {input.preflight} "
+        "{JOB} profile --device {DEVICE_ARG} --row {params.row:q} --preflight {input.preflight} "
         "--capture {params.capture:q} --threads {threads} --out {output.table} --csv {output.csv} "
         "--trace {output.trace} > {log} 2>&1"
 
@@ -153,6 +153,6 @@ rule ablation:
         mem_mb=res("mem_mb"),
         runtime=res("runtime"),
     shell:
-        "{JOB} ablation --device {DEVICE} --row {params.row:q} --preflight {input.preflight} "
+        "{JOB} ablation --device {DEVICE_ARG} --row {params.row:q} --preflight {input.preflight} "
         "--protocol {params.protocol:q} --chunked {params.chunked:q} --threads {threads} "
         "--out {output} > {log} 2>&1"

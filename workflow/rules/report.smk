@@ -19,7 +19,6 @@ rule report:
     params:
         shapes=",".join(SHAPES),
         manifests=",".join(MANIFESTS),
-        device=DEVICE,
     log:
         "results/logs/report/report.log",
     threads: 1
@@ -27,5 +26,5 @@ rule report:
         mem_mb=4000,
         runtime=20,
     shell:
-        "{JOB} report --shapes {params.shapes} --manifests {params.manifests} --device {params.device} "
+        "{JOB} report --shapes {params.shapes} --manifests {params.manifests} "
         "--outdir results/report > {log} 2>&1"
