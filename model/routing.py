@@ -131,8 +131,11 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
         return Route("sdpa", _precision_for("sdpa", dt, shape), f"{dev}: eager PyTorch path")
     if why_unavailable("triton", shape, dtype, device, interpret):
         return Route("sdpa", _precision_for("sdpa", dt, shape), "outside the Triton kernels' range")
-    if allow_fused and not why_unavailable("fused", shape, dtype, device, interpret):
-        return Route("fused", _precision_for("fused", dt, shape), "short, narrow shape: one kernel per layer")
+    size = shape.tokens * shape.d_model
+    if allow_fused and size <= POLICY["fused"]["max_tokens_x_d_model"] \
+            and not why_unavailable("fused", shape, dtype, device, interpret):
+        return Route("fused", _precision_for("fused", dt, shape),
+                     f"short, narrow, launch-bound shape: one kernel per layer (tokens*d = {size})")
     graph = POLICY["graph"]
     if shape.tokens * shape.d_model <= graph["max_tokens_x_d_model"]:
         return Route("graph", _precision_for("graph", dt, shape),
