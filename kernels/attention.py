@@ -309,7 +309,7 @@ def flash_attention(q, k, v, *, causal: bool, key_lengths=None, key_mask=None, p
     elif out.shape != q.shape or out.stride() != torch.empty_like(out, memory_format=torch.contiguous_format).stride():
         raise ValueError(f"flash_attention: out must be a contiguous {tuple(q.shape)} tensor")
     dummy = torch.empty(1, dtype=torch.int32, device=q.device)
-    lengths = key_lengths.to(torch.int32) if key_lengths is not None else dummy
+    lengths = key_lengths.to(torch.int32).contiguous() if key_lengths is not None else dummy
     mask = key_mask.contiguous().view(torch.int8) if key_mask is not None else dummy.view(torch.int8)
     block_d = max(16, triton.next_power_of_2(D))
     s_bucket = triton.next_power_of_2(S)
