@@ -205,3 +205,29 @@ def test_forced_route_that_cannot_serve_fails_the_job_only(workdir):
     assert not (workdir / "results" / "accuracy" / "broken-graph.json").exists()
     # what was computed before is still there
     assert (workdir / "results" / "accuracy" / "tiny-triton.json").is_file()
+
+
+def test_results_from_different_gpus_are_reported_apart(workdir):
+    """Two rows measured on different device models: two groups, two geomeans, a banner."""
+    timing = workdir / "results" / "timing" / "tiny-holes.json"
+    original = timing.read_bytes()
+    stat = timing.stat()
+    data = json.loads(original)
+    data["environment"]["gpu_name"] = "Another GPU model"
+    data["environment"]["machine_key"] = "Another GPU model | software 000000000000"
+    timing.write_text(json.dumps(data))
+    try:
+        env = dict(os.environ, PYTHONPATH=str(workdir))
+        done = subprocess.run([sys.executable, "-m", "shapewise", "job", "report", "--shapes",
+                               "tiny-triton,tiny-holes", "--manifests", "shapes/tiny.yaml", "--outdir",
+                               "results/report-mixed"], cwd=workdir, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        md = (workdir / "results" / "report-mixed" / "report.md").read_text()
+    finally:
+        timing.write_bytes(original)
+        os.utime(timing, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        shutil.rmtree(workdir / "results" / "report-mixed", ignore_errors=True)
+    assert "These results come from 2 different machines" in md
+    assert "### Machine 1:" in md and "### Machine 2: Another GPU model" in md
+    assert md.count("geomean speedup") == 2
