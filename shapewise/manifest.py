@@ -102,12 +102,18 @@ def _cross_field_problems(row, source):
 def parse_rows(rows, source="<manifest>", schema=None):
     """Validate already-loaded rows; return them normalized or raise ManifestError."""
     schema = schema or load_schema()
-    problems = _schema_problems(rows, source, schema)
-    if problems:
-        raise ManifestError(problems)
-    normalized = [normalize_row(r) for r in rows]
-    seen = {}
-    for index, row in enumerate(normalized):
+    if not isinstance(rows, list):
+        raise ManifestError(_schema_problems(rows, source, schema))
+    problems, normalized, seen = [], [], {}
+    for index, raw in enumerate(rows):
+        row_problems = _schema_problems([raw], source, schema)
+        if row_problems:  # name rows by their position in this file, not in the one-row list
+            row_problems = [p.replace("row #1 (no valid id)", f"row #{index + 1} (no valid id)")
+                            for p in row_problems]
+            problems += row_problems
+            continue
+        row = normalize_row(raw)
+        normalized.append(row)
         problems += _cross_field_problems(row, source)
         if row["id"] in seen:
             problems.append(

@@ -131,9 +131,11 @@ def test_wildcard_unsafe_id(tmp_path):
 
 
 def test_all_problems_reported_together(tmp_path):
-    path, problems = problems_for(tmp_path, [dict(GOOD, seq_len=0), dict(GOOD, id="r2", dtype="x")])
+    rows = [dict(GOOD, seq_len=0), dict(GOOD, id="r2", dtype="x"), dict(GOOD, id="r3", d_model=30, num_heads=4)]
+    path, problems = problems_for(tmp_path, rows)
     assert_named(problems, path, "r1", "seq_len")
     assert_named(problems, path, "r2", "dtype")
+    assert_named(problems, path, "r3", "d_model")
 
 
 def test_not_a_list(tmp_path):
