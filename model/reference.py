@@ -34,6 +34,10 @@ class TransformerConfig:
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
 
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.seq_len
+
     def validate(self) -> "TransformerConfig":
         for name in CONFIG_FIELDS[:-1]:
             value = getattr(self, name)

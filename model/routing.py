@@ -19,6 +19,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .reference import TransformerConfig
+
 ROUTES = ("reference", "sdpa", "triton", "graph", "fused")
 CPU_ROUTES = ("reference", "sdpa", "triton", "fused")  # triton and fused only under TRITON_INTERPRET=1
 MASK_KINDS = ("none", "prefix", "general")
@@ -31,23 +33,8 @@ class RouteUnavailable(RuntimeError):
     """A forced route cannot serve this input."""
 
 
-@dataclass(frozen=True)
-class Shape:
-    batch_size: int
-    seq_len: int
-    d_model: int
-    num_heads: int
-    ffn_dim: int
-    num_layers: int
-    causal: bool
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
-
-    @property
-    def tokens(self) -> int:
-        return self.batch_size * self.seq_len
+# The shape of one input signature: the config's fields, with batch_size and seq_len taken from the input.
+Shape = TransformerConfig
 
 
 @dataclass(frozen=True)
