@@ -187,12 +187,14 @@ def supports(seq_len: int, d_model: int, num_heads: int) -> bool:
     return seq_len <= MAX_SEQ and d_model <= MAX_D_MODEL and d_model % num_heads == 0 and d_model >= 16
 
 
-def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=None, out=None, block_m=None):
+def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=None, out=None, block_m=None,
+                num_warps=4, num_stages=1):
     """One layer (and the final norm when `final=(weight, bias)`) over `x [B, S, d]`.
 
     w: dict with qkv_w [3d, d], qkv_b [3d], o_w, o_b, in_w [ffn, d], in_b, out_w [d, ffn], out_b in the
     operand dtype (fp16/bf16) and n1_w, n1_b, n2_w, n2_b in fp32. Returns the new fp32 residual
     `[B, S, d]`, or the normalized output (in `out_dtype`, default x's dtype) when `final` is given.
+    block_m, num_warps, num_stages: launch configuration (defaults: the one checked on the H200).
     """
     B, S, d = x.shape
     if not supports(S, d, num_heads):
@@ -229,6 +231,6 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_F=min(64, max(16, triton.next_power_of_2(ffn))),
         BLOCK_M=block_m, BLOCK_S=block_s,
         IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, FINAL_NORM=final is not None,
-        num_warps=4, num_stages=1,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -1,0 +1,100 @@
+"""Launch-configuration sweep of our kernels on official shapes, with a correctness check per configuration.
+
+Usage (CUDA machine): python scripts/h200_sweep.py OUT.json
+For the fused layer kernel (rows 1, 2, 5, 6, 7, 11, 12) and the attention kernel (row 13's and row 14's
+attention shapes) it runs each configuration, compares against the kernel's fp64 torch reference, and times it
+(CUDA events, median of N calls). The winners go into the kernels' defaults / model/routing_policy.json.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, ".")
+from kernels.attention import attention_reference, flash_attention  # noqa: E402
+from kernels.fused_layer import fused_layer, fused_layer_reference  # noqa: E402
+
+FUSED_ROWS = {1: (64, 128, 128, 4, 128), 2: (1, 128, 128, 4, 128), 5: (128, 128, 128, 4, 128),
+              6: (10000, 128, 128, 4, 128), 7: (64, 128, 32, 4, 32), 11: (64, 128, 128, 16, 128),
+              12: (64, 32, 128, 4, 128)}
+FUSED_CONFIGS = [(32, 4, 1), (32, 4, 2), (16, 4, 1), (16, 4, 2), (64, 4, 1), (64, 4, 2), (64, 8, 1), (64, 8, 2)]
+ATTN_SHAPES = {"row13": (64, 1024, 4, 32), "row14-b4": (4, 100000, 16, 64)}
+ATTN_CONFIGS = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 32, 4, 2), (128, 32, 4, 3)]
+
+
+def median_ms(fn, iters):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def weights(d, ffn, dev):
+    g = torch.Generator().manual_seed(0)
+    w = {"qkv_w": torch.randn(3 * d, d, generator=g) / d**0.5, "qkv_b": 0.1 * torch.randn(3 * d, generator=g),
+         "o_w": torch.randn(d, d, generator=g) / d**0.5, "o_b": 0.1 * torch.randn(d, generator=g),
+         "in_w": torch.randn(ffn, d, generator=g) / d**0.5, "in_b": 0.1 * torch.randn(ffn, generator=g),
+         "out_w": torch.randn(d, ffn, generator=g) / ffn**0.5, "out_b": 0.1 * torch.randn(d, generator=g),
+         "n1_w": 1 + 0.1 * torch.randn(d, generator=g), "n1_b": 0.1 * torch.randn(d, generator=g),
+         "n2_w": 1 + 0.1 * torch.randn(d, generator=g), "n2_b": 0.1 * torch.randn(d, generator=g)}
+    op = {k: (v.half() if not k.startswith("n") else v).to(dev) for k, v in w.items()}
+    ref = {k: v.float() for k, v in op.items()}  # the reference sees the same fp16-rounded weights
+    return op, ref
+
+
+def main():
+    out = {"device": torch.cuda.get_device_name(), "fused": [], "attention": []}
+    for row, (B, S, d, H, ffn) in FUSED_ROWS.items():
+        w, wref = weights(d, ffn, "cuda")
+        x = torch.randn(B, S, d, device="cuda")
+        sample = slice(0, min(B, 64))
+        want = fused_layer_reference(x[sample], wref, num_heads=H, causal=True)
+        for bm, warps, stages in FUSED_CONFIGS:
+            rec = {"row": row, "block_m": bm, "num_warps": warps, "num_stages": stages}
+            try:
+                y = fused_layer(x, w, num_heads=H, causal=True, block_m=bm, num_warps=warps, num_stages=stages)
+                rec["max_abs_error"] = (y[sample].double() - want).abs().max().item()
+                rec["ms"] = median_ms(lambda: fused_layer(x, w, num_heads=H, causal=True, block_m=bm,
+                                                          num_warps=warps, num_stages=stages), 20 if B > 1000 else 100)
+            except Exception as e:  # a configuration that does not compile is a result too
+                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            out["fused"].append(rec)
+            print("fused", rec, flush=True)
+    for name, (B, S, H, D) in ATTN_SHAPES.items():
+        qkv = torch.randn(B, S, 3, H, D, device="cuda", dtype=torch.float16)
+        q, k, v = qkv.unbind(2)
+        flops = 4 * B * H * S * S * D / 2
+        check = slice(0, 1)
+        want = attention_reference(q[check, :2048], k[check, :2048], v[check, :2048], causal=True)
+        for bm, bn, warps, stages in ATTN_CONFIGS:
+            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+            rec = {"shape": name, **cfg}
+            try:
+                y = flash_attention(q[check, :2048], k[check, :2048], v[check, :2048], causal=True, config=cfg)
+                rec["max_abs_error"] = (y.double() - want).abs().max().item()
+                ms = median_ms(lambda: flash_attention(q, k, v, causal=True, config=cfg), 3 if S > 10000 else 30)
+                rec["ms"], rec["tflops"] = ms, flops / ms / 1e9
+            except Exception as e:
+                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            out["attention"].append(rec)
+            print("attention", rec, flush=True)
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+        ms = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True),
+                       3 if S > 10000 else 30)
+        out["attention"].append({"shape": name, "backend": "torch sdpa", "ms": ms, "tflops": flops / ms / 1e9})
+        print("attention sdpa", name, ms, flush=True)
+    json.dump(out, open(sys.argv[1], "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
