@@ -98,6 +98,8 @@ class UserOptimizedTransformer(BaselineTransformer):
                 route = replace(route, precision="fp32", reason=route.reason + "; reduced_precision disabled")
             elif self.precision is not None:
                 route = replace(route, precision=self.precision, reason=route.reason + "; precision set by caller")
+        if route.name == "fused" and "fused_layer" in self.disabled:
+            raise RouteUnavailable("route 'fused' was forced, but the fused_layer optimization is disabled")
         if route.name == "fused" and route.precision not in ("fp16", "bf16"):
             if route.forced:
                 raise RouteUnavailable(f"route 'fused' needs fp16 or bf16 operands, not {route.precision}")
