@@ -28,6 +28,7 @@ OPTIMIZATIONS = (
     "packed_qkv",  # one QKV GEMM over a packed weight (off: three GEMMs)
 )
 
+MAX_GRAPHS = 8  # captured CUDA graphs kept per model (one per input signature)
 _version_of = operator.attrgetter("_version")
 _OPERAND_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -248,6 +249,8 @@ class UserOptimizedTransformer(BaselineTransformer):
         key = (x.shape, x.dtype, x.device, mask is None, route)
         entry = self._graphs.get(key)
         if entry is None:
+            if len(self._graphs) >= MAX_GRAPHS:  # many input shapes: drop the oldest capture and its memory
+                self._graphs.pop(next(iter(self._graphs)))
             entry = self._capture(x, mask, route)
             self._graphs[key] = entry
         graph, static_x, static_mask, static_out = entry
@@ -259,8 +262,8 @@ class UserOptimizedTransformer(BaselineTransformer):
 
     def _capture(self, x, mask, route):
         with torch.inference_mode(False), torch.no_grad():
-            static_x = x.detach().clone()
-            static_mask = None if mask is None else mask.detach().clone()
+            static_x = x.detach().clone(memory_format=torch.contiguous_format)
+            static_mask = None if mask is None else mask.detach().clone(memory_format=torch.contiguous_format)
             side = torch.cuda.Stream(device=x.device)
             side.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(side):  # compile, autotune and warm the allocator outside the capture
