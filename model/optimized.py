@@ -3,7 +3,10 @@
 Same constructor, same `forward(x, valid_token_mask=None)`, same parameter names (it *is* a
 `BaselineTransformer` with other forward paths), so `load_state_dict(reference.state_dict(), strict=True)`
 works. Derived weights (packed QKV, operand-precision copies) are cached as plain attributes, never
-registered, and refreshed in place when a source parameter's version counter moves.
+registered, and refreshed in place when a source parameter's version counter or storage moves: in-place
+edits (`p.copy_`, `p.mul_` under no_grad), `p.data = t`, `load_state_dict` (also with assign=True) and
+`.to()` are all seen. Not seen: writes through `p.data` (`p.data.copy_(t)`), which PyTorch does not count
+on the parameter's version counter; call `refresh_weights()` after those.
 """
 from __future__ import annotations
 
@@ -126,6 +129,11 @@ class UserOptimizedTransformer(BaselineTransformer):
         if self._param_inference:
             return ptrs
         return ptrs, tuple(map(_version_of, params))
+
+    def refresh_weights(self) -> None:
+        """Rebuild the derived weights from the parameters now (after edits PyTorch cannot see)."""
+        self._param_list, self._weight_versions = None, None
+        self._refresh_weights()
 
     def load_state_dict(self, *args, **kwargs):  # assign=True swaps Parameter objects: list them again
         self._param_list = None

@@ -687,3 +687,21 @@ def test_model_package_exports():
     for name in ("TransformerConfig", "BaselineTransformer", "UserOptimizedTransformer", "generate_random_case",
                  "compare_outputs", "TOLERANCES"):
         assert hasattr(model, name), name
+
+
+@pytest.mark.parametrize("route", ["triton", "fused"])
+def test_refresh_weights_after_write_through_data(route):
+    """`p.data.copy_(t)` bypasses the version counter (PyTorch does not count it): the cache cannot see it,
+    `refresh_weights()` rebuilds it. The first check pins down that limitation, so a change to it is noticed."""
+    cfg = cfg_of(CFG_SEQ7)
+    ref, opt = build_pair(cfg, route)
+    x, _ = make_inputs(cfg, "none")
+    with torch.no_grad():
+        opt(x)
+        w = opt.layers[0].ffn_out.weight
+        w.data.copy_(torch.randn_like(w))
+        ref.load_state_dict(opt.state_dict(), strict=True)
+        stale = compare_outputs(ref(x), opt(x), rtol=OFFICIAL["rtol"], atol=OFFICIAL["atol"])
+        assert stale.failed_elements > 0
+        opt.refresh_weights()
+        check_official(ref(x), opt(x), f"route={route} after refresh_weights()")
