@@ -269,6 +269,7 @@ def main(args):
             break
 
     inputs = sorted(set(manifests + source_inputs()))
+    timing_protocol, ablation_protocol, protocol_exceptions = protocols(all_rows)
     context = {
         "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "cpu_run": any(g["is_cpu"] for g in group_list),
@@ -285,8 +286,9 @@ def main(args):
         "implementation": impl_fp,
         "chunked": chunked_notes(all_rows),
         "ablation_switches": ablation_switches,
-        "timing_protocol": next((r["data"]["timing"]["protocol"] for r in all_rows), None),
-        "ablation_protocol": next((r["data"]["ablation"].get("protocol") for r in all_rows), None),
+        "timing_protocol": timing_protocol,
+        "ablation_protocol": ablation_protocol,
+        "protocol_exceptions": protocol_exceptions,
         "profile_kernels": {r["id"]: r["data"]["profile"].get("triton_kernels_ran", []) for r in all_rows},
         "traces": {r["id"]: r["data"]["profile_trace"].as_posix() for r in all_rows},
         "inputs": [provenance._entry(p, ".") for p in inputs],
@@ -304,3 +306,21 @@ def main(args):
           f"pass {context['counts']['pass']}, fail {context['counts']['fail']}, "
           f"resource-skip {context['counts']['resource-skip']}")
     return 0
+
+
+def protocols(rows):
+    """The timing and ablation protocol most rows ran, and the rows that ran another one (heavy rows)."""
+    def common(step):
+        seen = [json.dumps(r["data"][step].get("protocol"), sort_keys=True) for r in rows
+                if r["data"][step].get("protocol")]
+        return max(set(seen), key=seen.count) if seen else None
+
+    out, exceptions = [], []
+    for step in ("timing", "ablation"):
+        usual = common(step)
+        out.append(json.loads(usual) if usual else None)
+        for r in rows:
+            p = r["data"][step].get("protocol")
+            if p and json.dumps(p, sort_keys=True) != usual:
+                exceptions.append({"id": r["id"], "step": step, "protocol": p})
+    return out[0], out[1], exceptions

@@ -95,3 +95,17 @@ def test_roofline_parameter_count_matches_the_reference_model():
     cfg = TransformerConfig(batch_size=1, seq_len=4, d_model=24, num_heads=2, ffn_dim=40, num_layers=3)
     actual = sum(p.numel() for p in BaselineTransformer(cfg).parameters())
     assert roofline.parameter_count(24, 40, 3) == actual
+
+
+def test_report_names_rows_that_ran_a_shorter_protocol():
+    """A heavy row's shorter protocol is reported by row, never passed off as the common one."""
+    from shapewise.report import protocols
+
+    usual = {"warmup": 20, "rounds": 3, "calls": 100}
+    short = {"warmup": 1, "rounds": 1, "calls": 3}
+    rows = [{"id": f"r{i}", "data": {"timing": {"protocol": usual}, "ablation": {"protocol": usual}}}
+            for i in range(3)]
+    rows.append({"id": "heavy", "data": {"timing": {"protocol": short}, "ablation": {"protocol": usual}}})
+    timing, ablation, exceptions = protocols(rows)
+    assert timing == usual and ablation == usual
+    assert exceptions == [{"id": "heavy", "step": "timing", "protocol": short}]

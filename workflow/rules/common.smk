@@ -86,10 +86,26 @@ FINGERPRINTS = {
 }
 
 
-def device_settings(section):
+def device_settings(section, shape=None):
     """The config entries of `section` (cuda and cpu) as canonical JSON; the
-    job takes the one of the device it runs on."""
-    return json.dumps(config[section], sort_keys=True)
+    job takes the one of the device it runs on. A heavy row (config `heavy`)
+    gets the shorter GPU protocol of `heavy.<section>`."""
+    settings = dict(config[section])
+    if shape is not None and _is_heavy(shape) and section in config["heavy"]:
+        settings["cuda"] = config["heavy"][section]
+    return json.dumps(settings, sort_keys=True)
+
+
+def protocol_of(section):
+    """device_settings(section) per shape, as a params function."""
+    return lambda wildcards: device_settings(section, wildcards.shape)
+
+
+def _is_heavy(shape):
+    from shapewise import roofline
+
+    row = ROWS.get(shape)
+    return row is not None and roofline.flops(**row)["total"] >= config["heavy"]["min_gflop"] * 1e9
 
 
 def _is_large(shape):

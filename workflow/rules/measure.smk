@@ -94,7 +94,7 @@ rule timing:
         "results/timing/{shape}.json",
     params:
         row=row_param,
-        protocol=device_settings("timing"),
+        protocol=protocol_of("timing"),
         harness=HARNESS_DIGEST,
     log:
         "results/logs/timing/{shape}.log",
@@ -119,7 +119,7 @@ rule profile:
         trace="results/profile/{shape}/trace.json",
     params:
         row=row_param,
-        capture=device_settings("profile"),
+        capture=protocol_of("profile"),
         harness=HARNESS_DIGEST,
     log:
         "results/logs/profile/{shape}.log",
@@ -142,7 +142,7 @@ rule ablation:
         "results/ablation/{shape}.json",
     params:
         row=row_param,
-        protocol=device_settings("ablation"),
+        protocol=protocol_of("ablation"),
         chunked=json.dumps(config["chunked_check"], sort_keys=True),
         harness=HARNESS_DIGEST,
     log:
