@@ -50,7 +50,8 @@ def _matmul_precision(precision: str):
 class UserOptimizedTransformer(BaselineTransformer):
     def __init__(self, config, route: str = "auto", disable=(), precision: str | None = None):
         super().__init__(TransformerConfig.from_any(config))
-        route = os.environ.get("SHAPEWISE_ROUTE", route) or "auto"
+        if route == "auto":  # an explicit constructor argument wins over the environment
+            route = os.environ.get("SHAPEWISE_ROUTE", "").strip() or "auto"
         if route != "auto" and route not in ROUTES:
             raise ValueError(f"UserOptimizedTransformer: unknown route {route!r}; choose auto or one of {ROUTES}")
         env_disable = [s.strip() for s in os.environ.get("SHAPEWISE_DISABLE", "").split(",") if s.strip()]

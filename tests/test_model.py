@@ -705,3 +705,11 @@ def test_refresh_weights_after_write_through_data(route):
         assert stale.failed_elements > 0
         opt.refresh_weights()
         check_official(ref(x), opt(x), f"route={route} after refresh_weights()")
+
+
+def test_constructor_route_wins_over_env(monkeypatch):
+    """SHAPEWISE_ROUTE applies to route="auto"; an explicit constructor route is not overridden."""
+    monkeypatch.setenv("SHAPEWISE_ROUTE", "reference")
+    cfg = cfg_of(CFG_SEQ7)
+    assert UserOptimizedTransformer(cfg).route == "reference"
+    assert UserOptimizedTransformer(cfg, route="sdpa").route == "sdpa"
