@@ -8,12 +8,14 @@ attention shapes) it runs each configuration, compares against the kernel's fp64
 from __future__ import annotations
 
 import json
-import statistics
+import os
 import sys
 
 import torch
 
 sys.path.insert(0, ".")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from h200_probe import median_ms  # noqa: E402
 from kernels.attention import attention_reference, flash_attention  # noqa: E402
 from kernels.fused_layer import fused_layer, fused_layer_reference  # noqa: E402
 
@@ -23,20 +25,6 @@ FUSED_ROWS = {1: (64, 128, 128, 4, 128), 2: (1, 128, 128, 4, 128), 5: (128, 128,
 FUSED_CONFIGS = [(32, 4, 1), (32, 4, 2), (16, 4, 1), (16, 4, 2), (64, 4, 1), (64, 4, 2), (64, 8, 1), (64, 8, 2)]
 ATTN_SHAPES = {"row13": (64, 1024, 4, 32), "row14-b4": (4, 100000, 16, 64)}
 ATTN_CONFIGS = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 32, 4, 2), (128, 32, 4, 3)]
-
-
-def median_ms(fn, iters):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def weights(d, ffn, dev):
@@ -65,7 +53,8 @@ def main():
                 y = fused_layer(x, w, num_heads=H, causal=True, block_m=bm, num_warps=warps, num_stages=stages)
                 rec["max_abs_error"] = (y[sample].double() - want).abs().max().item()
                 rec["ms"] = median_ms(lambda: fused_layer(x, w, num_heads=H, causal=True, block_m=bm,
-                                                          num_warps=warps, num_stages=stages), 20 if B > 1000 else 100)
+                                                          num_warps=warps, num_stages=stages), warmup=1,
+                                   iters=20 if B > 1000 else 100)
             except Exception as e:  # a configuration that does not compile is a result too
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             out["fused"].append(rec)
@@ -82,7 +71,8 @@ def main():
             try:
                 y = flash_attention(q[check, :2048], k[check, :2048], v[check, :2048], causal=True, config=cfg)
                 rec["max_abs_error"] = (y.double() - want).abs().max().item()
-                ms = median_ms(lambda: flash_attention(q, k, v, causal=True, config=cfg), 3 if S > 10000 else 30)
+                ms = median_ms(lambda: flash_attention(q, k, v, causal=True, config=cfg), warmup=1,
+                               iters=3 if S > 10000 else 30)
                 rec["ms"], rec["tflops"] = ms, flops / ms / 1e9
             except Exception as e:
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -90,7 +80,7 @@ def main():
             print("attention", rec, flush=True)
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
         ms = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True),
-                       3 if S > 10000 else 30)
+                       warmup=1, iters=3 if S > 10000 else 30)
         out["attention"].append({"shape": name, "backend": "torch sdpa", "ms": ms, "tflops": flops / ms / 1e9})
         print("attention sdpa", name, ms, flush=True)
     json.dump(out, open(sys.argv[1], "w"), indent=1)
