@@ -237,15 +237,11 @@ def _prune(configs, named_args, **kwargs):
     return keep or configs[-1:]
 
 
-def _early_config_prune(configs, named_args, **kwargs):
-    return _prune(configs, named_args, **kwargs)
-
-
 _even_n = triton.heuristics({"EVEN_N": lambda args: args["seq_len"] % args["BLOCK_N"] == 0})
 _attention_fwd_tuned = triton.autotune(
     configs=_configs(),
     key=["S_BUCKET", "HEAD_DIM", "IS_CAUSAL", "HAS_KEY_LEN", "HAS_KEY_MASK", "PRECISION"],
-    prune_configs_by={"early_config_prune": _early_config_prune},
+    prune_configs_by={"early_config_prune": _prune},
     cache_results=True,
 )(_even_n(_attention_fwd))
 
@@ -306,7 +302,7 @@ def flash_attention(q, k, v, *, causal: bool, key_lengths=None, key_mask=None, p
     B, S, H, D = q.shape
     if out is None:
         out = torch.empty((B, S, H, D), dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.stride() != torch.empty_like(out, memory_format=torch.contiguous_format).stride():
+    elif out.shape != q.shape or not out.is_contiguous():
         raise ValueError(f"flash_attention: out must be a contiguous {tuple(q.shape)} tensor")
     dummy = torch.empty(1, dtype=torch.int32, device=q.device)
     lengths = key_lengths.to(torch.int32).contiguous() if key_lengths is not None else dummy
