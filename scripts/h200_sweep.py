@@ -40,6 +40,11 @@ def weights(d, ffn, dev):
     return op, ref
 
 
+def save(out):  # after every record: a run stopped at its time limit keeps what it measured
+    with open(sys.argv[1], "w") as f:
+        json.dump(out, f, indent=1)
+
+
 def main():
     out = {"device": torch.cuda.get_device_name(), "fused": [], "attention": []}
     for row, (B, S, d, H, ffn) in FUSED_ROWS.items():
@@ -59,6 +64,7 @@ def main():
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             out["fused"].append(rec)
             print("fused", rec, flush=True)
+            save(out)
     for name, (B, S, H, D) in ATTN_SHAPES.items():
         qkv = torch.randn(B, S, 3, H, D, device="cuda", dtype=torch.float16)
         q, k, v = qkv.unbind(2)
@@ -78,12 +84,13 @@ def main():
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             out["attention"].append(rec)
             print("attention", rec, flush=True)
+            save(out)
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
         ms = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True),
                        warmup=1, iters=3 if S > 10000 else 30)
         out["attention"].append({"shape": name, "backend": "torch sdpa", "ms": ms, "tflops": flops / ms / 1e9})
         print("attention sdpa", name, ms, flush=True)
-    json.dump(out, open(sys.argv[1], "w"), indent=1)
+        save(out)
 
 
 if __name__ == "__main__":
