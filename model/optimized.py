@@ -220,7 +220,7 @@ class UserOptimizedTransformer(BaselineTransformer):
                 q, k, v = qkv.unbind(2)
             else:
                 q, k, v = (F.linear(h2d, w[f"{i}.{n}_w"], w[f"{i}.{n}_b"]).view(B, S, H, D) for n in "qkv")
-            if "flash_attention" not in self.disabled:
+            if route.attention == "triton" and "flash_attention" not in self.disabled:
                 return flash_attention(q, k, v, causal=cfg.causal, key_mask=key_mask, precision=precision)
             return _sdpa(q, k, v, cfg.causal, key_mask)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .reference import TransformerConfig
@@ -43,10 +43,12 @@ class Route:
     precision: str  # operand precision of GEMMs and attention matmuls ("fp32" = exact fp32)
     reason: str
     forced: bool = False
+    attention: str = "triton"  # attention inside the triton/graph routes: our kernel, or PyTorch SDPA
 
     def __str__(self) -> str:
         how = "forced" if self.forced else "auto"
-        return f"{self.name}/{self.precision} ({how}: {self.reason})"
+        attn = "" if self.attention == "triton" else f"+{self.attention}-attention"
+        return f"{self.name}/{self.precision}{attn} ({how}: {self.reason})"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -127,5 +129,9 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
     if shape.tokens * shape.d_model <= graph["max_tokens_x_d_model"]:
         return Route("graph", _precision_for("graph", dt, shape),
                      f"launch-bound (tokens*d = {shape.tokens * shape.d_model} <= {graph['max_tokens_x_d_model']})")
-    return Route("triton", _precision_for("triton", dt, shape),
-                 f"compute/memory-bound (tokens*d = {shape.tokens * shape.d_model})")
+    route = Route("triton", _precision_for("triton", dt, shape),
+                  f"compute/memory-bound (tokens*d = {shape.tokens * shape.d_model})")
+    sdpa_from = POLICY["attention"]["sdpa_from_seq_len"]
+    if sdpa_from is not None and shape.seq_len >= sdpa_from and mask_kind == "none":
+        route = replace(route, attention="sdpa", reason=route.reason + f"; SDPA attention from seq_len {sdpa_from}")
+    return route

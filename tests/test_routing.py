@@ -175,3 +175,16 @@ def test_precision_follows_low_precision_dtypes(name):
 def test_reference_route_is_exact_fp32():
     r = select_route(SHAPES[2], torch.float32, "cuda", "none", forced="reference", interpret=False)
     assert r.precision == "fp32"
+
+
+def test_policy_can_send_long_unmasked_attention_to_sdpa(monkeypatch):
+    """The policy knob attention.sdpa_from_seq_len: long, unmasked rows on the triton route use SDPA attention;
+    masked ones keep our kernel; null (the committed default until measured) never switches."""
+    from model import routing
+
+    long_row = Shape(2, 100_000, 1024, 16, 1024, 2, True)
+    monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": 4096})
+    assert select_route(long_row, torch.float32, "cuda").attention == "sdpa"
+    assert select_route(long_row, torch.float32, "cuda", "general").attention == "triton"
+    monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": None})
+    assert select_route(long_row, torch.float32, "cuda").attention == "triton"
