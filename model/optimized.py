@@ -198,7 +198,6 @@ class UserOptimizedTransformer(BaselineTransformer):
         packed = "packed_qkv" not in self.disabled
         w = self._weights_for(precision, packed)
         act = _OPERAND_DTYPE[precision]
-        key_mask = mask
         fused_ln = "fused_layernorm" not in self.disabled
 
         def add_ln(res, branch, name, row_mask=None, out_dtype=act, last=False):
@@ -221,8 +220,8 @@ class UserOptimizedTransformer(BaselineTransformer):
             else:
                 q, k, v = (F.linear(h2d, w[f"{i}.{n}_w"], w[f"{i}.{n}_b"]).view(B, S, H, D) for n in "qkv")
             if route.attention == "triton" and "flash_attention" not in self.disabled:
-                return flash_attention(q, k, v, causal=cfg.causal, key_mask=key_mask, precision=precision)
-            return _sdpa(q, k, v, cfg.causal, key_mask)
+                return flash_attention(q, k, v, causal=cfg.causal, key_mask=mask, precision=precision)
+            return _sdpa(q, k, v, cfg.causal, mask)
 
         with _matmul_precision(precision):
             _, h = add_ln(x, None, "0.n1", last=True)  # normalize only: the input stays the residual
