@@ -4,6 +4,8 @@ Without a GPU, set TRITON_INTERPRET=1 before importing this package to run the k
 """
 import os
 
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # kernels run in Triton's CPU interpreter
+
 
 def _fix_interpreter_scalar_index():
     """Triton 3.6's interpreter turns scalar tensors into Python ints with `int(array)`, which NumPy >= 2.4
@@ -25,5 +27,5 @@ def _fix_interpreter_scalar_index():
     interpreter._patch_lang_tensor = patched
 
 
-if os.environ.get("TRITON_INTERPRET", "0") == "1":
+if INTERPRET:
     _fix_interpreter_scalar_index()

@@ -9,15 +9,14 @@ whose output rows are written as zeros. A query that sees no valid key gets 0, n
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from . import INTERPRET as _INTERPRET
+
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 _PRECISION_CODE = {"fp32": 0, "tf32": 1, "fp16": 2, "bf16": 3}
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Triton 3.6's interpreter computes garbage for bf16 dots; there, bf16 operands are rounded to bf16 and
 # multiplied in fp32, which gives the same products as the tensor cores (exact products, fp32 sums).
 _BF16_VIA_FP32 = tl.constexpr(_INTERPRET)

@@ -12,17 +12,18 @@ statistics fp32.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from . import INTERPRET
+
 MAX_SEQ = 128
 MAX_D_MODEL = 128
 # Triton 3.6's interpreter computes garbage for bf16 dots (see kernels/attention.py): there the
 # (already bf16-rounded) operands are multiplied in fp32, which gives the tensor cores' products.
-_DOT_IN_FP32 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+_DOT_IN_FP32 = tl.constexpr(INTERPRET)
 
 
 # ----------------------------------------------------------------------------------------------
