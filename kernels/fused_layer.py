@@ -217,10 +217,9 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
     m = mask.contiguous().view(torch.int8) if mask is not None else out
     nf_w, nf_b = final if final is not None else (w["n1_w"], w["n1_b"])
     block_s = max(16, triton.next_power_of_2(S))
-    if block_m is None:
-        # 32 query rows with 4 warps: the configuration checked on the H200. 64 rows with 8 warps gave
-        # wrong results there (official row 6, 2026-11-29; not yet isolated), so it is not used.
-        block_m = min(block_s, 32)
+    # default 32 query rows with 4 warps, 1 stage: the first configuration checked on the H200. The model
+    # passes the policy's tuned configuration (model/routing_policy.json, fused.launch; scripts/tune_policy.py).
+    block_m = min(block_s, block_m or 32)
     grid = (triton.cdiv(S, block_m), B)
     _fused_layer_fwd[grid](
         x, out, m,

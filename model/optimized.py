@@ -108,7 +108,7 @@ class UserOptimizedTransformer(BaselineTransformer):
         if route.name == "fused" and route.precision not in ("fp16", "bf16"):
             if route.forced:
                 raise RouteUnavailable(f"route 'fused' needs fp16 or bf16 operands, not {route.precision}")
-            route = replace(route, name="graph" if x.is_cuda else "triton",
+            route = replace(route, name="graph" if x.is_cuda else "triton", launch=(),
                             reason=route.reason + f"; fused layers need fp16/bf16 operands, not {route.precision}")
         return route
 
@@ -187,7 +187,7 @@ class UserOptimizedTransformer(BaselineTransformer):
     # -------------------------------------------------------------------------------------------
     def _forward_kernels(self, x, mask, route):
         if route.name == "fused":
-            return self._forward_fused(x, mask, route.precision)
+            return self._forward_fused(x, mask, route)
         from kernels.attention import flash_attention
         from kernels.layernorm import add_layernorm
 
@@ -237,17 +237,19 @@ class UserOptimizedTransformer(BaselineTransformer):
                                 out_dtype=x.dtype if last else act, last=last)
         return h
 
-    def _forward_fused(self, x, mask, precision):
+    def _forward_fused(self, x, mask, route):
         from kernels.fused_layer import fused_layer
 
         cfg = self.config
-        w = self._weights_for(precision, True)
+        w = self._weights_for(route.precision, True)
+        block_m, num_warps, num_stages = route.launch
         names = ("qkv_w", "qkv_b", "o_w", "o_b", "in_w", "in_b", "out_w", "out_b", "n1_w", "n1_b", "n2_w", "n2_b")
         res = x
         for i in range(cfg.num_layers):
             last = i == cfg.num_layers - 1
             res = fused_layer(res, {n: w[f"{i}.{n}"] for n in names}, num_heads=cfg.num_heads, causal=cfg.causal,
-                              mask=mask, final=(w["final_w"], w["final_b"]) if last else None, out_dtype=x.dtype)
+                              mask=mask, final=(w["final_w"], w["final_b"]) if last else None, out_dtype=x.dtype,
+                              block_m=block_m, num_warps=num_warps, num_stages=num_stages)
         return res
 
     # -------------------------------------------------------------------------------------------

@@ -44,14 +44,16 @@ class Route:
     reason: str
     forced: bool = False
     attention: str = "triton"  # attention inside the triton/graph routes: our kernel, or PyTorch SDPA
+    launch: tuple = ()  # fused route: the kernel's (block_m, num_warps, num_stages), from the policy
 
     def __str__(self) -> str:
         how = "forced" if self.forced else "auto"
         attn = "" if self.attention == "triton" else f"+{self.attention}-attention"
-        return f"{self.name}/{self.precision}{attn} ({how}: {self.reason})"
+        launch = f" launch={self.launch}" if self.launch else ""
+        return f"{self.name}/{self.precision}{attn}{launch} ({how}: {self.reason})"
 
-    def as_dict(self) -> dict:
-        return asdict(self)
+    def as_dict(self) -> dict:  # JSON-ready: the launch tuple as a list
+        return {**asdict(self), "launch": list(self.launch)}
 
 
 def _dtype_name(dtype) -> str:
@@ -74,6 +76,15 @@ def _precision_for(name: str, dtype: str, shape: Shape) -> str:
         if shape.d_model >= rule["d_model"]:
             return rule["precision"]
     return rules["default"]
+
+
+def fused_launch(shape: Shape) -> tuple:
+    """The fused kernel's (block_m, num_warps, num_stages) for this shape: the policy's first `fused.launch`
+    entry whose `max_tokens` (batch_size * seq_len; null = no bound) covers the shape."""
+    for entry in POLICY["fused"]["launch"]:
+        if entry["max_tokens"] is None or shape.tokens <= entry["max_tokens"]:
+            return (entry["block_m"], entry["num_warps"], entry["num_stages"])
+    raise ValueError("routing_policy.json: fused.launch has no entry with max_tokens null")
 
 
 def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool) -> str | None:
@@ -113,7 +124,8 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
         why = why_unavailable(forced, shape, dtype, device, interpret)
         if why:
             raise RouteUnavailable(why)
-        return Route(forced, _precision_for(forced, dt, shape), "forced by the caller", forced=True)
+        return Route(forced, _precision_for(forced, dt, shape), "forced by the caller", forced=True,
+                     launch=fused_launch(shape) if forced == "fused" else ())
 
     dev = _device_type(device)
     if dev != "cuda":
@@ -124,7 +136,8 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
     if allow_fused and size <= POLICY["fused"]["max_tokens_x_d_model"] \
             and not why_unavailable("fused", shape, dtype, device, interpret):
         return Route("fused", _precision_for("fused", dt, shape),
-                     f"short, narrow, launch-bound shape: one kernel per layer (tokens*d = {size})")
+                     f"short, narrow, launch-bound shape: one kernel per layer (tokens*d = {size})",
+                     launch=fused_launch(shape))
     graph = POLICY["graph"]
     if shape.tokens * shape.d_model <= graph["max_tokens_x_d_model"]:
         return Route("graph", _precision_for("graph", dt, shape),

@@ -2,7 +2,9 @@
 # Run the evidence pipeline on a lent H200 in as few device calls as possible, and bring the results back.
 #
 # Here (once): ../shared/tools/device-wheels.sh .whl        # snakemake + deps as offline wheels (git-ignored)
-# Device call: carry [".whl"], command: bash scripts/h200_pipeline.sh [SECONDS]
+# Device call: carry [".whl"], command: [SHAPES=official] bash scripts/h200_pipeline.sh [SECONDS]
+# (SHAPES: the manifests to run, default official,contract.) A tuned policy left in results/ by
+# scripts/h200_checks.sh on the same warm machine is applied first and comes back in $OUT.
 #
 # The node has no network: the wheels install into /tmp/site. Snakemake runs with --keep-going under a time
 # budget (default 520 s, inside the 600 s limit of one call) and is stopped cleanly when it runs out; the
@@ -15,9 +17,10 @@ budget=${1:-520}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 nvidia-smi -L
+if [ -f results/routing_policy.json ]; then cp results/routing_policy.json model/routing_policy.json; cp model/routing_policy.json "$OUT/"; fi
 start=$(date +%s)
 timeout --signal=INT --kill-after=30 "$budget" \
-    python3 -m snakemake --cores 16 --keep-going --rerun-incomplete --config shapes=official,contract \
+    python3 -m snakemake --cores 16 --keep-going --rerun-incomplete --config shapes="${SHAPES:-official,contract}" \
     2>&1 | tail -n 400 > "$OUT/snakemake.log"
 echo "snakemake exit status ${PIPESTATUS[0]} after $(( $(date +%s) - start )) s"
 tail -n 25 "$OUT/snakemake.log"

@@ -3,7 +3,7 @@
 Usage (CUDA machine): python scripts/h200_sweep.py OUT.json
 For the fused layer kernel (rows 1, 2, 5, 6, 7, 11, 12) and the attention kernel (row 13's and row 14's
 attention shapes) it runs each configuration, compares against the kernel's fp64 torch reference, and times it
-(CUDA events, median of N calls). The winners go into the kernels' defaults / model/routing_policy.json.
+(CUDA events, median of N calls). scripts/tune_policy.py writes the winners into model/routing_policy.json.
 """
 from __future__ import annotations
 
@@ -18,11 +18,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from h200_probe import median_ms  # noqa: E402
 from kernels.attention import attention_reference, flash_attention  # noqa: E402
 from kernels.fused_layer import fused_layer, fused_layer_reference  # noqa: E402
+from model import TransformerConfig, UserOptimizedTransformer  # noqa: E402
 
 FUSED_ROWS = {1: (64, 128, 128, 4, 128), 2: (1, 128, 128, 4, 128), 5: (128, 128, 128, 4, 128),
               6: (10000, 128, 128, 4, 128), 7: (64, 128, 32, 4, 32), 11: (64, 128, 128, 16, 128),
               12: (64, 32, 128, 4, 128)}
-FUSED_CONFIGS = [(32, 4, 1), (32, 4, 2), (16, 4, 1), (16, 4, 2), (64, 4, 1), (64, 4, 2), (64, 8, 1), (64, 8, 2)]
+# (block_m, num_warps, num_stages); the first is the configuration the committed policy ran before this sweep
+FUSED_CONFIGS = [(32, 4, 1), (32, 4, 2), (32, 4, 3), (16, 4, 1), (16, 4, 2), (64, 4, 1), (64, 4, 2), (64, 8, 2),
+                 (128, 4, 2), (128, 8, 2)]
 ATTN_SHAPES = {"row13": (64, 1024, 4, 32), "row14-b4": (4, 100000, 16, 64)}
 ATTN_CONFIGS = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 32, 4, 2), (128, 32, 4, 3)]
 
@@ -52,11 +55,19 @@ def main():
         x = torch.randn(B, S, d, device="cuda")
         sample = slice(0, min(B, 64))
         want = fused_layer_reference(x[sample], wref, num_heads=H, causal=True)
+        # a mask with holes (not a prefix) on 8 sequences, the first fully masked: the masked kernel variant
+        mask = torch.rand(min(B, 8), S, device="cuda", generator=torch.Generator("cuda").manual_seed(1)) > 0.3
+        mask[0] = False
+        xm = x[:mask.shape[0]].contiguous()
+        want_masked = fused_layer_reference(xm, wref, num_heads=H, causal=True, mask=mask)
         for bm, warps, stages in FUSED_CONFIGS:
             rec = {"row": row, "block_m": bm, "num_warps": warps, "num_stages": stages}
             try:
                 y = fused_layer(x, w, num_heads=H, causal=True, block_m=bm, num_warps=warps, num_stages=stages)
                 rec["max_abs_error"] = (y[sample].double() - want).abs().max().item()
+                ym = fused_layer(xm, w, num_heads=H, causal=True, mask=mask, block_m=bm, num_warps=warps,
+                                 num_stages=stages)
+                rec["max_abs_error_masked"] = (ym.double() - want_masked).abs().max().item()
                 rec["ms"] = median_ms(lambda: fused_layer(x, w, num_heads=H, causal=True, block_m=bm,
                                                           num_warps=warps, num_stages=stages), warmup=1,
                                    iters=20 if B > 1000 else 100)
@@ -65,6 +76,14 @@ def main():
             out["fused"].append(rec)
             print("fused", rec, flush=True)
             save(out)
+        if row == 6:  # the unfused alternative for the largest fused row: one layer on the triton route
+            cfg = TransformerConfig(B, S, d, H, ffn, 1, True)
+            model = UserOptimizedTransformer(cfg, route="triton").cuda().eval()
+            with torch.inference_mode():
+                out["row6_triton_layer_ms"] = median_ms(lambda: model(x), warmup=2, iters=20)
+            print("row 6, one layer on the triton route:", out["row6_triton_layer_ms"], "ms", flush=True)
+            save(out)
+            del model
     for name, (B, S, H, D) in ATTN_SHAPES.items():
         qkv = torch.randn(B, S, 3, H, D, device="cuda", dtype=torch.float16)
         q, k, v = qkv.unbind(2)

@@ -188,3 +188,22 @@ def test_policy_can_send_long_unmasked_attention_to_sdpa(monkeypatch):
     assert select_route(long_row, torch.float32, "cuda", "general").attention == "triton"
     monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": None})
     assert select_route(long_row, torch.float32, "cuda").attention == "triton"
+
+
+def test_fused_launch_follows_the_policy_buckets(monkeypatch):
+    """fused.launch: the first entry whose max_tokens covers batch*seq gives the fused kernel's launch
+    configuration, and the route carries it (so every result records which configuration ran)."""
+    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "launch": [
+        {"max_tokens": 1024, "block_m": 16, "num_warps": 4, "num_stages": 2},
+        {"max_tokens": None, "block_m": 64, "num_warps": 4, "num_stages": 1}]})
+    small = Shape(batch_size=8, seq_len=128, d_model=64, num_heads=4, ffn_dim=64, num_layers=1, causal=True)
+    large = dataclasses.replace(small, batch_size=9)
+    assert select_route(small, torch.float32, "cuda").launch == (16, 4, 2)
+    route = select_route(large, torch.float32, "cuda")
+    assert route.name == "fused" and route.launch == (64, 4, 1) and "launch=(64, 4, 1)" in str(route)
+    assert select_route(large, torch.float32, "cpu", forced="fused", interpret=True).launch == (64, 4, 1)
+    assert select_route(large, torch.float32, "cuda", forced="triton").launch == ()
+    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "launch": [
+        {"max_tokens": 1024, "block_m": 16, "num_warps": 4, "num_stages": 2}]})
+    with pytest.raises(ValueError, match="max_tokens null"):
+        select_route(large, torch.float32, "cuda")

@@ -1,0 +1,86 @@
+"""Write the fused kernel's launch configurations into model/routing_policy.json from a sweep.
+
+Usage: python scripts/tune_policy.py SWEEP.json [POLICY.json]   (default policy: model/routing_policy.json)
+
+Reads the `fused` records of scripts/h200_sweep.py. Per official row, a configuration qualifies when it
+compiled and its errors against the fp64 reference (plain and masked) are at most twice those of the
+baseline configuration (the sweep's first, the one the policy ran before): a configuration that computes
+something else is never picked for speed. The rows are grouped by batch_size*seq_len: up to
+SMALL_TOKENS tokens (latency-bound: rows 1, 2, 5, 7, 11, 12) and above (throughput-bound: row 6). Each
+group gets the configuration with the lowest geometric-mean time among those qualifying on all its rows.
+If one fused layer of row 6 beats one layer of the unfused triton route by more than 10%, the fused route's
+size bound is raised to cover row 6. Prints every decision; the policy's other entries are kept.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections import defaultdict
+
+SMALL_TOKENS = 16384
+TOKENS = {1: 64 * 128, 2: 128, 5: 128 * 128, 6: 10000 * 128, 7: 64 * 128, 11: 64 * 128, 12: 64 * 32}
+ROW6_TOKENS_X_D = 10000 * 128 * 128
+
+
+def qualifying(records):
+    """{config: {row: ms}} of the configurations that are as accurate as the baseline on a row."""
+    by_row = defaultdict(list)
+    for r in records:
+        by_row[r["row"]].append(r)
+    good = defaultdict(dict)
+    for row, recs in by_row.items():
+        base = recs[0]
+        if "error" in base:
+            raise SystemExit(f"tune_policy: the baseline configuration failed on row {row}: {base['error']}")
+        for r in recs:
+            cfg = (r["block_m"], r["num_warps"], r["num_stages"])
+            ok = "error" not in r and all(r[k] <= 2 * base[k] + 1e-6 for k in ("max_abs_error", "max_abs_error_masked"))
+            print(f"row {row:2d} {cfg}: " + (f"{r['ms']:.4f} ms, errors {r['max_abs_error']:.2e} / "
+                                           f"{r['max_abs_error_masked']:.2e}" if "error" not in r else r["error"])
+                  + ("" if ok else "  (rejected)"))
+            if ok:
+                good[cfg][row] = r["ms"]
+    return good, sorted(by_row)
+
+
+def best(good, rows):
+    cands = {cfg: math.exp(sum(math.log(t[r]) for r in rows) / len(rows))
+             for cfg, t in good.items() if all(r in t for r in rows)}
+    if not cands:
+        raise SystemExit(f"tune_policy: no configuration qualifies on rows {rows}")
+    return min(cands, key=cands.get), cands
+
+
+def main():
+    sweep = json.load(open(sys.argv[1]))
+    policy_path = sys.argv[2] if len(sys.argv) > 2 else "model/routing_policy.json"
+    policy = json.load(open(policy_path))
+    good, rows = qualifying(sweep["fused"])
+    launch = []
+    for bound, group in ((SMALL_TOKENS, [r for r in rows if TOKENS[r] <= SMALL_TOKENS]),
+                         (None, [r for r in rows if TOKENS[r] > SMALL_TOKENS])):
+        if not group:
+            continue
+        cfg, cands = best(good, group)
+        print(f"rows {group}: picked {cfg} (geomean {cands[cfg]:.4f} ms; baseline "
+              f"{cands.get(tuple(sweep['fused'][0][k] for k in ('block_m', 'num_warps', 'num_stages')), float('nan')):.4f} ms)")
+        launch.append({"max_tokens": bound, "block_m": cfg[0], "num_warps": cfg[1], "num_stages": cfg[2]})
+    launch[-1]["max_tokens"] = None
+    policy["fused"]["launch"] = launch
+    if "row6_triton_layer_ms" in sweep and 6 in rows:
+        fused6 = min(t[6] for t in good.values() if 6 in t)
+        unfused6 = sweep["row6_triton_layer_ms"]
+        covers = fused6 < 0.9 * unfused6
+        print(f"row 6, one layer: fused {fused6:.3f} ms, triton route {unfused6:.3f} ms -> "
+              f"{'fused' if covers else 'unfused'} route")
+        if covers:
+            policy["fused"]["max_tokens_x_d_model"] = max(policy["fused"]["max_tokens_x_d_model"], ROW6_TOKENS_X_D)
+    with open(policy_path, "w") as f:
+        json.dump(policy, f, indent=2)
+        f.write("\n")
+    print("wrote", policy_path, json.dumps(policy["fused"]))
+
+
+if __name__ == "__main__":
+    main()
