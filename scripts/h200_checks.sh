@@ -2,13 +2,15 @@
 # One device call: the kernels' launch-configuration sweep, the policy tuned from it, then the whole GPU
 # test suite on the tuned policy.
 #
-# Device call: command `bash scripts/h200_checks.sh` (nothing to carry: torch, triton and pytest are on the node).
+# Device call: carry [".whl"] (see scripts/h200_pipeline.sh: the pipeline tests import snakemake), command
+# `bash scripts/h200_checks.sh`.
 # Brings back $OUT/sweep.json, $OUT/tune.log, $OUT/routing_policy.json (the tuned policy the tests ran) and
 # $OUT/gpu_tests.log. Commit the policy as model/routing_policy.json and the rest under reports/h200/.
 # The sweep and the tuned policy also stay in results/ (git-ignored) on the node, for a pipeline call that
 # follows while the machine is warm: `cp results/routing_policy.json model/ && bash scripts/h200_pipeline.sh`.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 nvidia-smi -L
 mkdir -p results
 timeout 150 python3 scripts/h200_sweep.py "$OUT/sweep.json" 2>&1 | tail -n 80
