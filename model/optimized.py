@@ -31,6 +31,30 @@ OPTIMIZATIONS = (
     "packed_qkv",  # one QKV GEMM over a packed weight (off: three GEMMs)
 )
 
+
+
+def switches_used(route, input_dtype, device_type: str) -> tuple:
+    """The OPTIMIZATIONS that shape what `route` runs for inputs of `input_dtype` on `device_type`.
+
+    Switching off any other one runs the very same code: the ablation job records those as not applicable
+    instead of timing the same thing twice.
+    """
+    used = set()
+    if route.name in ("reference", "sdpa"):
+        return ()
+    if input_dtype == torch.float32:
+        used.add("reduced_precision")
+    if route.name == "graph" or (route.name == "fused" and device_type == "cuda"):
+        used.add("cuda_graph")
+    if route.name == "fused":
+        used.add("fused_layer")
+    else:  # triton, graph
+        used.update(("fused_layernorm", "packed_qkv"))
+        if route.attention == "triton":
+            used.add("flash_attention")
+    return tuple(name for name in OPTIMIZATIONS if name in used)
+
+
 MAX_GRAPHS = 8  # captured CUDA graphs kept per model (one per input signature)
 _version_of = operator.attrgetter("_version")
 _OPERAND_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -6,8 +6,10 @@ Reads the `fused` records of scripts/h200_sweep.py. Per official row, a configur
 compiled and its errors against the fp64 reference (plain and masked) are at most twice those of the
 baseline configuration (the sweep's first, the one the policy ran before): a configuration that computes
 something else is never picked for speed. The rows are grouped by batch_size*seq_len: up to
-SMALL_TOKENS tokens (latency-bound: rows 1, 2, 5, 7, 11, 12) and above (throughput-bound: row 6). Each
-group gets the configuration with the lowest geometric-mean time among those qualifying on all its rows.
+SMALL_TOKENS tokens (rows 2 and 12: fewer 32-row programs than the H200 has SMs, so smaller row blocks
+add parallelism) and above (rows 1, 5, 6, 7, 11). Each group gets the configuration with the lowest
+geometric-mean time among those qualifying on all its rows; rows the sweep did not run (3, 4, 8, 9, 10)
+take their group's configuration by size.
 If one fused layer of row 6 beats one layer of the unfused triton route by more than 10%, the fused route's
 size bound is raised to cover row 6. Prints every decision; the policy's other entries are kept.
 """
@@ -18,7 +20,7 @@ import math
 import sys
 from collections import defaultdict
 
-SMALL_TOKENS = 16384
+SMALL_TOKENS = 4096  # 4096 tokens = 128 programs of 32 rows: under one wave of the H200's 132 SMs
 TOKENS = {1: 64 * 128, 2: 128, 5: 128 * 128, 6: 10000 * 128, 7: 64 * 128, 11: 64 * 128, 12: 64 * 32}
 ROW6_TOKENS_X_D = 10000 * 128 * 128
 

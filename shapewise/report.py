@@ -170,17 +170,19 @@ def figures(groups, outdir):
     abl_rows = [r for g in groups for r in g["rows"] if r["data"]["ablation"].get("status") == "ok"]
     switches = abl_rows[0]["data"]["ablation"]["switches"] if abl_rows else []
     if abl_rows and switches:
-        matrix = []
+        matrix, labels = [], []
         for r in abl_rows:
             by_name = {v["variant"]: v for v in r["data"]["ablation"]["variants"]}
             matrix.append([by_name.get(s, {}).get("slowdown_vs_all_on", float("nan")) for s in switches])
+            labels.append(["n/a" if by_name.get(s, {}).get("skipped") == "not-applicable" else
+                           "skip" if by_name.get(s, {}).get("skipped") else "err" for s in switches])
         fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(switches) + 3), max(3, 0.35 * len(abl_rows) + 1.5)))
         image = ax.imshow(matrix, aspect="auto", cmap="viridis")
         ax.set_xticks(range(len(switches)), switches, rotation=45, ha="right", fontsize=8)
         ax.set_yticks(range(len(abl_rows)), [r["id"] for r in abl_rows], fontsize=8)
         for i, line in enumerate(matrix):
             for j, value in enumerate(line):
-                text = "err" if value != value else f"{value:.2f}"
+                text = labels[i][j] if value != value else f"{value:.2f}"
                 ax.text(j, i, text, ha="center", va="center", fontsize=7, color="white")
         fig.colorbar(image, ax=ax, label="time with the switch off / all on")
         ax.set_title("Ablation: slowdown when one optimization is off")

@@ -484,6 +484,44 @@ def test_each_ablation_switch_stays_correct(name, route):
     assert opt.last_route.name == route
 
 
+@pytest.mark.parametrize("route", KERNEL_ROUTES or ["<none>"])
+def test_switches_a_route_does_not_use_change_nothing(route):
+    """model.optimized.switches_used: turning off a switch it leaves out gives bit-identical outputs on the
+    same route (which is why the ablation job records those as not applicable instead of timing them)."""
+    from model.optimized import OPTIMIZATIONS, switches_used
+
+    if route == "<none>":
+        pytest.skip("no kernel route serves the CPU")
+    cfg = cfg_of(CFG_SEQ7)
+    ref, opt = build_pair(cfg, route)
+    x, mask = make_inputs(cfg, "holes")
+    with torch.no_grad():
+        y = opt(x, mask)
+    used = switches_used(opt.last_route, x.dtype, x.device.type)
+    assert "reduced_precision" in used and set(used) < set(OPTIMIZATIONS)
+    for name in OPTIMIZATIONS:
+        if name in used:
+            continue
+        _, other = build_pair(cfg, route, disable=(name,))
+        with torch.no_grad():
+            assert torch.equal(other(x, mask), y), f"route {route}: switching off unused {name} changed the output"
+        assert other.last_route.name == opt.last_route.name
+
+
+def test_switches_used_per_route():
+    from model.optimized import switches_used
+    from model.routing import Route
+
+    f32 = torch.float32
+    assert switches_used(Route("sdpa", "fp32", "r"), f32, "cuda") == ()
+    assert switches_used(Route("fused", "fp16", "r"), f32, "cuda") == ("fused_layer", "cuda_graph", "reduced_precision")
+    assert switches_used(Route("fused", "fp16", "r"), torch.float16, "cpu") == ("fused_layer",)
+    assert switches_used(Route("graph", "fp16", "r"), f32, "cuda") == (
+        "cuda_graph", "reduced_precision", "flash_attention", "fused_layernorm", "packed_qkv")
+    assert switches_used(Route("triton", "fp16", "r", attention="sdpa"), f32, "cuda") == (
+        "reduced_precision", "fused_layernorm", "packed_qkv")
+
+
 def test_env_disable_unknown_name(monkeypatch):
     monkeypatch.setenv("SHAPEWISE_DISABLE", "no-such-optimization")
     cfg = cfg_of(CFG_SEQ7)

@@ -6,6 +6,11 @@ the reference (official tolerance; chunked reference when the plain one does
 not fit) and a median time with the shorter ablation protocol. A variant the
 model refuses (for example a forced route that needs the disabled switch) is
 recorded with its error; the job fails only when the "all on" model fails.
+
+A switch the "all on" route does not use (model.optimized.switches_used) is recorded as
+`skipped: not-applicable`: switching it off would run the same code. A switch named in the
+protocol's `skip` mapping (config `heavy.ablation.skip`, for rows where a variant takes minutes
+per call) is recorded as `skipped: time` with the configured reason. Neither is a pass.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from shapewise.jobs.preflight import fits
 
 
 def main(args):
-    from model.optimized import OPTIMIZATIONS
+    from model.optimized import OPTIMIZATIONS, switches_used
 
     device = setup(args.device, args.threads)
     row = json.loads(args.row)
@@ -43,8 +48,17 @@ def main(args):
     reference, _ = build_models(row, config, device)
     x, mask, _ = make_case(row, config, device, FIRST_TRIAL_SEED)
     set_precision(reference=False)
+    used = None  # the switches the all-on route uses, known after its first call
     for name, disable in [("all-on", ())] + [(s, (s,)) for s in OPTIMIZATIONS]:
         variant = {"variant": name, "disable": list(disable)}
+        if disable and name not in used:
+            variant.update(skipped="not-applicable", reason=f"the all-on route ({base_route}) does not use it")
+        elif disable and name in protocol.get("skip", {}):
+            variant.update(skipped="time", reason=protocol["skip"][name])
+        if "skipped" in variant:
+            log(f"{row['id']} {name}: skipped ({variant['skipped']}: {variant['reason']})")
+            result["variants"].append(variant)
+            continue
         try:
             model = build_optimized(row, config, device, disable=disable)
             with torch.inference_mode():
@@ -66,6 +80,9 @@ def main(args):
         variant["accuracy"] = comparisons["official"]
         variant["passed"] = comparisons["official"]["passed"]
         variant["checked"] = checked
+        if not disable:
+            used, base_route = switches_used(model.last_route, x.dtype, device.type), variant["route"]
+            result["switches_used"] = list(used)
         result["variants"].append(variant)
         log(f"{row['id']} {name}: {variant['median_ms']:.4f} ms, route {variant['route']}, "
             f"{'pass' if variant['passed'] else 'FAIL'}")

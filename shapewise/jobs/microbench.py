@@ -126,11 +126,12 @@ def main(args):
 
 def peaks(microbench, dtype_name):
     """(peak FLOP/s, bandwidth B/s) for a row's dtype, or (None, None)."""
-    from shapewise.roofline import PEAK_ENTRY
+    from shapewise.roofline import PEAK_ENTRIES
 
-    entry = microbench["gemm"].get(PEAK_ENTRY[dtype_name], {})
+    names = PEAK_ENTRIES[dtype_name]
     if microbench["device"] == "cpu" and dtype_name == "float32":
-        entry = microbench["gemm"]["fp32"]  # no TF32 on a CPU
-    peak = entry.get("tflop_per_s")
+        names = ("fp32",)  # no TF32 or fast fp16 GEMM on a CPU
+    rates = [microbench["gemm"].get(n, {}).get("tflop_per_s") for n in names]
+    peak = max((r for r in rates if r), default=None)
     bandwidth = microbench["copy"]["gb_per_s"]
     return (peak * 1e12 if peak else None), (bandwidth * 1e9 if bandwidth else None)

@@ -4,6 +4,7 @@
 # Nothing here imports torch (it would cost seconds on every `snakemake` call).
 
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -106,6 +107,15 @@ def _is_heavy(shape):
 
     row = ROWS.get(shape)
     return row is not None and roofline.flops(**row)["total"] >= config["heavy"]["min_gflop"] * 1e9
+
+
+def row_priority(wildcards):
+    """Cheaper rows first (higher priority runs first): a run stopped at a time limit, or a lent GPU
+    taken back, has finished the most rows it could. Priority = -log2(FLOPs of one forward)."""
+    from shapewise import roofline
+
+    row = ROWS.get(wildcards.shape)
+    return -math.log2(max(2.0, roofline.flops(**row)["total"])) if row is not None else 0
 
 
 def _is_large(shape):

@@ -51,6 +51,7 @@ rule preflight:
         row=row_param,
         headroom=config["preflight"]["headroom"],
         harness=HARNESS_DIGEST,
+    priority: row_priority
     log:
         "results/logs/preflight/{shape}.log",
     threads: 1
@@ -73,6 +74,7 @@ rule accuracy:
         row=row_param,
         chunked=json.dumps(config["chunked_check"], sort_keys=True),
         harness=HARNESS_DIGEST,
+    priority: row_priority
     log:
         "results/logs/accuracy/{shape}.log",
     threads: res("threads")
@@ -96,6 +98,7 @@ rule timing:
         row=row_param,
         protocol=protocol_of("timing"),
         harness=HARNESS_DIGEST,
+    priority: row_priority
     log:
         "results/logs/timing/{shape}.log",
     threads: res("threads")
@@ -121,6 +124,7 @@ rule profile:
         row=row_param,
         capture=protocol_of("profile"),
         harness=HARNESS_DIGEST,
+    priority: row_priority
     log:
         "results/logs/profile/{shape}.log",
     threads: res("threads")
@@ -145,6 +149,7 @@ rule ablation:
         protocol=protocol_of("ablation"),
         chunked=json.dumps(config["chunked_check"], sort_keys=True),
         harness=HARNESS_DIGEST,
+    priority: row_priority
     log:
         "results/logs/ablation/{shape}.log",
     threads: res("threads")

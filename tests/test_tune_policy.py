@@ -1,0 +1,69 @@
+"""scripts/tune_policy.py: the fused kernel's launch configurations chosen from a sweep file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = (32, 4, 1)
+
+
+def record(row, cfg, ms, err=1e-3, err_masked=1e-3, error=None):
+    r = {"row": row, "block_m": cfg[0], "num_warps": cfg[1], "num_stages": cfg[2]}
+    if error:
+        return {**r, "error": error}
+    return {**r, "ms": ms, "max_abs_error": err, "max_abs_error_masked": err_masked}
+
+
+def tune(tmp_path, fused, **extra):
+    sweep, policy = tmp_path / "sweep.json", tmp_path / "policy.json"
+    sweep.write_text(json.dumps({"fused": fused, **extra}))
+    policy.write_text((ROOT / "model" / "routing_policy.json").read_text())
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune_policy.py"), str(sweep), str(policy)],
+                          capture_output=True, text=True)
+    return done, json.loads(policy.read_text())
+
+
+def test_fastest_accurate_configuration_per_group(tmp_path):
+    fast_wrong, fast, slow = (16, 4, 2), (16, 4, 1), (32, 4, 2)
+    fused = []
+    for row in (2, 12):  # small group: the fastest is inaccurate (masked), the next one wins
+        fused += [record(row, BASE, 0.10), record(row, fast_wrong, 0.05, err_masked=0.5), record(row, fast, 0.07)]
+    for row in (1, 6):  # large group: one configuration fails to compile on row 6
+        fused += [record(row, BASE, 0.10 * (1 + 40 * (row == 6))), record(row, fast, 0.01, error="OutOfResources")
+                  if row == 6 else record(row, fast, 0.01), record(row, slow, 0.09 * (1 + 40 * (row == 6)))]
+    done, policy = tune(tmp_path, fused, row6_triton_layer_ms=1.0)
+    assert done.returncode == 0, done.stderr
+    assert policy["fused"]["launch"] == [
+        {"max_tokens": 4096, "block_m": 16, "num_warps": 4, "num_stages": 1},
+        {"max_tokens": None, "block_m": 32, "num_warps": 4, "num_stages": 2}]
+    assert policy["fused"]["max_tokens_x_d_model"] == 16777216  # row 6 fused (3.69 ms) loses to 1.0 ms
+    assert "(rejected)" in done.stdout
+
+
+def test_row6_goes_fused_when_the_fused_layer_is_faster(tmp_path):
+    fused = [record(6, BASE, 2.0), record(1, BASE, 0.1)]
+    done, policy = tune(tmp_path, fused, row6_triton_layer_ms=3.0)
+    assert done.returncode == 0, done.stderr
+    assert policy["fused"]["max_tokens_x_d_model"] >= 10000 * 128 * 128
+
+
+@pytest.mark.parametrize("broken", ["baseline", "no-common"])
+def test_refuses_when_nothing_trustworthy(tmp_path, broken):
+    """A failed baseline, or no configuration that qualifies on every row of a group: exit non-zero, naming
+    the rows, and leave the policy as it was."""
+    if broken == "baseline":
+        fused = [record(1, BASE, 0.1, error="CUDA error"), record(1, (16, 4, 1), 0.05)]
+        message = "baseline configuration failed on row 1"
+    else:
+        fused = [record(2, BASE, 0.1), record(12, (16, 4, 1), 0.1)]
+        message = "no configuration qualifies on rows [2, 12]"
+    done, policy = tune(tmp_path, fused)
+    assert done.returncode != 0 and message in done.stderr + done.stdout
+    before = json.loads((ROOT / "model" / "routing_policy.json").read_text())
+    assert policy == before, "a refused tuning must leave the policy as it was"
