@@ -3,21 +3,20 @@
 #
 # Here (once): ../shared/tools/device-wheels.sh .whl        # snakemake + deps as offline wheels (git-ignored)
 # Device call: carry [".whl"], command: [SHAPES=official] bash scripts/h200_pipeline.sh [SECONDS]
-# (SHAPES: the manifests to run, default official,contract.) A tuned policy left in results/ by
-# scripts/h200_checks.sh on the same warm machine is applied first and comes back in $OUT.
+# (SHAPES: the manifests to run, default official,contract.) It runs the committed code and policy.
 #
 # The node has no network: the wheels install into /tmp/site. Snakemake runs with --keep-going under a time
 # budget (default 520 s, inside the 600 s limit of one call) and is stopped cleanly when it runs out; the
 # results travel back as one archive, $OUT/results.tgz (profiler traces left out: they are large). Call it
 # again while the machine is still warm and Snakemake resumes where it stopped (results/ is git-ignored and
-# stays on the node between calls of one lease). Unpack here with `tar xzf results.tgz` in the repo root,
-# then render and check the report locally: `snakemake --cores all -n` must show only the report job.
+# stays on the node between calls of one lease). The report is the DAG's last job, rendered on the node:
+# unpack here with `tar xzf results.tgz`, copy results/report/ to reports/h200/ and run
+# `shapewise verify reports/h200` (a fresh clone too: every hash it lists must match).
 set -uo pipefail
 budget=${1:-520}
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+[ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 nvidia-smi -L
-if [ -f results/routing_policy.json ]; then cp results/routing_policy.json model/routing_policy.json; cp model/routing_policy.json "$OUT/"; fi
 start=$(date +%s)
 timeout --signal=INT --kill-after=30 "$budget" \
     python3 -m snakemake --cores 16 --keep-going --rerun-incomplete --config shapes="${SHAPES:-official,contract}" \
