@@ -21,6 +21,9 @@ from . import INTERPRET
 
 MAX_SEQ = 128
 MAX_D_MODEL = 128
+# Largest block_m served. 64 and 128 ended in an illegal memory access on the H200 (Triton 3.6; see
+# reports/h200/session2/README.md); scripts/h200_fused_isolation.py raises this in its own processes to probe them.
+MAX_BLOCK_M = 32
 # Triton 3.6's interpreter computes garbage for bf16 dots (see kernels/attention.py): there the
 # (already bf16-rounded) operands are multiplied in fp32, which gives the tensor cores' products.
 _DOT_IN_FP32 = tl.constexpr(INTERPRET)
@@ -220,8 +223,8 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
     # default 32 query rows with 4 warps, 1 stage: the first configuration checked on the H200. The model
     # passes the policy's tuned configuration (model/routing_policy.json, fused.launch; scripts/tune_policy.py).
     block_m = min(block_s, block_m or 32)
-    if block_m > 32:  # 64 and 128 ended in an illegal memory access on the H200 (Triton 3.6), not yet isolated
-        raise ValueError(f"fused_layer: block_m must be at most 32, got {block_m}")
+    if block_m > MAX_BLOCK_M:
+        raise ValueError(f"fused_layer: block_m must be at most {MAX_BLOCK_M}, got {block_m}")
     grid = (triton.cdiv(S, block_m), B)
     _fused_layer_fwd[grid](
         x, out, m,

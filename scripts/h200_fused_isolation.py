@@ -1,0 +1,91 @@
+"""Isolate the fused layer kernel's crash at block_m >= 64 on the H200: one process per configuration.
+
+Usage (CUDA machine): python scripts/h200_fused_isolation.py OUT.json
+
+In session 2 the first block_m=64 configuration ended in `illegal memory access`, and every configuration
+after it failed on the poisoned CUDA context, so which ones crash on their own is unknown. Here every
+configuration runs in a child process (a crash costs only that child) on official rows 1 and 6, plain and
+with a non-prefix mask, once as Triton compiles it by default and once with DISABLE_MMA_V3=1 (no Hopper
+wgmma: tests whether the crash comes from the wgmma lowering; each setting has its own Triton cache).
+Each record: exit status, the error's last line, max abs error against the fp64 reference, and the GPU time
+of one launch (graph replay of 10 launches / 10). Nothing here changes the policy.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+CONFIGS = [(32, 4, 2), (64, 4, 1), (64, 4, 2), (64, 8, 1), (64, 8, 2), (128, 4, 2), (128, 8, 2)]
+ROWS = {1: (64, 128, 128, 4, 128), 6: (10000, 128, 128, 4, 128)}
+SETTINGS = {"default": {}, "no-wgmma": {"DISABLE_MMA_V3": "1"}}
+
+
+def child(block_m, num_warps, num_stages):
+    import torch
+
+    sys.path.insert(0, ".")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import kernels.fused_layer as fl
+    from h200_probe import median_ms
+    from h200_sweep import weights
+
+    fl.MAX_BLOCK_M = 128  # this process exists to probe the sizes the library refuses
+    out = []
+    for row, (B, S, d, H, ffn) in ROWS.items():
+        w, wref = weights(d, ffn, "cuda")
+        x = torch.randn(B, S, d, device="cuda", generator=torch.Generator("cuda").manual_seed(row))
+        mask = torch.rand(8, S, device="cuda", generator=torch.Generator("cuda").manual_seed(1)) > 0.3
+        mask[0] = False
+        xm = x[:8].contiguous()
+        run = dict(num_heads=H, causal=True, block_m=block_m, num_warps=num_warps, num_stages=num_stages)
+        y = fl.fused_layer(x, w, **run)
+        ym = fl.fused_layer(xm, w, mask=mask, **run)
+        torch.cuda.synchronize()
+        rec = {"row": row,
+               "max_abs_error": (y[:64].double() - fl.fused_layer_reference(x[:64], wref, num_heads=H, causal=True)
+                                 ).abs().max().item(),
+               "max_abs_error_masked": (ym.double() - fl.fused_layer_reference(xm, wref, num_heads=H, causal=True,
+                                                                                mask=mask)).abs().max().item()}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(10):
+                fl.fused_layer(x, w, **run)
+        rec["ms"] = median_ms(graph.replay, warmup=2, iters=5 if B > 1000 else 30) / 10
+        out.append(rec)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def main():
+    results = []
+    for setting, env_extra in SETTINGS.items():
+        cache = tempfile.mkdtemp(prefix=f"triton-{setting}-")
+        for cfg in CONFIGS:
+            env = dict(os.environ, TRITON_CACHE_DIR=cache, **env_extra)
+            try:
+                done = subprocess.run([sys.executable, __file__, "--child", *map(str, cfg)], env=env,
+                                      capture_output=True, text=True, timeout=120)
+                rc, text = done.returncode, done.stdout + done.stderr
+            except subprocess.TimeoutExpired as e:
+                rc, text = "timeout", (e.stdout or "") + (e.stderr or "")
+                text = text.decode() if isinstance(text, bytes) else text
+            rec = {"setting": setting, "block_m": cfg[0], "num_warps": cfg[1], "num_stages": cfg[2], "rc": rc}
+            found = [line for line in text.splitlines() if line.startswith("RESULT ")]
+            if found:
+                rec["rows"] = json.loads(found[-1][len("RESULT "):])
+            else:
+                errors = [line for line in text.splitlines() if "Error" in line or "error" in line]
+                rec["error"] = (errors[-1] if errors else text.strip().splitlines()[-1:] or [""])[0][:300]
+            results.append(rec)
+            print(json.dumps(rec), flush=True)
+            with open(sys.argv[1], "w") as f:
+                json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--child":
+        child(*map(int, sys.argv[2:]))
+    else:
+        main()
