@@ -5,8 +5,9 @@ Usage (CUDA machine): python scripts/h200_fused_isolation.py OUT.json
 In session 2 the first block_m=64 configuration ended in `illegal memory access`, and every configuration
 after it failed on the poisoned CUDA context, so which ones crash on their own is unknown. Here every
 configuration runs in a child process (a crash costs only that child) on official rows 1 and 6, plain and
-with a non-prefix mask, once as Triton compiles it by default and once with DISABLE_MMA_V3=1 (no Hopper
-wgmma: tests whether the crash comes from the wgmma lowering; each setting has its own Triton cache).
+with a non-prefix mask, in three variants: as Triton compiles it by default; with the kernel's KT_FROM_LOADS
+variant (no transposed copy of a matmul result feeds the score matmul: the suspect, scripts/fused_ttgir.py);
+and with DISABLE_MMA_V3=1 (no Hopper wgmma at all). Each setting has its own Triton cache.
 Each record: exit status, the error's last line, max abs error against the fp64 reference, and the GPU time
 of one launch (graph replay of 10 launches / 10). Nothing here changes the policy.
 """
@@ -20,10 +21,11 @@ import tempfile
 
 CONFIGS = [(32, 4, 2), (64, 4, 1), (64, 4, 2), (64, 8, 1), (64, 8, 2), (128, 4, 2), (128, 8, 2)]
 ROWS = {1: (64, 128, 128, 4, 128), 6: (10000, 128, 128, 4, 128)}
-SETTINGS = {"default": {}, "no-wgmma": {"DISABLE_MMA_V3": "1"}}
+# name: (environment, kt_from_loads)
+SETTINGS = {"default": ({}, False), "kt-from-loads": ({}, True), "no-wgmma": ({"DISABLE_MMA_V3": "1"}, False)}
 
 
-def child(block_m, num_warps, num_stages):
+def child(block_m, num_warps, num_stages, kt_from_loads):
     import torch
 
     sys.path.insert(0, ".")
@@ -40,7 +42,8 @@ def child(block_m, num_warps, num_stages):
         mask = torch.rand(8, S, device="cuda", generator=torch.Generator("cuda").manual_seed(1)) > 0.3
         mask[0] = False
         xm = x[:8].contiguous()
-        run = dict(num_heads=H, causal=True, block_m=block_m, num_warps=num_warps, num_stages=num_stages)
+        run = dict(num_heads=H, causal=True, block_m=block_m, num_warps=num_warps, num_stages=num_stages,
+                   kt_from_loads=bool(kt_from_loads))
         y = fl.fused_layer(x, w, **run)
         ym = fl.fused_layer(xm, w, mask=mask, **run)
         torch.cuda.synchronize()
@@ -60,13 +63,13 @@ def child(block_m, num_warps, num_stages):
 
 def main():
     results = []
-    for setting, env_extra in SETTINGS.items():
+    for setting, (env_extra, kt_from_loads) in SETTINGS.items():
         cache = tempfile.mkdtemp(prefix=f"triton-{setting}-")
         for cfg in CONFIGS:
             env = dict(os.environ, TRITON_CACHE_DIR=cache, **env_extra)
             try:
-                done = subprocess.run([sys.executable, __file__, "--child", *map(str, cfg)], env=env,
-                                      capture_output=True, text=True, timeout=120)
+                command = [sys.executable, __file__, "--child", *map(str, cfg), str(int(kt_from_loads))]
+                done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
                 rc, text = done.returncode, done.stdout + done.stderr
             except subprocess.TimeoutExpired as e:
                 rc, text = "timeout", (e.stdout or "") + (e.stderr or "")
@@ -85,7 +88,7 @@ def main():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--child":
+    if len(sys.argv) == 6 and sys.argv[1] == "--child":
         child(*map(int, sys.argv[2:]))
     else:
         main()

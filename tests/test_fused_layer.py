@@ -1,0 +1,121 @@
+"""kernels.fused_layer.fused_layer against its fp64 reference (fused_layer_reference), kernel by itself.
+
+On a CPU the kernel runs in the Triton interpreter. The model-level tests (tests/test_model.py, route `fused`)
+cover it inside the model; here each launch option is checked directly: block_m 16 and 32, the
+KT_FROM_LOADS variant, masks (holes, a fully masked sequence), causal and not, the final norm, odd S,
+d_model that is not a power of two, head_dim 8 and 80, fp16 and bf16 operands.
+"""
+
+import pytest
+import torch
+
+from kernels.fused_layer import MAX_BLOCK_M, fused_layer, fused_layer_reference
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# operand dtype -> (atol, rtol) against fp64 math on the same (rounded) weights: activations rounded to
+# fp16 (2^-11) or bf16 (2^-8) before each of ~6 chained matmuls, outputs of order 1
+TOL = {torch.float16: (4e-3, 2e-2), torch.bfloat16: (3e-2, 5e-2)}
+# (B, S, d_model, num_heads, ffn_dim)
+SHAPES = {
+    "S1": (2, 1, 32, 2, 32),
+    "S7-d48-H3": (2, 7, 48, 3, 80),
+    "S33-hd16": (2, 33, 64, 4, 96),
+    "hd8": (2, 20, 32, 4, 48),
+    "hd80": (1, 16, 80, 1, 80),
+    "S128": (1, 128, 32, 2, 64),
+}
+
+
+def weights(d, ffn, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    w = {"qkv_w": r(3 * d, d, scale=d**-0.5), "qkv_b": r(3 * d, scale=0.1), "o_w": r(d, d, scale=d**-0.5),
+         "o_b": r(d, scale=0.1), "in_w": r(ffn, d, scale=d**-0.5), "in_b": r(ffn, scale=0.1),
+         "out_w": r(d, ffn, scale=ffn**-0.5), "out_b": r(d, scale=0.1)}
+    op = {k: v.to(DEVICE, dtype) for k, v in w.items()}
+    for name in ("n1", "n2"):
+        op[name + "_w"] = (1 + r(d, scale=0.1)).to(DEVICE)
+        op[name + "_b"] = r(d, scale=0.1).to(DEVICE)
+    return op
+
+
+def make_mask(kind, B, S):
+    if kind == "none":
+        return None
+    g = torch.Generator().manual_seed(S)
+    mask = torch.rand(B, S, generator=g) > 0.3
+    if kind == "one_empty":
+        mask[0] = False
+    return mask.to(DEVICE)
+
+
+def check(y, want, dtype):
+    atol, rtol = TOL[dtype]
+    err = (y.double().cpu() - want.cpu()).abs()
+    bad = err > atol + rtol * want.abs().cpu()
+    assert torch.isfinite(y).all(), "non-finite output"
+    assert not bad.any(), f"{int(bad.sum())} elements off, max abs error {err.max().item():.3e}"
+
+
+@pytest.mark.parametrize("kt_from_loads", [False, True], ids=["k-trans", "kt-loads"])
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("mask_kind", ["none", "holes", "one_empty"])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_fused_layer_matches_fp64(shape, mask_kind, block_m, kt_from_loads):
+    B, S, d, H, ffn = SHAPES[shape]
+    causal = S % 2 == 1 or shape == "S128"  # both kinds across the shapes
+    w = weights(d, ffn, torch.float16)
+    x = torch.randn(B, S, d, device=DEVICE)
+    mask = make_mask(mask_kind, B, S)
+    y = fused_layer(x, w, num_heads=H, causal=causal, mask=mask, block_m=block_m, kt_from_loads=kt_from_loads)
+    want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal, mask=mask)
+    check(y, want, torch.float16)
+
+
+@pytest.mark.parametrize("kt_from_loads", [False, True], ids=["k-trans", "kt-loads"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_final_norm_and_operand_dtypes(dtype, kt_from_loads):
+    B, S, d, H, ffn = SHAPES["S33-hd16"]
+    w = weights(d, ffn, dtype)
+    final = ((1 + 0.1 * torch.randn(d)).to(DEVICE), (0.1 * torch.randn(d)).to(DEVICE))
+    x = torch.randn(B, S, d, device=DEVICE)
+    mask = make_mask("holes", B, S)
+    y = fused_layer(x, w, num_heads=H, causal=True, mask=mask, final=final, out_dtype=torch.float32,
+                    kt_from_loads=kt_from_loads)
+    want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=True, mask=mask,
+                                 final=final)
+    check(y, want, dtype)
+
+
+def test_kt_variant_gives_the_same_layer():
+    """Both ways of forming the scores compute the same layer: outputs agree to operand rounding."""
+    B, S, d, H, ffn = SHAPES["S33-hd16"]
+    w = weights(d, ffn, torch.float16, seed=3)
+    x = torch.randn(B, S, d, device=DEVICE)
+    a = fused_layer(x, w, num_heads=H, causal=True)
+    b = fused_layer(x, w, num_heads=H, causal=True, kt_from_loads=True)
+    assert (a - b).abs().max().item() < 4e-3
+
+
+@pytest.mark.parametrize("block_m", [MAX_BLOCK_M * 2, MAX_BLOCK_M * 4])
+def test_block_m_beyond_the_checked_range_is_refused(block_m):
+    B, S, d, H, ffn = SHAPES["S128"]
+    w = weights(d, ffn, torch.float16)
+    with pytest.raises(ValueError, match=f"block_m must be at most {MAX_BLOCK_M}"):
+        fused_layer(torch.randn(B, S, d, device=DEVICE), w, num_heads=H, causal=True, block_m=block_m)
+
+
+def test_bad_inputs_are_named():
+    B, S, d, H, ffn = SHAPES["S7-d48-H3"]
+    w = weights(d, ffn, torch.float16)
+    with pytest.raises(ValueError, match="seq_len <= 128"):
+        fused_layer(torch.randn(1, 129, d, device=DEVICE), w, num_heads=H, causal=True)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        fused_layer(torch.randn(B, S, d, device=DEVICE), {**w, "qkv_w": w["qkv_w"].float()}, num_heads=H,
+                    causal=True)
+    with pytest.raises(ValueError, match="mask must be bool"):
+        fused_layer(torch.randn(B, S, d, device=DEVICE), w, num_heads=H, causal=True,
+                    mask=torch.ones(B, S, dtype=torch.int32, device=DEVICE))
