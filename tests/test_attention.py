@@ -320,3 +320,25 @@ def test_bad_inputs_raise_naming_the_tensor(case):
     with pytest.raises((ValueError, TypeError)) as ei:
         flash_attention(kw.pop("q"), kw.pop("k"), kw.pop("v"), causal=True, **kw)
     assert re.search(rf"\b{name}\b", str(ei.value)), f"error does not name {name!r}: {ei.value}"
+
+
+def test_autotune_candidates_are_pruned_by_shape_and_precision():
+    """The autotuner's early prune: tiles no larger than the sequence, small tiles for big head sizes and for
+    exact fp32 (whose compile time per candidate dominated pipeline jobs), large tiles for long sequences."""
+    import triton
+
+    from kernels.attention import _prune
+
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=2)
+               for bm, bn in [(128, 128), (128, 64), (64, 64), (64, 32), (32, 32), (16, 32)]]
+
+    def kept(seq, block_d, precision):
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"])
+                for c in _prune(configs, {"seq_len": seq}, BLOCK_D=block_d, PRECISION=precision)]
+
+    assert kept(1024, 32, 2) == [(128, 128), (128, 64), (64, 64), (64, 32), (32, 32), (16, 32)]
+    assert kept(40, 32, 2) == [(64, 64), (64, 32), (32, 32), (16, 32)]
+    assert kept(1024, 256, 2) == [(64, 64), (64, 32), (32, 32), (16, 32)]
+    assert kept(100_000, 64, 3) == [(128, 128), (128, 64), (64, 64), (64, 32)]
+    assert kept(1024, 32, 0) == [(64, 32), (32, 32)]
+    assert kept(8, 32, 0) == [(16, 32)], "nothing fits: the last candidate is kept"
