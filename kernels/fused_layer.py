@@ -82,17 +82,6 @@ def _layer_norm_rows(x, w_ptr, b_ptr, cols, col_ok, n_cols, eps):
 
 
 @triton.jit
-def _layer_norm_cols(xt, w_ptr, b_ptr, cols, col_ok, n_cols, eps):
-    """LayerNorm of each column of a transposed fp32 tile [BLOCK_D, rows] whose padding rows are 0."""
-    mean = tl.sum(xt, 0) / n_cols
-    xc = tl.where(col_ok[:, None], xt - mean[None, :], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0)
-    b = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
-    return xc * rstd[None, :] * w[:, None] + b[:, None]
-
-
-@triton.jit
 def _fused_layer_fwd(
     X,  # pointer to the residual stream in, [B, S, d] (fp32, or the input dtype for layer 0)
     Y,  # pointer to the output, [B, S, d]: fp32 residual, or the final normalized output when FINAL_NORM
@@ -110,7 +99,7 @@ def _fused_layer_fwd(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr,
-    KT_FROM_LOADS: tl.constexpr,  # build kᵀ as W_k·LN1(x)ᵀ from loads instead of transposing k (see fused_layer)
+    KT_DIRECT: tl.constexpr,  # form kᵀ as W_k·LN1(x)ᵀ instead of transposing k, a matmul result (see fused_layer)
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -135,11 +124,6 @@ def _fused_layer_fwd(
                  other=0.0).to(tl.float32)
     hq = _layer_norm_rows(xq, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
 
-    if KT_FROM_LOADS:  # LayerNorm 1 of the keys, transposed: [BLOCK_D, BLOCK_S]
-        xkt = tl.load(x_base + keys[None, :] * stride_xs + cols[:, None],
-                      mask=col_ok[:, None] & (keys < seq_len)[None, :], other=0.0).to(tl.float32)
-        hkt = _layer_norm_cols(xkt, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
-
     visible = key_ok[None, :]
     if IS_CAUSAL:
         visible = visible & (keys[None, :] <= rows[:, None])
@@ -157,10 +141,8 @@ def _fused_layer_fwd(
         bk = tl.load(Bqkv + d_model + f0 + hcol, mask=hd_ok, other=0.0).to(tl.float32)
         bv = tl.load(Bqkv + 2 * d_model + f0 + hcol, mask=hd_ok, other=0.0).to(tl.float32)
         q = (_mm(hq, wq) + bq[None, :]).to(op_ty)
-        if KT_FROM_LOADS:  # kᵀ [head_dim, S] = W_k rows f0.. (as loaded) @ LN1(keys)ᵀ: no MMA result transposed
-            wkt = tl.load(Wqkv + (d_model + f0 + hcol[:, None]) * d_model + cols[None, :],
-                          mask=hd_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_HD, BLOCK_D], rows of W_k
-            kt = (_mm(wkt, hkt) + bk[:, None]).to(op_ty)
+        if KT_DIRECT:  # kᵀ [head_dim, S] = W_k rows f0.. @ LN1(keys)ᵀ: transposes LayerNorm output, no matmul result
+            kt = (_mm(tl.trans(wk), tl.trans(hk)) + bk[:, None]).to(op_ty)
             v = (_mm(hk, wv) + bv[None, :]).to(op_ty)
             s = _mm(q, kt) * qk_scale
         else:
@@ -216,16 +198,17 @@ def supports(seq_len: int, d_model: int, num_heads: int) -> bool:
 
 
 def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=None, out=None, block_m=None,
-                num_warps=4, num_stages=1, kt_from_loads=False):
+                num_warps=4, num_stages=1, kt_direct=False):
     """One layer (and the final norm when `final=(weight, bias)`) over `x [B, S, d]`.
 
     w: dict with qkv_w [3d, d], qkv_b [3d], o_w, o_b, in_w [ffn, d], in_b, out_w [d, ffn], out_b in the
     operand dtype (fp16/bf16) and n1_w, n1_b, n2_w, n2_b in fp32. Returns the new fp32 residual
     `[B, S, d]`, or the normalized output (in `out_dtype`, default x's dtype) when `final` is given.
     block_m, num_warps, num_stages: launch configuration (defaults: the one checked on the H200).
-    kt_from_loads: compute kᵀ directly (W_k·LN1(x)ᵀ, from loaded operands) instead of transposing k, a
-    matmul result. At block_m >= 64 Triton 3.6 feeds the score matmul from a transposed shared-memory
-    copy of k (scripts/fused_ttgir.py), the pattern suspected of the H200 crash; this variant avoids it.
+    kt_direct: form kᵀ directly as W_k·LN1(x)ᵀ (transposing a weight tile and the LayerNorm output) instead
+    of transposing k, a matmul result. At block_m >= 64 Triton 3.6 feeds the score matmul from a transposed
+    shared-memory copy of k (scripts/fused_ttgir.py), the pattern suspected of the H200 crash; transposed
+    copies of non-matmul tiles are what the attention kernel's 64/128-row tiles already run on the H200.
     Same math; not used by the model until scripts/h200_fused_isolation.py has measured it.
     """
     B, S, d = x.shape
@@ -264,6 +247,6 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_F=min(64, max(16, triton.next_power_of_2(ffn))),
         BLOCK_M=block_m, BLOCK_S=block_s,
         IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, FINAL_NORM=final is not None,
-        KT_FROM_LOADS=bool(kt_from_loads), num_warps=num_warps, num_stages=num_stages,
+        KT_DIRECT=bool(kt_direct), num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -1,7 +1,7 @@
 """Compile the fused layer kernel for sm_90 on any machine (no GPU needed) and list how each dot is lowered.
 
-Usage: python scripts/fused_ttgir.py [--kt-from-loads] [BLOCK_M NUM_WARPS NUM_STAGES ...]
-       (default configurations: 32 4 1 64 4 1; --kt-from-loads: the kernel's KT_FROM_LOADS variant)
+Usage: python scripts/fused_ttgir.py [--kt-direct] [BLOCK_M NUM_WARPS NUM_STAGES ...]
+       (default configurations: 32 4 1 64 4 1; --kt-direct: the kernel's KT_DIRECT variant)
 
 For each launch configuration (official row 1's shape: d_model 128, 4 heads, S 128, ffn 128, causal) it prints
 the shared memory the kernel takes and, per dot, whether Triton lowered it to a Hopper wgmma
@@ -26,10 +26,10 @@ FP16_POINTERS = ("Wqkv", "Bqkv", "Wo", "Bo", "Win", "Bin", "Wout", "Bout")
 INTS = ("stride_xb", "stride_xs", "stride_yb", "stride_ys", "stride_mb", "seq_len", "d_model", "ffn_dim")
 
 
-def compile_for_sm90(block_m, num_warps, num_stages, kt_from_loads=False):
+def compile_for_sm90(block_m, num_warps, num_stages, kt_direct=False):
     names = _fused_layer_fwd.arg_names
     consts = dict(NUM_HEADS=4, HEAD_DIM=32, BLOCK_HD=32, BLOCK_D=128, BLOCK_F=64, BLOCK_M=block_m, BLOCK_S=128,
-                  IS_CAUSAL=True, HAS_MASK=False, FINAL_NORM=False, KT_FROM_LOADS=kt_from_loads)
+                  IS_CAUSAL=True, HAS_MASK=False, FINAL_NORM=False, KT_DIRECT=kt_direct)
     sig = {n: ("*fp16" if n in FP16_POINTERS else "*i8" if n == "Mask" else "i32" if n in INTS
                else "fp32" if n in ("qk_scale", "eps") else "constexpr" if n in consts else "*fp32") for n in names}
     src = ASTSource(fn=_fused_layer_fwd, signature=sig,
@@ -39,13 +39,13 @@ def compile_for_sm90(block_m, num_warps, num_stages, kt_from_loads=False):
 
 
 def main():
-    variant = "--kt-from-loads" in sys.argv[1:]
-    args = [int(a) for a in sys.argv[1:] if a != "--kt-from-loads"] or [32, 4, 1, 64, 4, 1]
+    variant = "--kt-direct" in sys.argv[1:]
+    args = [int(a) for a in sys.argv[1:] if a != "--kt-direct"] or [32, 4, 1, 64, 4, 1]
     for i in range(0, len(args), 3):
         cfg = tuple(args[i:i + 3])
-        kernel = compile_for_sm90(*cfg, kt_from_loads=variant)
+        kernel = compile_for_sm90(*cfg, kt_direct=variant)
         ttgir = kernel.asm["ttgir"]
-        print(f"block_m={cfg[0]} num_warps={cfg[1]} num_stages={cfg[2]}{' KT_FROM_LOADS' if variant else ''}: "
+        print(f"block_m={cfg[0]} num_warps={cfg[1]} num_stages={cfg[2]}{' KT_DIRECT' if variant else ''}: "
               f"shared memory {kernel.metadata.shared} B")
         for line in ttgir.splitlines():
             m = re.search(r"(%\w+) = (ttng\.warp_group_dot|tt\.dot) (%\w+), (%\w+).*: (tensor<[^>]*>[^*]*)\* ([^-]*)->",

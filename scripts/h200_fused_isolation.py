@@ -5,7 +5,7 @@ Usage (CUDA machine): python scripts/h200_fused_isolation.py OUT.json
 In session 2 the first block_m=64 configuration ended in `illegal memory access`, and every configuration
 after it failed on the poisoned CUDA context, so which ones crash on their own is unknown. Here every
 configuration runs in a child process (a crash costs only that child) on official rows 1 and 6, plain and
-with a non-prefix mask, in three variants: as Triton compiles it by default; with the kernel's KT_FROM_LOADS
+with a non-prefix mask, in three variants: as Triton compiles it by default; with the kernel's KT_DIRECT
 variant (no transposed copy of a matmul result feeds the score matmul: the suspect, scripts/fused_ttgir.py);
 and with DISABLE_MMA_V3=1 (no Hopper wgmma at all). Each setting has its own Triton cache.
 Each record: exit status, the error's last line, max abs error against the fp64 reference, and the GPU time
@@ -21,11 +21,11 @@ import tempfile
 
 CONFIGS = [(32, 4, 2), (64, 4, 1), (64, 4, 2), (64, 8, 1), (64, 8, 2), (128, 4, 2), (128, 8, 2)]
 ROWS = {1: (64, 128, 128, 4, 128), 6: (10000, 128, 128, 4, 128)}
-# name: (environment, kt_from_loads)
-SETTINGS = {"default": ({}, False), "kt-from-loads": ({}, True), "no-wgmma": ({"DISABLE_MMA_V3": "1"}, False)}
+# name: (environment, kt_direct)
+SETTINGS = {"default": ({}, False), "kt-direct": ({}, True), "no-wgmma": ({"DISABLE_MMA_V3": "1"}, False)}
 
 
-def child(block_m, num_warps, num_stages, kt_from_loads):
+def child(block_m, num_warps, num_stages, kt_direct):
     import torch
 
     sys.path.insert(0, ".")
@@ -44,7 +44,7 @@ def child(block_m, num_warps, num_stages, kt_from_loads):
         mask[0] = False
         xm = x[:8].contiguous()
         run = dict(num_heads=H, causal=True, block_m=block_m, num_warps=num_warps, num_stages=num_stages,
-                   kt_from_loads=bool(kt_from_loads))
+                   kt_direct=bool(kt_direct))
         y = fl.fused_layer(x, w, **run)
         ym = fl.fused_layer(xm, w, mask=mask, **run)
         if dev == "cuda":
@@ -66,12 +66,12 @@ def child(block_m, num_warps, num_stages, kt_from_loads):
 
 def main():
     results = []
-    for setting, (env_extra, kt_from_loads) in SETTINGS.items():
+    for setting, (env_extra, kt_direct) in SETTINGS.items():
         cache = tempfile.mkdtemp(prefix=f"triton-{setting}-")
         for cfg in CONFIGS:
             env = dict(os.environ, TRITON_CACHE_DIR=cache, **env_extra)
             try:
-                command = [sys.executable, __file__, "--child", *map(str, cfg), str(int(kt_from_loads))]
+                command = [sys.executable, __file__, "--child", *map(str, cfg), str(int(kt_direct))]
                 done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
                 rc, text = done.returncode, done.stdout + done.stderr
             except subprocess.TimeoutExpired as e:

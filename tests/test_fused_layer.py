@@ -2,7 +2,7 @@
 
 On a CPU the kernel runs in the Triton interpreter. The model-level tests (tests/test_model.py, route `fused`)
 cover it inside the model; here each launch option is checked directly: block_m 16 and 32, the
-KT_FROM_LOADS variant, masks (holes, a fully masked sequence), causal and not, the final norm, odd S,
+KT_DIRECT variant, masks (holes, a fully masked sequence), causal and not, the final norm, odd S,
 d_model that is not a power of two, head_dim 8 and 80, fp16 and bf16 operands.
 """
 
@@ -60,31 +60,31 @@ def check(y, want, dtype):
     assert not bad.any(), f"{int(bad.sum())} elements off, max abs error {err.max().item():.3e}"
 
 
-@pytest.mark.parametrize("kt_from_loads", [False, True], ids=["k-trans", "kt-loads"])
+@pytest.mark.parametrize("kt_direct", [False, True], ids=["k-trans", "kt-direct"])
 @pytest.mark.parametrize("block_m", [16, 32])
 @pytest.mark.parametrize("mask_kind", ["none", "holes", "one_empty"])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-def test_fused_layer_matches_fp64(shape, mask_kind, block_m, kt_from_loads):
+def test_fused_layer_matches_fp64(shape, mask_kind, block_m, kt_direct):
     B, S, d, H, ffn = SHAPES[shape]
     causal = S % 2 == 1 or shape == "S128"  # both kinds across the shapes
     w = weights(d, ffn, torch.float16)
     x = torch.randn(B, S, d, device=DEVICE)
     mask = make_mask(mask_kind, B, S)
-    y = fused_layer(x, w, num_heads=H, causal=causal, mask=mask, block_m=block_m, kt_from_loads=kt_from_loads)
+    y = fused_layer(x, w, num_heads=H, causal=causal, mask=mask, block_m=block_m, kt_direct=kt_direct)
     want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal, mask=mask)
     check(y, want, torch.float16)
 
 
-@pytest.mark.parametrize("kt_from_loads", [False, True], ids=["k-trans", "kt-loads"])
+@pytest.mark.parametrize("kt_direct", [False, True], ids=["k-trans", "kt-direct"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_final_norm_and_operand_dtypes(dtype, kt_from_loads):
+def test_final_norm_and_operand_dtypes(dtype, kt_direct):
     B, S, d, H, ffn = SHAPES["S33-hd16"]
     w = weights(d, ffn, dtype)
     final = ((1 + 0.1 * torch.randn(d)).to(DEVICE), (0.1 * torch.randn(d)).to(DEVICE))
     x = torch.randn(B, S, d, device=DEVICE)
     mask = make_mask("holes", B, S)
     y = fused_layer(x, w, num_heads=H, causal=True, mask=mask, final=final, out_dtype=torch.float32,
-                    kt_from_loads=kt_from_loads)
+                    kt_direct=kt_direct)
     want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=True, mask=mask,
                                  final=final)
     check(y, want, dtype)
@@ -96,7 +96,7 @@ def test_kt_variant_gives_the_same_layer():
     w = weights(d, ffn, torch.float16, seed=3)
     x = torch.randn(B, S, d, device=DEVICE)
     a = fused_layer(x, w, num_heads=H, causal=True)
-    b = fused_layer(x, w, num_heads=H, causal=True, kt_from_loads=True)
+    b = fused_layer(x, w, num_heads=H, causal=True, kt_direct=True)
     assert (a - b).abs().max().item() < 4e-3
 
 
