@@ -32,16 +32,15 @@ OPTIMIZATIONS = (
 )
 
 
-
 def switches_used(route, input_dtype, device_type: str) -> tuple:
     """The OPTIMIZATIONS that shape what `route` runs for inputs of `input_dtype` on `device_type`.
 
     Switching off any other one runs the very same code: the ablation job records those as not applicable
     instead of timing the same thing twice.
     """
-    used = set()
     if route.name in ("reference", "sdpa"):
         return ()
+    used = set()
     if input_dtype == torch.float32:
         used.add("reduced_precision")
     if route.name == "graph" or (route.name == "fused" and device_type == "cuda"):

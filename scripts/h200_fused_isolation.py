@@ -31,36 +31,13 @@ def child(block_m, num_warps, num_stages, kt_direct):
     sys.path.insert(0, ".")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import kernels.fused_layer as fl
-    from h200_probe import median_ms
-    from h200_sweep import weights
+    from h200_sweep import fused_case, measure_fused
 
     fl.MAX_BLOCK_M = 128  # this process exists to probe the sizes the library refuses
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: TRITON_INTERPRET=1, to check this script
-    out = []
-    for row, (B, S, d, H, ffn) in ROWS.items():
-        w, wref = weights(d, ffn, dev)
-        x = torch.randn(B, S, d, device=dev, generator=torch.Generator(dev).manual_seed(row))
-        mask = torch.rand(8, S, device=dev, generator=torch.Generator(dev).manual_seed(1)) > 0.3
-        mask[0] = False
-        xm = x[:8].contiguous()
-        run = dict(num_heads=H, causal=True, block_m=block_m, num_warps=num_warps, num_stages=num_stages,
-                   kt_direct=bool(kt_direct))
-        y = fl.fused_layer(x, w, **run)
-        ym = fl.fused_layer(xm, w, mask=mask, **run)
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        rec = {"row": row,
-               "max_abs_error": (y[:64].double() - fl.fused_layer_reference(x[:64], wref, num_heads=H, causal=True)
-                                 ).abs().max().item(),
-               "max_abs_error_masked": (ym.double() - fl.fused_layer_reference(xm, wref, num_heads=H, causal=True,
-                                                                                mask=mask)).abs().max().item()}
-        if dev == "cuda":
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(10):
-                    fl.fused_layer(x, w, **run)
-            rec["ms"] = median_ms(graph.replay, warmup=2, iters=5 if B > 1000 else 30) / 10
-        out.append(rec)
+    out = [{"row": row, **measure_fused(fused_case(row, *shape, dev=dev), block_m=block_m, num_warps=num_warps,
+                                        num_stages=num_stages, kt_direct=bool(kt_direct))}
+           for row, shape in ROWS.items()]
     print("RESULT " + json.dumps(out), flush=True)
 
 

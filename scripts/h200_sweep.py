@@ -44,6 +44,39 @@ def weights(d, ffn, dev):
     return op, ref
 
 
+def fused_case(row, B, S, d, H, ffn, dev="cuda"):
+    """Inputs and fp64 reference outputs for one fused-kernel row: the plain case (reference on the first 64
+    sequences) and a mask with holes (not a prefix) on 8 sequences, the first fully masked."""
+    w, wref = weights(d, ffn, dev)
+    x = torch.randn(B, S, d, device=dev, generator=torch.Generator(dev).manual_seed(row))
+    mask = torch.rand(min(B, 8), S, device=dev, generator=torch.Generator(dev).manual_seed(1)) > 0.3
+    mask[0] = False
+    xm = x[:mask.shape[0]].contiguous()
+    sample = slice(0, min(B, 64))
+    return {"w": w, "x": x, "xm": xm, "mask": mask, "sample": sample, "num_heads": H,
+            "want": fused_layer_reference(x[sample], wref, num_heads=H, causal=True),
+            "want_masked": fused_layer_reference(xm, wref, num_heads=H, causal=True, mask=mask)}
+
+
+def measure_fused(case, **launch):
+    """Max abs errors (plain, masked) of fused_layer(**launch) against the fp64 reference and, on a GPU, the
+    time of one launch: graph replays of 10 back-to-back launches / 10, so Triton's host-side launch cost
+    (tens of µs, more than these kernels take; session 2's sweep timed eager calls) is left out."""
+    run = dict(num_heads=case["num_heads"], causal=True, **launch)
+    y = fused_layer(case["x"], case["w"], **run)
+    ym = fused_layer(case["xm"], case["w"], mask=case["mask"], **run)
+    rec = {"max_abs_error": (y[case["sample"]].double() - case["want"]).abs().max().item(),
+           "max_abs_error_masked": (ym.double() - case["want_masked"]).abs().max().item()}
+    if case["x"].is_cuda:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(10):
+                fused_layer(case["x"], case["w"], **run)
+        rec["ms"] = median_ms(graph.replay, warmup=2, iters=5 if case["x"].shape[0] > 1000 else 30) / 10
+        rec["timer"] = "graph replay of 10 launches / 10"
+    return rec
+
+
 def save(out):  # after every record: a run stopped at its time limit keeps what it measured
     with open(sys.argv[1], "w") as f:
         json.dump(out, f, indent=1)
@@ -52,33 +85,12 @@ def save(out):  # after every record: a run stopped at its time limit keeps what
 def main():
     out = {"device": torch.cuda.get_device_name(), "fused": [], "attention": []}
     for row, (B, S, d, H, ffn) in FUSED_ROWS.items():
-        w, wref = weights(d, ffn, "cuda")
-        x = torch.randn(B, S, d, device="cuda")
-        sample = slice(0, min(B, 64))
-        want = fused_layer_reference(x[sample], wref, num_heads=H, causal=True)
-        # a mask with holes (not a prefix) on 8 sequences, the first fully masked: the masked kernel variant
-        mask = torch.rand(min(B, 8), S, device="cuda", generator=torch.Generator("cuda").manual_seed(1)) > 0.3
-        mask[0] = False
-        xm = x[:mask.shape[0]].contiguous()
-        want_masked = fused_layer_reference(xm, wref, num_heads=H, causal=True, mask=mask)
+        case = fused_case(row, B, S, d, H, ffn)
+        x = case["x"]
         for bm, warps, stages in FUSED_CONFIGS:
             rec = {"row": row, "block_m": bm, "num_warps": warps, "num_stages": stages}
             try:
-                y = fused_layer(x, w, num_heads=H, causal=True, block_m=bm, num_warps=warps, num_stages=stages)
-                rec["max_abs_error"] = (y[sample].double() - want).abs().max().item()
-                ym = fused_layer(xm, w, num_heads=H, causal=True, mask=mask, block_m=bm, num_warps=warps,
-                                 num_stages=stages)
-                rec["max_abs_error_masked"] = (ym.double() - want_masked).abs().max().item()
-                # time graph replays of 10 back-to-back launches: GPU time, without Triton's host-side launch
-                # cost (tens of µs, more than these kernels take; session 2's sweep timed eager calls)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(10):
-                        fused_layer(x, w, num_heads=H, causal=True, block_m=bm, num_warps=warps,
-                                    num_stages=stages)
-                rec["ms"] = median_ms(graph.replay, warmup=2, iters=5 if B > 1000 else 30) / 10
-                rec["timer"] = "graph replay of 10 launches / 10"
-                del graph
+                rec.update(measure_fused(case, block_m=bm, num_warps=warps, num_stages=stages))
             except Exception as e:  # a configuration that does not compile is a result too
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             out["fused"].append(rec)
