@@ -21,13 +21,11 @@ import os
 import sys
 from collections import defaultdict
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
-from shapewise.manifest import load_manifest  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from shapewise.manifest import official_rows  # noqa: E402
 
 SMALL_TOKENS = 4096  # 4096 tokens = 128 programs of 32 rows: under one wave of the H200's 132 SMs
-# official row number -> its shape, from the manifest the sweep's rows come from
-OFFICIAL = {int(r["id"].split("-")[1]): r for r in load_manifest(os.path.join(ROOT, "shapes", "official.yaml"))}
+OFFICIAL = official_rows()  # the rows the sweep ran, by number
 TOKENS = {n: r["batch_size"] * r["seq_len"] for n, r in OFFICIAL.items()}
 ROW6_TOKENS_X_D = TOKENS[6] * OFFICIAL[6]["d_model"]
 

@@ -15,6 +15,7 @@ import jsonschema
 import yaml
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "workflow" / "schemas" / "shapes.schema.yaml"
+OFFICIAL_PATH = Path(__file__).resolve().parent.parent / "shapes" / "official.yaml"
 
 SIZE_FIELDS = ("batch_size", "seq_len", "d_model", "num_heads", "ffn_dim", "num_layers")
 MODEL_FIELDS = SIZE_FIELDS + ("causal",)
@@ -137,6 +138,11 @@ def load_manifest(path, schema=None):
     except yaml.YAMLError as exc:
         raise ManifestError([f"{path}: not valid YAML: {exc}"]) from exc
     return parse_rows(rows, source=str(path), schema=schema)
+
+
+def official_rows(path=OFFICIAL_PATH):
+    """The official table keyed by its row number (id `official-NN` -> NN), for scripts that name rows 1-14."""
+    return {int(row["id"].rsplit("-", 1)[1]): row for row in load_manifest(path)}
 
 
 def load_manifests(paths, schema=None):

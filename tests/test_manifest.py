@@ -148,3 +148,13 @@ def test_not_a_list(tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(ManifestError, match="not found"):
         load_manifest(tmp_path / "nope.yaml")
+
+
+def test_official_rows_by_number():
+    """shapewise.manifest.official_rows: the published table keyed 1..14 (scripts name rows by number)."""
+    from shapewise.manifest import official_rows
+
+    rows = official_rows()
+    assert sorted(rows) == list(range(1, 15))
+    assert (rows[6]["batch_size"], rows[6]["seq_len"], rows[6]["d_model"]) == (10000, 128, 128)
+    assert (rows[14]["seq_len"], rows[14]["num_heads"], rows[14]["num_layers"]) == (100000, 16, 2)
