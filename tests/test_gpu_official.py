@@ -15,25 +15,13 @@ import os
 import pytest
 import torch
 
+from shapewise.manifest import official_rows
+
 pytestmark = pytest.mark.gpu
 
-# id: (batch_size, seq_len, d_model, num_heads, ffn_dim, num_layers); all causal.
-OFFICIAL_ROWS = {
-    1: (64, 128, 128, 4, 128, 4),
-    2: (1, 128, 128, 4, 128, 4),
-    3: (4, 128, 128, 4, 128, 4),
-    4: (16, 128, 128, 4, 128, 4),
-    5: (128, 128, 128, 4, 128, 4),
-    6: (10000, 128, 128, 4, 128, 4),
-    7: (64, 128, 32, 4, 32, 4),
-    8: (64, 128, 1024, 4, 1024, 4),
-    9: (64, 128, 128, 1, 128, 4),
-    10: (64, 128, 128, 2, 128, 4),
-    11: (64, 128, 128, 16, 128, 4),
-    12: (64, 32, 128, 4, 128, 4),
-    13: (64, 1024, 128, 4, 128, 4),
-    14: (32, 100000, 1024, 16, 1024, 2),
-}
+# row number: (batch_size, seq_len, d_model, num_heads, ffn_dim, num_layers), from shapes/official.yaml; all causal.
+OFFICIAL_ROWS = {n: tuple(r[k] for k in ("batch_size", "seq_len", "d_model", "num_heads", "ffn_dim", "num_layers"))
+                 for n, r in official_rows().items()}
 CHUNKED_ROWS = {14}
 TRIALS = int(os.environ.get("SHAPEWISE_GPU_TRIALS", "5"))  # 5 is the official count; lower only for a smoke run
 SEED0 = 1234
