@@ -24,8 +24,9 @@ import torch
 sys.path.insert(0, ".")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from h200_probe import median_ms  # noqa: E402
-from model import BaselineTransformer, TransformerConfig, UserOptimizedTransformer  # noqa: E402
+from model import BaselineTransformer, UserOptimizedTransformer  # noqa: E402
 from model.reference import check_inputs  # noqa: E402
+from shapewise.jobs.common import model_config  # noqa: E402
 from shapewise.manifest import official_rows  # noqa: E402
 
 N = 200
@@ -51,8 +52,7 @@ def events_us(fn, n=N):
 
 
 def probe(n, row):
-    cfg = TransformerConfig(*(row[k] for k in ("batch_size", "seq_len", "d_model", "num_heads", "ffn_dim",
-                                              "num_layers", "causal")))
+    cfg = model_config(row)
     torch.manual_seed(0)
     ref = BaselineTransformer(cfg).cuda().eval()
     model = UserOptimizedTransformer(cfg).cuda().eval()

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, ".")
-from model import TOLERANCES, BaselineTransformer, TransformerConfig, compare_outputs, generate_random_case  # noqa: E402
+from model import TOLERANCES, BaselineTransformer, compare_outputs, generate_random_case  # noqa: E402
+from shapewise.jobs.common import model_config  # noqa: E402
 from shapewise.manifest import official_rows  # noqa: E402
 
 POINTS = ("ln1_out", "qkv_w", "qkv_out", "probs", "attn_out", "o_w", "ln2_out", "in_w", "gelu_out", "out_w")
@@ -63,11 +64,10 @@ def main():
     row_id = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     trials = int(sys.argv[2]) if len(sys.argv) > 2 else 5
     row = official_rows()[row_id]
-    cfg = TransformerConfig(*(row[k] for k in ("batch_size", "seq_len", "d_model", "num_heads", "ffn_dim",
-                                              "num_layers", "causal")))
+    cfg = model_config(row)
     torch.manual_seed(0)
     model = BaselineTransformer(cfg).eval()
-    configs = {"all rounded (the fused route)": set(POINTS), "none rounded": set()}
+    configs = {"all rounded (the fused route)": set(POINTS)}
     configs.update({f"all but {pt}": set(POINTS) - {pt} for pt in POINTS})
     configs.update({f"only {pt}": {pt} for pt in POINTS})
     configs["weights exact (fp16 hi+lo)"] = set(POINTS) - set(WEIGHTS)
