@@ -87,6 +87,16 @@ def fused_launch(shape: Shape) -> tuple:
     raise ValueError("routing_policy.json: fused.launch has no entry with max_tokens null")
 
 
+def _fused_pays(shape: Shape) -> bool:
+    """Whether the policy expects the fused route to beat the graph route here: tokens*d_model up to
+    `fused.max_tokens_x_d_model`, batch_size*seq_len in [`fused.min_tokens`, `fused.max_tokens`] (null: no
+    bound) and at most `fused.max_heads` heads (null: any), as the fused_layer ablation measured."""
+    fused = POLICY["fused"]
+    lo, hi, heads = fused.get("min_tokens") or 1, fused.get("max_tokens"), fused.get("max_heads")
+    return (shape.tokens * shape.d_model <= fused["max_tokens_x_d_model"] and shape.tokens >= lo
+            and (hi is None or shape.tokens <= hi) and (heads is None or shape.num_heads <= heads))
+
+
 def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool) -> str | None:
     """Why route `name` cannot serve this input, or None if it can."""
     dev, dt = _device_type(device), _dtype_name(dtype)
@@ -133,8 +143,7 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
     if why_unavailable("triton", shape, dtype, device, interpret):
         return Route("sdpa", _precision_for("sdpa", dt, shape), "outside the Triton kernels' range")
     size = shape.tokens * shape.d_model
-    if allow_fused and size <= POLICY["fused"]["max_tokens_x_d_model"] \
-            and not why_unavailable("fused", shape, dtype, device, interpret):
+    if allow_fused and _fused_pays(shape) and not why_unavailable("fused", shape, dtype, device, interpret):
         return Route("fused", _precision_for("fused", dt, shape),
                      f"short, narrow, launch-bound shape: one kernel per layer (tokens*d = {size})",
                      launch=fused_launch(shape))

@@ -43,6 +43,7 @@ def test_fastest_accurate_configuration_per_group(tmp_path):
         {"max_tokens": 4096, "block_m": 16, "num_warps": 4, "num_stages": 1},
         {"max_tokens": None, "block_m": 32, "num_warps": 4, "num_stages": 2}]
     assert policy["fused"]["max_tokens_x_d_model"] == 16777216  # row 6 fused (3.69 ms) loses to 1.0 ms
+    assert policy["fused"]["max_tokens"] == 8192  # the ablation's bound stays
     assert "(rejected)" in done.stdout
 
 
@@ -51,6 +52,7 @@ def test_row6_goes_fused_when_the_fused_layer_is_faster(tmp_path):
     done, policy = tune(tmp_path, fused, row6_triton_layer_ms=3.0)
     assert done.returncode == 0, done.stderr
     assert policy["fused"]["max_tokens_x_d_model"] >= 10000 * 128 * 128
+    assert policy["fused"]["max_tokens"] is None  # or the token bound would still keep row 6 off the fused route
 
 
 @pytest.mark.parametrize("broken", ["baseline", "no-common"])
