@@ -641,6 +641,17 @@ def test_generate_random_case_no_padding_and_scale():
     assert torch.equal(x, x2)
 
 
+def test_generate_random_case_generator_device():
+    """generator_device="device" draws with a generator on the target device: on the CPU that is the CPU draw
+    itself (padding included); an unknown value is refused by name."""
+    cfg = cfg_of((3, 17, 16, 2, 32, 1))
+    a, ma = generate_random_case(cfg, "cpu", torch.float32, seed=11, padding_ratio=0.4)
+    b, mb = generate_random_case(cfg, "cpu", torch.float32, seed=11, padding_ratio=0.4, generator_device="device")
+    assert torch.equal(a, b) and torch.equal(ma, mb)
+    with pytest.raises(ValueError, match="generator_device"):
+        generate_random_case(cfg, "cpu", torch.float32, seed=11, generator_device="gpu")
+
+
 def test_generate_random_case_seed_determines_x_directly():
     """x = randn(B, S, d) * input_scale from a generator seeded with `seed` (contract)."""
     cfg = cfg_of((2, 5, 8, 2, 16, 1))
