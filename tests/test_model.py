@@ -762,3 +762,20 @@ def test_constructor_route_wins_over_env(monkeypatch):
     cfg = cfg_of(CFG_SEQ7)
     assert UserOptimizedTransformer(cfg).route == "reference"
     assert UserOptimizedTransformer(cfg, route="sdpa").route == "sdpa"
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "holes"])
+def test_fused_route_with_precomputed_keys_and_values(monkeypatch, mask_kind):
+    """A policy entry with kv_precompute runs the fused route as _ln_kv_fwd + the layer kernel per layer: the
+    whole model still matches the reference (official comparator), and the route says which ran."""
+    from model import routing
+
+    launch = [{**e, "kv_precompute": True} for e in routing.POLICY["fused"]["launch"]]
+    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "launch": launch})
+    cfg = cfg_of(CFG_SEQ7)
+    ref, opt = build_pair(cfg, "fused")
+    x, mask = make_inputs(cfg, mask_kind)
+    with torch.no_grad():
+        out = opt(x, mask)
+        assert opt.last_route.kv_precompute, str(opt.last_route)
+        check_official(ref(x, mask), out, f"fused kv_precompute mask={mask_kind}")

@@ -240,3 +240,18 @@ def test_committed_policy_routes_the_official_rows_as_measured():
         route = select_route(shape, torch.float32, "cuda")
         assert route.name == OFFICIAL_ROUTES[n], f"official row {n}: {route}"
         assert route.attention == ("sdpa" if n == 14 else "triton"), f"official row {n}: {route}"
+
+
+def test_policy_can_precompute_keys_and_values(monkeypatch):
+    """fused.launch entries may set kv_precompute; the route carries it (and says so), other routes never do."""
+    shape = Shape(batch_size=8, seq_len=128, d_model=64, num_heads=4, ffn_dim=64, num_layers=1, causal=True)
+    launch = [{"max_tokens": None, "block_m": 32, "num_warps": 4, "num_stages": 2}]
+    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "launch": launch})
+    assert select_route(shape, torch.float32, "cuda").kv_precompute is False
+    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"],
+                                                   "launch": [{**launch[0], "kv_precompute": True}]})
+    route = select_route(shape, torch.float32, "cuda")
+    assert route.name == "fused" and route.kv_precompute and "kv=precomputed" in str(route)
+    assert route.as_dict()["kv_precompute"] is True
+    assert select_route(shape, torch.float32, "cpu", forced="fused", interpret=True).kv_precompute
+    assert not select_route(shape, torch.float32, "cuda", forced="triton").kv_precompute
