@@ -272,8 +272,8 @@ def generate_random_case(config, device, dtype=torch.float32, seed: int = 1234, 
     Lengths are drawn in `[max(1, round(S * (1 - p))), S]`; padded rows of x are zeroed. The mask is None
     without padding. generator_device: "cpu" (default) draws on a CPU generator, so a seed gives the same case
     on every device; "device" draws with a generator on `device` itself, which is fast for huge inputs (a
-    CPU draw of official row 14's 3.3e9 elements takes tens of seconds) but gives other numbers than the CPU
-    draw on a GPU.
+    CPU draw of official row 14's 3.3e9 elements is estimated at about 20 s) but gives other numbers than the
+    CPU draw on a GPU.
     """
     cfg = TransformerConfig.from_any(config)
     if not 0.0 <= padding_ratio < 1.0:

@@ -153,7 +153,7 @@ def test_roofline_peak_is_the_fastest_rate_the_row_may_use():
 
 def test_only_huge_inputs_are_drawn_on_the_gpu(monkeypatch):
     """make_case draws inputs of at least DEVICE_DRAW_MIN_ELEMENTS on the GPU's generator (official row 14's CPU
-    draw took tens of seconds per case), everything else on the CPU generator: the same case on every device."""
+    draw: about 20 s per case, estimated), everything else on the CPU generator: the same case on every device."""
     from model import TransformerConfig
     from shapewise.jobs import common
 

@@ -91,9 +91,9 @@ def read_json(path):
 # ---------------------------------------------------------------- inputs
 
 
-# Inputs of at least this many elements are drawn on the GPU (official row 14: 3.3e9 elements took tens of
-# seconds per case on the H200 node's CPU, five cases in its accuracy job alone); smaller ones on the CPU, so
-# a seed gives the same case on every device.
+# Inputs of at least this many elements are drawn on the GPU (official row 14: 3.3e9 elements, estimated at
+# about 20 s per case on a CPU that draws 10^8 normal values in 0.6 s, five cases in its accuracy job alone);
+# smaller ones on the CPU, so a seed gives the same case on every device.
 DEVICE_DRAW_MIN_ELEMENTS = 2**30
 
 
