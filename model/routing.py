@@ -89,15 +89,18 @@ def _fused_entry(shape: Shape) -> dict:
     raise ValueError("routing_policy.json: fused.launch has no entry with max_tokens null")
 
 
-def fused_launch(shape: Shape) -> tuple:
-    """The fused kernel's (block_m, num_warps, num_stages) for this shape, from the policy."""
-    entry = _fused_entry(shape)
+def _launch_of(entry: dict) -> tuple:
     return (entry["block_m"], entry["num_warps"], entry["num_stages"])
 
 
+def fused_launch(shape: Shape) -> tuple:
+    """The fused kernel's (block_m, num_warps, num_stages) for this shape, from the policy."""
+    return _launch_of(_fused_entry(shape))
+
+
 def _fused_route(name: str, precision: str, reason: str, shape: Shape, forced: bool = False) -> Route:
-    entry = _fused_entry(shape)
-    return Route(name, precision, reason, forced=forced, launch=fused_launch(shape),
+    entry = _fused_entry(shape)  # one lookup gives both the launch and kv_precompute
+    return Route(name, precision, reason, forced=forced, launch=_launch_of(entry),
                  kv_precompute=bool(entry.get("kv_precompute", False)))
 
 
