@@ -8,6 +8,10 @@ masks in the tile, the out-projection accumulated head by head, the residual add
 layer also applies the final LayerNorm. Each layer reads the residual stream once and writes it once:
 no intermediate tensor touches global memory. Matmul operands are fp16 or bf16, accumulation and all
 statistics fp32.
+
+With `kv_precompute`, a second small kernel (`_ln_kv_fwd`) first writes every token's keys and values
+([B, S, 2d], operand dtype) and the layer kernel reads them, instead of every program recomputing LayerNorm 1
+and the K/V projection of its whole sequence.
 """
 from __future__ import annotations
 
@@ -92,6 +96,8 @@ def _fused_layer_fwd(
     Wout, Bout,  # pointers to the FFN output weight [d, ffn] and bias [d]
     N1w, N1b, N2w, N2b,  # pointers to LayerNorm 1 and 2 weight/bias [d] (fp32)
     NFw, NFb,  # pointers to the final LayerNorm weight/bias [d] (fp32); read when FINAL_NORM
+    KV,  # pointer to precomputed [B, S, 2d] keys (columns 0..d) and values (d..2d), operand dtype; read when KV_GLOBAL
+    stride_kvb, stride_kvs,  # KV strides (elements) for batch and sequence; unit stride along the 2d columns
     stride_xb, stride_xs,  # X strides (elements) for batch and sequence; unit stride along d
     stride_yb, stride_ys,  # Y strides
     stride_mb,  # Mask stride between batch elements
@@ -100,6 +106,7 @@ def _fused_layer_fwd(
     BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr,
     KT_DIRECT: tl.constexpr,  # form kᵀ as W_k·LN1(x)ᵀ instead of transposing k, a matmul result (see fused_layer)
+    KV_GLOBAL: tl.constexpr,  # read K and V from KV (written by _ln_kv_fwd) instead of recomputing them here
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -116,10 +123,11 @@ def _fused_layer_fwd(
     if HAS_MASK:
         key_ok = key_ok & (tl.load(Mask + b * stride_mb + keys, mask=keys < seq_len, other=0) != 0)
 
-    # LayerNorm 1 of every key row and of this program's query rows
-    xk = tl.load(x_base + keys[:, None] * stride_xs + cols[None, :], mask=(keys < seq_len)[:, None] & col_ok[None, :],
-                 other=0.0).to(tl.float32)
-    hk = _layer_norm_rows(xk, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
+    # LayerNorm 1 of every key row (unless K and V come precomputed) and of this program's query rows
+    if not KV_GLOBAL:
+        xk = tl.load(x_base + keys[:, None] * stride_xs + cols[None, :],
+                     mask=(keys < seq_len)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        hk = _layer_norm_rows(xk, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
     xq = tl.load(x_base + rows[:, None] * stride_xs + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                  other=0.0).to(tl.float32)
     hq = _layer_norm_rows(xq, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
@@ -135,13 +143,22 @@ def _fused_layer_fwd(
         f0 = h * HEAD_DIM
         # W^T slices [d, head_dim]: element (c, j) of the q/k/v weight is row (part*d + f0 + j), column c
         wq = tl.load(Wqkv + (f0 + hcol[None, :]) * d_model + cols[:, None], mask=w_mask, other=0.0)
-        wk = tl.load(Wqkv + (d_model + f0 + hcol[None, :]) * d_model + cols[:, None], mask=w_mask, other=0.0)
-        wv = tl.load(Wqkv + (2 * d_model + f0 + hcol[None, :]) * d_model + cols[:, None], mask=w_mask, other=0.0)
+        if not KV_GLOBAL:
+            wk = tl.load(Wqkv + (d_model + f0 + hcol[None, :]) * d_model + cols[:, None], mask=w_mask, other=0.0)
+            wv = tl.load(Wqkv + (2 * d_model + f0 + hcol[None, :]) * d_model + cols[:, None], mask=w_mask,
+                         other=0.0)
         bq = tl.load(Bqkv + f0 + hcol, mask=hd_ok, other=0.0).to(tl.float32)
-        bk = tl.load(Bqkv + d_model + f0 + hcol, mask=hd_ok, other=0.0).to(tl.float32)
-        bv = tl.load(Bqkv + 2 * d_model + f0 + hcol, mask=hd_ok, other=0.0).to(tl.float32)
+        if not KV_GLOBAL:
+            bk = tl.load(Bqkv + d_model + f0 + hcol, mask=hd_ok, other=0.0).to(tl.float32)
+            bv = tl.load(Bqkv + 2 * d_model + f0 + hcol, mask=hd_ok, other=0.0).to(tl.float32)
         q = (_mm(hq, wq) + bq[None, :]).to(op_ty)
-        if KT_DIRECT:  # kᵀ [head_dim, S] = W_k rows f0.. @ LN1(keys)ᵀ: transposes LayerNorm output, no matmul result
+        if KV_GLOBAL:  # this head's precomputed keys and values: [BLOCK_S, BLOCK_HD] tiles of KV
+            kv_ptrs = KV + b * stride_kvb + keys[:, None] * stride_kvs + f0 + hcol[None, :]
+            kv_ok = (keys < seq_len)[:, None] & hd_ok[None, :]
+            k = tl.load(kv_ptrs, mask=kv_ok, other=0.0)
+            v = tl.load(kv_ptrs + d_model, mask=kv_ok, other=0.0)
+            s = _mm(q, tl.trans(k)) * qk_scale
+        elif KT_DIRECT:  # kᵀ [head_dim, S] = W_k rows f0.. @ LN1(keys)ᵀ: transposes LayerNorm output, no matmul result
             kt = (_mm(tl.trans(wk), tl.trans(hk)) + bk[:, None]).to(op_ty)
             v = (_mm(hk, wv) + bv[None, :]).to(op_ty)
             s = _mm(q, kt) * qk_scale
@@ -189,6 +206,42 @@ def _fused_layer_fwd(
     tl.store(y_ptrs, x2.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _ln_kv_fwd(
+    X,  # pointer to the residual stream in, [B, S, d]
+    KV,  # pointer to the output [B, S, 2d]: LN1(x) @ [W_k; W_v]ᵀ + [b_k; b_v] in the operand dtype
+    Wqkv, Bqkv,  # pointers to the packed QKV weight [3d, d] and bias [3d]: rows d..3d are W_k, then W_v
+    N1w, N1b,  # pointers to LayerNorm 1 weight/bias [d] (fp32)
+    stride_xb, stride_xs,  # X strides (elements) for batch and sequence; unit stride along d
+    stride_kvb, stride_kvs,  # KV strides for batch and sequence; unit stride along the 2d columns
+    seq_len, d_model, eps,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Keys and values of every token, once, for _fused_layer_fwd with KV_GLOBAL: the same math as its
+    in-program recomputation (LayerNorm 1 in fp32, operand-dtype dot, fp32 accumulation, bias, rounding)."""
+    pid_t = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    op_ty = Wqkv.dtype.element_ty
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < d_model
+    row_ok = rows < seq_len
+    x = tl.load(X + b * stride_xb + rows[:, None] * stride_xs + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                other=0.0).to(tl.float32)
+    h = _layer_norm_rows(x, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
+    ncol = tl.arange(0, BLOCK_N)
+    for n0 in range(0, 2 * d_model, BLOCK_N):
+        n = n0 + ncol
+        n_ok = n < 2 * d_model
+        # [BLOCK_D, BLOCK_N] slice of [W_k; W_v]ᵀ: element (c, j) is row d + n0 + j, column c of Wqkv
+        w = tl.load(Wqkv + (d_model + n[None, :]) * d_model + cols[:, None], mask=col_ok[:, None] & n_ok[None, :],
+                    other=0.0)
+        bias = tl.load(Bqkv + d_model + n, mask=n_ok, other=0.0).to(tl.float32)
+        kv = _mm(h, w) + bias[None, :]
+        tl.store(KV + b * stride_kvb + rows[:, None] * stride_kvs + n[None, :], kv.to(KV.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])
+
+
 # ----------------------------------------------------------------------------------------------
 # Launcher and public function
 # ----------------------------------------------------------------------------------------------
@@ -198,7 +251,7 @@ def supports(seq_len: int, d_model: int, num_heads: int) -> bool:
 
 
 def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=None, out=None, block_m=None,
-                num_warps=4, num_stages=1, kt_direct=False):
+                num_warps=4, num_stages=1, kt_direct=False, kv_precompute=False):
     """One layer (and the final norm when `final=(weight, bias)`) over `x [B, S, d]`.
 
     w: dict with qkv_w [3d, d], qkv_b [3d], o_w, o_b, in_w [ffn, d], in_b, out_w [d, ffn], out_b in the
@@ -210,6 +263,9 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
     shared-memory copy of k (scripts/fused_ttgir.py), the pattern suspected of the H200 crash; transposed
     copies of non-matmul tiles are what the attention kernel's 64/128-row tiles already run on the H200.
     Same math; not used by the model until scripts/h200_fused_isolation.py has measured it.
+    kv_precompute: compute the keys and values of every token once, in a second small kernel (_ln_kv_fwd),
+    and have the layer kernel read them instead of each program recomputing them for the whole sequence
+    (S / block_m times per sequence). Same math up to accumulation order; two launches per layer.
     """
     B, S, d = x.shape
     if not supports(S, d, num_heads):
@@ -236,17 +292,27 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
     block_m = min(block_s, block_m or 32)
     if block_m > MAX_BLOCK_M:
         raise ValueError(f"fused_layer: block_m must be at most {MAX_BLOCK_M}, got {block_m}")
+    block_d = max(16, triton.next_power_of_2(d))
+    kv = out  # a placeholder pointer when the layer kernel recomputes K and V itself
+    if kv_precompute:
+        kv = torch.empty((B, S, 2 * d), device=x.device, dtype=op)
+        block_t = min(64, block_s)
+        _ln_kv_fwd[(triton.cdiv(S, block_t), B)](
+            x, kv, w["qkv_w"], w["qkv_b"], w["n1_w"], w["n1_b"], x.stride(0), x.stride(1), kv.stride(0), kv.stride(1),
+            S, d, 1e-5, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_N=64, num_warps=4, num_stages=1,
+        )
     grid = (triton.cdiv(S, block_m), B)
     _fused_layer_fwd[grid](
         x, out, m,
         w["qkv_w"], w["qkv_b"], w["o_w"], w["o_b"], w["in_w"], w["in_b"], w["out_w"], w["out_b"],
         w["n1_w"], w["n1_b"], w["n2_w"], w["n2_b"], nf_w, nf_b,
+        kv, kv.stride(0) if kv_precompute else 0, kv.stride(1) if kv_precompute else 0,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), m.stride(0) if mask is not None else 0,
         S, d, ffn, hd**-0.5 * math.log2(math.e), 1e-5,
         NUM_HEADS=num_heads, HEAD_DIM=hd, BLOCK_HD=max(16, triton.next_power_of_2(hd)),
-        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_F=min(64, max(16, triton.next_power_of_2(ffn))),
+        BLOCK_D=block_d, BLOCK_F=min(64, max(16, triton.next_power_of_2(ffn))),
         BLOCK_M=block_m, BLOCK_S=block_s,
         IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, FINAL_NORM=final is not None,
-        KT_DIRECT=bool(kt_direct), num_warps=num_warps, num_stages=num_stages,
+        KT_DIRECT=bool(kt_direct), KV_GLOBAL=bool(kv_precompute), num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -45,12 +45,14 @@ class Route:
     forced: bool = False
     attention: str = "triton"  # attention inside the triton/graph routes: our kernel, or PyTorch SDPA
     launch: tuple = ()  # fused route: the kernel's (block_m, num_warps, num_stages), from the policy
+    kv_precompute: bool = False  # fused route: keys/values computed once per layer by a second kernel (policy)
 
     def __str__(self) -> str:
         how = "forced" if self.forced else "auto"
         attn = "" if self.attention == "triton" else f"+{self.attention}-attention"
         launch = f" launch={self.launch}" if self.launch else ""
-        return f"{self.name}/{self.precision}{attn}{launch} ({how}: {self.reason})"
+        kv = " kv=precomputed" if self.kv_precompute else ""
+        return f"{self.name}/{self.precision}{attn}{launch}{kv} ({how}: {self.reason})"
 
     def as_dict(self) -> dict:  # JSON-ready: the launch tuple as a list
         return {**asdict(self), "launch": list(self.launch)}
@@ -78,13 +80,38 @@ def _precision_for(name: str, dtype: str, shape: Shape) -> str:
     return rules["default"]
 
 
-def fused_launch(shape: Shape) -> tuple:
-    """The fused kernel's (block_m, num_warps, num_stages) for this shape: the policy's first `fused.launch`
-    entry whose `max_tokens` (batch_size * seq_len; null = no bound) covers the shape."""
+def _fused_entry(shape: Shape) -> dict:
+    """The policy's first `fused.launch` entry whose `max_tokens` (batch_size * seq_len; null = no bound) covers
+    the shape."""
     for entry in POLICY["fused"]["launch"]:
         if entry["max_tokens"] is None or shape.tokens <= entry["max_tokens"]:
-            return (entry["block_m"], entry["num_warps"], entry["num_stages"])
+            return entry
     raise ValueError("routing_policy.json: fused.launch has no entry with max_tokens null")
+
+
+def _launch_of(entry: dict) -> tuple:
+    return (entry["block_m"], entry["num_warps"], entry["num_stages"])
+
+
+def fused_launch(shape: Shape) -> tuple:
+    """The fused kernel's (block_m, num_warps, num_stages) for this shape, from the policy."""
+    return _launch_of(_fused_entry(shape))
+
+
+def _fused_route(name: str, precision: str, reason: str, shape: Shape, forced: bool = False) -> Route:
+    entry = _fused_entry(shape)  # one lookup gives both the launch and kv_precompute
+    return Route(name, precision, reason, forced=forced, launch=_launch_of(entry),
+                 kv_precompute=bool(entry.get("kv_precompute", False)))
+
+
+def _fused_pays(shape: Shape) -> bool:
+    """Whether the policy expects the fused route to beat the graph route here: tokens*d_model up to
+    `fused.max_tokens_x_d_model`, batch_size*seq_len in [`fused.min_tokens`, `fused.max_tokens`] (null: no
+    bound) and at most `fused.max_heads` heads (null: any), as the fused_layer ablation measured."""
+    fused = POLICY["fused"]
+    lo, hi, heads = fused.get("min_tokens") or 1, fused.get("max_tokens"), fused.get("max_heads")
+    return (shape.tokens * shape.d_model <= fused["max_tokens_x_d_model"] and shape.tokens >= lo
+            and (hi is None or shape.tokens <= hi) and (heads is None or shape.num_heads <= heads))
 
 
 def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool) -> str | None:
@@ -124,8 +151,9 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
         why = why_unavailable(forced, shape, dtype, device, interpret)
         if why:
             raise RouteUnavailable(why)
-        return Route(forced, _precision_for(forced, dt, shape), "forced by the caller", forced=True,
-                     launch=fused_launch(shape) if forced == "fused" else ())
+        if forced == "fused":
+            return _fused_route("fused", _precision_for(forced, dt, shape), "forced by the caller", shape, forced=True)
+        return Route(forced, _precision_for(forced, dt, shape), "forced by the caller", forced=True)
 
     dev = _device_type(device)
     if dev != "cuda":
@@ -133,11 +161,9 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
     if why_unavailable("triton", shape, dtype, device, interpret):
         return Route("sdpa", _precision_for("sdpa", dt, shape), "outside the Triton kernels' range")
     size = shape.tokens * shape.d_model
-    if allow_fused and size <= POLICY["fused"]["max_tokens_x_d_model"] \
-            and not why_unavailable("fused", shape, dtype, device, interpret):
-        return Route("fused", _precision_for("fused", dt, shape),
-                     f"short, narrow, launch-bound shape: one kernel per layer (tokens*d = {size})",
-                     launch=fused_launch(shape))
+    if allow_fused and _fused_pays(shape) and not why_unavailable("fused", shape, dtype, device, interpret):
+        return _fused_route("fused", _precision_for("fused", dt, shape),
+                            f"short, narrow, launch-bound shape: one kernel per layer (tokens*d = {size})", shape)
     graph = POLICY["graph"]
     if shape.tokens * shape.d_model <= graph["max_tokens_x_d_model"]:
         return Route("graph", _precision_for("graph", dt, shape),

@@ -1,6 +1,7 @@
 """Launch-configuration sweep of our kernels on official shapes, with a correctness check per configuration.
 
-Usage (CUDA machine): python scripts/h200_sweep.py OUT.json
+Usage (CUDA machine): python scripts/h200_sweep.py OUT.json [--fused-only]   (--fused-only: skip the attention
+kernel's part, which takes most of the sweep's time on row 14's shape)
 For the fused layer kernel (rows 1, 2, 5, 6, 7, 11, 12) and the attention kernel (row 13's and row 14's
 attention shapes) it runs each configuration, compares against the kernel's fp64 torch reference, and times it
 (CUDA events, median of N calls). scripts/tune_policy.py writes the winners into model/routing_policy.json.
@@ -34,7 +35,11 @@ FUSED_ROWS = {n: shape_of(n) for n in (1, 2, 5, 6, 7, 11, 12)}
 # (block_m, num_warps, num_stages); the first is the configuration the committed policy ran before this sweep
 # block_m 64 and 128 ended in an illegal memory access on the H200 (reports/h200/session2/sweep-attempt1.json),
 # which poisons the CUDA context for everything after it: kernels/fused_layer.py refuses them.
-FUSED_CONFIGS = [(32, 4, 1), (32, 4, 2), (32, 4, 3), (32, 8, 2), (16, 4, 1), (16, 4, 2), (16, 4, 3), (16, 2, 2)]
+# (block_m, num_warps, num_stages, kv_precompute): kv_precompute computes keys and values once per layer in a
+# second kernel instead of in every program (kernels/fused_layer.py)
+FUSED_CONFIGS = [(32, 4, 1, False), (32, 4, 2, False), (32, 4, 3, False), (32, 8, 2, False), (16, 4, 1, False),
+                 (16, 4, 2, False), (16, 4, 3, False), (16, 2, 2, False),
+                 (32, 4, 1, True), (32, 4, 2, True), (16, 4, 1, True), (16, 4, 2, True)]
 ATTN_SHAPES = {"row13": (64, 1024, 4, 32), "row14-b4": (4, 100000, 16, 64)}
 ATTN_CONFIGS = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 32, 4, 2), (128, 32, 4, 3)]
 
@@ -95,10 +100,10 @@ def main():
     for row, (B, S, d, H, ffn) in FUSED_ROWS.items():
         case = fused_case(row, B, S, d, H, ffn)
         x = case["x"]
-        for bm, warps, stages in FUSED_CONFIGS:
-            rec = {"row": row, "block_m": bm, "num_warps": warps, "num_stages": stages}
+        for bm, warps, stages, kv in FUSED_CONFIGS:
+            rec = {"row": row, "block_m": bm, "num_warps": warps, "num_stages": stages, "kv_precompute": kv}
             try:
-                rec.update(measure_fused(case, block_m=bm, num_warps=warps, num_stages=stages))
+                rec.update(measure_fused(case, block_m=bm, num_warps=warps, num_stages=stages, kv_precompute=kv))
             except Exception as e:  # a configuration that does not compile is a result too
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             out["fused"].append(rec)
@@ -112,6 +117,8 @@ def main():
             print("row 6, one layer on the triton route:", out["row6_triton_layer_ms"], "ms", flush=True)
             save(out)
             del model
+    if "--fused-only" in sys.argv[2:]:
+        return
     for name, (B, S, H, D) in ATTN_SHAPES.items():
         qkv = torch.randn(B, S, 3, H, D, device="cuda", dtype=torch.float16)
         q, k, v = qkv.unbind(2)

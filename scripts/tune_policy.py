@@ -30,6 +30,11 @@ TOKENS = {n: r["batch_size"] * r["seq_len"] for n, r in OFFICIAL.items()}
 ROW6_TOKENS_X_D = TOKENS[6] * OFFICIAL[6]["d_model"]
 
 
+def config_of(record):
+    """(block_m, num_warps, num_stages, kv_precompute) of a sweep record (older sweeps: no kv_precompute)."""
+    return (record["block_m"], record["num_warps"], record["num_stages"], record.get("kv_precompute", False))
+
+
 def qualifying(records):
     """{config: {row: ms}} of the configurations that are as accurate as the baseline on a row."""
     by_row = defaultdict(list)
@@ -41,7 +46,7 @@ def qualifying(records):
         if "error" in base:
             raise SystemExit(f"tune_policy: the baseline configuration failed on row {row}: {base['error']}")
         for r in recs:
-            cfg = (r["block_m"], r["num_warps"], r["num_stages"])
+            cfg = config_of(r)
             ok = "error" not in r and all(r[k] <= 2 * base[k] + 1e-6 for k in ("max_abs_error", "max_abs_error_masked"))
             print(f"row {row:2d} {cfg}: " + (f"{r['ms']:.4f} ms, errors {r['max_abs_error']:.2e} / "
                                            f"{r['max_abs_error_masked']:.2e}" if "error" not in r else r["error"])
@@ -71,8 +76,11 @@ def main():
             continue
         cfg, cands = best(good, group)
         print(f"rows {group}: picked {cfg} (geomean {cands[cfg]:.4f} ms; baseline "
-              f"{cands.get(tuple(sweep['fused'][0][k] for k in ('block_m', 'num_warps', 'num_stages')), float('nan')):.4f} ms)")
-        launch.append({"max_tokens": bound, "block_m": cfg[0], "num_warps": cfg[1], "num_stages": cfg[2]})
+              f"{cands.get(config_of(sweep['fused'][0]), float('nan')):.4f} ms)")
+        entry = {"max_tokens": bound, "block_m": cfg[0], "num_warps": cfg[1], "num_stages": cfg[2]}
+        if cfg[3]:
+            entry["kv_precompute"] = True
+        launch.append(entry)
     launch[-1]["max_tokens"] = None
     policy["fused"]["launch"] = launch
     if "row6_triton_layer_ms" in sweep and 6 in rows:
@@ -83,6 +91,7 @@ def main():
               f"{'fused' if covers else 'unfused'} route")
         if covers:
             policy["fused"]["max_tokens_x_d_model"] = max(policy["fused"]["max_tokens_x_d_model"], ROW6_TOKENS_X_D)
+            policy["fused"]["max_tokens"] = None  # the ablation's token bound no longer stands once row 6 is fused
     with open(policy_path, "w") as f:
         json.dump(policy, f, indent=2)
         f.write("\n")

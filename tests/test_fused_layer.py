@@ -2,7 +2,7 @@
 
 On a CPU the kernel runs in the Triton interpreter. The model-level tests (tests/test_model.py, route `fused`)
 cover it inside the model; here each launch option is checked directly: block_m 16 and 32, the
-KT_DIRECT variant, masks (holes, a fully masked sequence), causal and not, the final norm, odd S,
+KT_DIRECT variant, keys/values precomputed by _ln_kv_fwd (kv_precompute), masks (holes, a fully masked sequence), causal and not, the final norm, odd S,
 d_model that is not a power of two, head_dim 8 and 80, fp16 and bf16 operands.
 """
 
@@ -90,14 +90,45 @@ def test_final_norm_and_operand_dtypes(dtype, kt_direct):
     check(y, want, dtype)
 
 
-def test_kt_variant_gives_the_same_layer():
-    """Both ways of forming the scores compute the same layer: outputs agree to operand rounding."""
+@pytest.mark.parametrize("mask_kind", ["none", "holes", "one_empty"])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_precomputed_keys_and_values_match_fp64(shape, mask_kind):
+    """kv_precompute: _ln_kv_fwd writes every token's keys and values once, the layer kernel reads them."""
+    B, S, d, H, ffn = SHAPES[shape]
+    causal = S % 2 == 0
+    w = weights(d, ffn, torch.float16, seed=5)
+    x = torch.randn(B, S, d, device=DEVICE)
+    mask = make_mask(mask_kind, B, S)
+    y = fused_layer(x, w, num_heads=H, causal=causal, mask=mask, block_m=16, kv_precompute=True)
+    want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal, mask=mask)
+    check(y, want, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_precomputed_keys_and_values_with_final_norm(dtype):
+    B, S, d, H, ffn = SHAPES["S128"]
+    w = weights(d, ffn, dtype, seed=6)
+    final = ((1 + 0.1 * torch.randn(d)).to(DEVICE), (0.1 * torch.randn(d)).to(DEVICE))
+    x = torch.randn(B, S, d, device=DEVICE)
+    mask = make_mask("holes", B, S)
+    y = fused_layer(x, w, num_heads=H, causal=True, mask=mask, final=final, out_dtype=torch.float32, block_m=32,
+                    kv_precompute=True)
+    want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=True, mask=mask,
+                                 final=final)
+    check(y, want, dtype)
+
+
+@pytest.mark.parametrize("variant, bound", [({"kt_direct": True}, 4e-3), ({"kv_precompute": True}, 1e-3)],
+                         ids=["kt-direct", "kv-precompute"])
+def test_variants_give_the_same_layer(variant, bound):
+    """Each variant computes the same layer as the default kernel: outputs agree to operand rounding
+    (KT_DIRECT rounds kᵀ from another product order) or to accumulation order (precomputed K/V)."""
     B, S, d, H, ffn = SHAPES["S33-hd16"]
     w = weights(d, ffn, torch.float16, seed=3)
     x = torch.randn(B, S, d, device=DEVICE)
     a = fused_layer(x, w, num_heads=H, causal=True)
-    b = fused_layer(x, w, num_heads=H, causal=True, kt_direct=True)
-    assert (a - b).abs().max().item() < 4e-3
+    b = fused_layer(x, w, num_heads=H, causal=True, **variant)
+    assert (a - b).abs().max().item() < bound
 
 
 @pytest.mark.parametrize("block_m", [MAX_BLOCK_M * 2, MAX_BLOCK_M * 4])

@@ -641,6 +641,17 @@ def test_generate_random_case_no_padding_and_scale():
     assert torch.equal(x, x2)
 
 
+def test_generate_random_case_generator_device():
+    """generator_device="device" draws with a generator on the target device: on the CPU that is the CPU draw
+    itself (padding included); an unknown value is refused by name."""
+    cfg = cfg_of((3, 17, 16, 2, 32, 1))
+    a, ma = generate_random_case(cfg, "cpu", torch.float32, seed=11, padding_ratio=0.4)
+    b, mb = generate_random_case(cfg, "cpu", torch.float32, seed=11, padding_ratio=0.4, generator_device="device")
+    assert torch.equal(a, b) and torch.equal(ma, mb)
+    with pytest.raises(ValueError, match="generator_device"):
+        generate_random_case(cfg, "cpu", torch.float32, seed=11, generator_device="gpu")
+
+
 def test_generate_random_case_seed_determines_x_directly():
     """x = randn(B, S, d) * input_scale from a generator seeded with `seed` (contract)."""
     cfg = cfg_of((2, 5, 8, 2, 16, 1))
@@ -751,3 +762,20 @@ def test_constructor_route_wins_over_env(monkeypatch):
     cfg = cfg_of(CFG_SEQ7)
     assert UserOptimizedTransformer(cfg).route == "reference"
     assert UserOptimizedTransformer(cfg, route="sdpa").route == "sdpa"
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "holes"])
+def test_fused_route_with_precomputed_keys_and_values(monkeypatch, mask_kind):
+    """A policy entry with kv_precompute runs the fused route as _ln_kv_fwd + the layer kernel per layer: the
+    whole model still matches the reference (official comparator), and the route says which ran."""
+    from model import routing
+
+    launch = [{**e, "kv_precompute": True} for e in routing.POLICY["fused"]["launch"]]
+    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "launch": launch})
+    cfg = cfg_of(CFG_SEQ7)
+    ref, opt = build_pair(cfg, "fused")
+    x, mask = make_inputs(cfg, mask_kind)
+    with torch.no_grad():
+        out = opt(x, mask)
+        assert opt.last_route.kv_precompute, str(opt.last_route)
+        check_official(ref(x, mask), out, f"fused kv_precompute mask={mask_kind}")

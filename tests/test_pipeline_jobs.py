@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from shapewise import roofline
 from shapewise.manifest import normalize_row, row_json
@@ -148,3 +149,18 @@ def test_roofline_peak_is_the_fastest_rate_the_row_may_use():
     assert peaks({**cuda, "device": "cpu"}, "float32")[0] == 51.0e12
     assert peaks({**cuda, "gemm": {"tf32": {"tflop_per_s": 402.0}}}, "float32")[0] == 402.0e12
     assert peaks({**cuda, "gemm": {}}, "float16") == (None, 4000.0e9)
+
+
+def test_only_huge_inputs_are_drawn_on_the_gpu(monkeypatch):
+    """make_case draws inputs of at least DEVICE_DRAW_MIN_ELEMENTS on the GPU's generator (official row 14's CPU
+    draw: about 20 s per case, estimated), everything else on the CPU generator: the same case on every device."""
+    from model import TransformerConfig
+    from shapewise.jobs import common
+
+    row14 = TransformerConfig(32, 100000, 1024, 16, 1024, 2, True)
+    row6 = TransformerConfig(10000, 128, 128, 4, 128, 4, True)
+    assert common.input_generator(row14, "cuda") == "device"
+    assert common.input_generator(row14, "cpu") == "cpu"
+    assert common.input_generator(row6, "cuda") == "cpu"
+    monkeypatch.setattr(common, "DEVICE_DRAW_MIN_ELEMENTS", 10000 * 128 * 128)
+    assert common.input_generator(row6, torch.device("cuda", 0)) == "device"

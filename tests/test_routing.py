@@ -179,7 +179,7 @@ def test_reference_route_is_exact_fp32():
 
 def test_policy_can_send_long_unmasked_attention_to_sdpa(monkeypatch):
     """The policy knob attention.sdpa_from_seq_len: long, unmasked rows on the triton route use SDPA attention;
-    masked ones keep our kernel; null (the committed default until measured) never switches."""
+    masked ones keep our kernel; null never switches."""
     from model import routing
 
     long_row = Shape(2, 100_000, 1024, 16, 1024, 2, True)
@@ -207,3 +207,51 @@ def test_fused_launch_follows_the_policy_buckets(monkeypatch):
         {"max_tokens": 1024, "block_m": 16, "num_warps": 4, "num_stages": 2}]})
     with pytest.raises(ValueError, match="max_tokens null"):
         select_route(large, torch.float32, "cuda")
+
+
+@pytest.mark.parametrize("tokens, heads, fused", [
+    (255, 4, False), (256, 4, True), (8192, 4, True), (8193, 4, False), (2048, 5, False), (2048, 1, True)])
+def test_fused_only_inside_the_policy_bounds(monkeypatch, tokens, heads, fused):
+    """fused.min_tokens / max_tokens / max_heads bound where `auto` picks the fused route; outside them the
+    graph route serves; a forced fused route still serves any shape the kernel supports."""
+    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "min_tokens": 256,
+                                                   "max_tokens": 8192, "max_heads": 4})
+    shape = Shape(batch_size=tokens, seq_len=1, d_model=16 * heads, num_heads=heads, ffn_dim=64, num_layers=1,
+                  causal=True)
+    assert select_route(shape, torch.float32, "cuda").name == ("fused" if fused else "graph")
+    assert select_route(shape, torch.float32, "cuda", forced="fused").name == "fused"
+    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "min_tokens": None,
+                                                   "max_tokens": None, "max_heads": None})
+    assert select_route(shape, torch.float32, "cuda").name == "fused"
+
+
+# The committed policy against the routes the H200 measured fastest per official row (reports/h200: the
+# fused_layer and flash_attention ablations, session 3). A policy edit that changes one of these must say why.
+OFFICIAL_ROUTES = {1: "fused", 2: "graph", 3: "fused", 4: "fused", 5: "graph", 6: "triton", 7: "fused",
+                   8: "graph", 9: "fused", 10: "fused", 11: "graph", 12: "fused", 13: "graph", 14: "triton"}
+
+
+def test_committed_policy_routes_the_official_rows_as_measured():
+    from shapewise.manifest import official_rows
+
+    for n, row in official_rows().items():
+        shape = Shape(**{f: row[f] for f in ("batch_size", "seq_len", "d_model", "num_heads", "ffn_dim",
+                                             "num_layers", "causal")})
+        route = select_route(shape, torch.float32, "cuda")
+        assert route.name == OFFICIAL_ROUTES[n], f"official row {n}: {route}"
+        assert route.attention == ("sdpa" if n == 14 else "triton"), f"official row {n}: {route}"
+
+
+def test_policy_can_precompute_keys_and_values(monkeypatch):
+    """fused.launch entries may set kv_precompute; the route carries it (and says so), other routes never do."""
+    shape = Shape(batch_size=8, seq_len=128, d_model=64, num_heads=4, ffn_dim=64, num_layers=1, causal=True)
+    launch = [{"max_tokens": None, "block_m": 32, "num_warps": 4, "num_stages": 2}]
+    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "launch": launch})
+    assert select_route(shape, torch.float32, "cuda").kv_precompute is False
+    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"],
+                                                   "launch": [{**launch[0], "kv_precompute": True}]})
+    route = select_route(shape, torch.float32, "cuda")
+    assert route.name == "fused" and route.kv_precompute and "kv=precomputed" in str(route)
+    assert route.as_dict()["kv_precompute"] is True
+    assert select_route(shape, torch.float32, "cpu", forced="fused", interpret=True).kv_precompute
+    assert not select_route(shape, torch.float32, "cuda", forced="triton").kv_precompute

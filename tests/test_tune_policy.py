@@ -15,6 +15,8 @@ BASE = (32, 4, 1)
 
 def record(row, cfg, ms, err=1e-3, err_masked=1e-3, error=None):
     r = {"row": row, "block_m": cfg[0], "num_warps": cfg[1], "num_stages": cfg[2]}
+    if len(cfg) > 3:
+        r["kv_precompute"] = cfg[3]
     if error:
         return {**r, "error": error}
     return {**r, "ms": ms, "max_abs_error": err, "max_abs_error_masked": err_masked}
@@ -43,6 +45,7 @@ def test_fastest_accurate_configuration_per_group(tmp_path):
         {"max_tokens": 4096, "block_m": 16, "num_warps": 4, "num_stages": 1},
         {"max_tokens": None, "block_m": 32, "num_warps": 4, "num_stages": 2}]
     assert policy["fused"]["max_tokens_x_d_model"] == 16777216  # row 6 fused (3.69 ms) loses to 1.0 ms
+    assert policy["fused"]["max_tokens"] == 8192  # the ablation's bound stays
     assert "(rejected)" in done.stdout
 
 
@@ -51,6 +54,7 @@ def test_row6_goes_fused_when_the_fused_layer_is_faster(tmp_path):
     done, policy = tune(tmp_path, fused, row6_triton_layer_ms=3.0)
     assert done.returncode == 0, done.stderr
     assert policy["fused"]["max_tokens_x_d_model"] >= 10000 * 128 * 128
+    assert policy["fused"]["max_tokens"] is None  # or the token bound would still keep row 6 off the fused route
 
 
 @pytest.mark.parametrize("broken", ["baseline", "no-common"])
@@ -67,3 +71,19 @@ def test_refuses_when_nothing_trustworthy(tmp_path, broken):
     assert done.returncode != 0 and message in done.stderr + done.stdout
     before = json.loads((ROOT / "model" / "routing_policy.json").read_text())
     assert policy == before, "a refused tuning must leave the policy as it was"
+
+
+def test_precomputed_keys_and_values_are_written_when_they_win(tmp_path):
+    """A kv_precompute configuration that is fastest and as accurate lands in the policy entry; the plain ones
+    carry no kv_precompute key (the routing reads its absence as False)."""
+    kv = (32, 4, 2, True)
+    fused = []
+    for row in (2, 12):
+        fused += [record(row, BASE, 0.10), record(row, (16, 4, 1), 0.07)]
+    for row in (1, 6):
+        fused += [record(row, BASE, 0.10), record(row, kv, 0.05)]
+    done, policy = tune(tmp_path, fused)
+    assert done.returncode == 0, done.stderr
+    assert policy["fused"]["launch"] == [
+        {"max_tokens": 4096, "block_m": 16, "num_warps": 4, "num_stages": 1},
+        {"max_tokens": None, "block_m": 32, "num_warps": 4, "num_stages": 2, "kv_precompute": True}]

@@ -13,8 +13,9 @@ import json
 import torch
 
 from shapewise.jobs.check import check
-from shapewise.jobs.common import (FIRST_TRIAL_SEED, build_models, header, log, make_case, model_config,
-                                   read_json, route_of, run_optimized, set_precision, setup, write_result)
+from shapewise.jobs.common import (FIRST_TRIAL_SEED, build_models, header, input_generator, log, make_case,
+                                   model_config, read_json, route_of, run_optimized, set_precision, setup,
+                                   write_result)
 from shapewise.jobs.preflight import fits
 
 
@@ -60,7 +61,8 @@ def main(args):
         route_name, route = route_of(optimized)
         routes.add(route_name)
         comparisons, checked = check(reference, out, x, mask, reference_fits, settings)
-        trial = {"trial": t, "seed": seed, "mask_kind": mask_kind, "route": route_name, "route_detail": route,
+        trial = {"trial": t, "seed": seed, "input_generator": input_generator(config, device), "mask_kind": mask_kind,
+                 "route": route_name, "route_detail": route,
                  "comparisons": comparisons, "checked": checked,
                  "output_finite": bool(torch.isfinite(out).all().item())}
         result["trials"].append(trial)
