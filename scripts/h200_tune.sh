@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One device call that measures what the routing policy is read off, before a pipeline run:
+# the host time of forward on the small rows, the fused kernel's launch sweep (kv_precompute included) and the
+# policy tune_policy.py derives from it. Writes $OUT/host.json, $OUT/sweep.json, $OUT/routing_policy.json
+# (model/routing_policy.json with the sweep's winners; copy it into model/ after reading tune.log).
+# Device call: bash scripts/h200_tune.sh [SWEEP_SECONDS]   (default 400; the sweep saves after every record)
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi -L
+start=$(date +%s)
+python3 scripts/h200_host_probe.py "$OUT/host.json" 2>&1 | tail -n 20
+echo "host probe done after $(( $(date +%s) - start )) s"
+timeout --signal=INT --kill-after=20 "${1:-400}" python3 scripts/h200_sweep.py "$OUT/sweep.json" --fused-only \
+    > "$OUT/sweep.log" 2>&1
+echo "sweep exit status $? after $(( $(date +%s) - start )) s"; tail -n 5 "$OUT/sweep.log"
+cp model/routing_policy.json "$OUT/routing_policy.json"
+python3 scripts/tune_policy.py "$OUT/sweep.json" "$OUT/routing_policy.json" > "$OUT/tune.log" 2>&1
+echo "tune_policy exit status $?"; tail -n 30 "$OUT/tune.log"
