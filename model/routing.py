@@ -81,10 +81,11 @@ def _precision_for(name: str, dtype: str, shape: Shape) -> str:
 
 
 def _fused_entry(shape: Shape) -> dict:
-    """The policy's first `fused.launch` entry whose `max_tokens` (batch_size * seq_len; null = no bound) covers
-    the shape."""
+    """The policy's first `fused.launch` entry that covers the shape: batch_size * seq_len up to its
+    `max_tokens` and num_heads up to its `max_heads` (each null or absent: no bound)."""
     for entry in POLICY["fused"]["launch"]:
-        if entry["max_tokens"] is None or shape.tokens <= entry["max_tokens"]:
+        if ((entry["max_tokens"] is None or shape.tokens <= entry["max_tokens"])
+                and (entry.get("max_heads") is None or shape.num_heads <= entry["max_heads"])):
             return entry
     raise ValueError("routing_policy.json: fused.launch has no entry with max_tokens null")
 

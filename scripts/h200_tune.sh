@@ -3,9 +3,11 @@
 # the host time of forward on the small rows, the fused kernel's launch sweep (kv_precompute included) and the
 # policy tune_policy.py derives from it. Writes $OUT/host.json, $OUT/sweep.json, $OUT/routing_policy.json
 # (model/routing_policy.json with the sweep's winners; copy it into model/ after reading tune.log).
-# Device call: bash scripts/h200_tune.sh [SWEEP_SECONDS]   (default 400; the sweep saves after every record)
+# Device call (carry [".whl"]): bash scripts/h200_tune.sh [SWEEP_SECONDS]   (default 400; the sweep saves after every record)
+# carry [".whl"]: jsonschema and friends come from the same offline wheels as scripts/h200_pipeline.sh.
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+[ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 nvidia-smi -L
 start=$(date +%s)
 python3 scripts/h200_host_probe.py "$OUT/host.json" 2>&1 | tail -n 20

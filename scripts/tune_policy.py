@@ -5,11 +5,13 @@ Usage: python scripts/tune_policy.py SWEEP.json [POLICY.json]   (default policy:
 Reads the `fused` records of scripts/h200_sweep.py. Per official row, a configuration qualifies when it
 compiled and its errors against the fp64 reference (plain and masked) are at most twice those of the
 baseline configuration (the sweep's first, the one the policy ran before): a configuration that computes
-something else is never picked for speed. The rows are grouped by batch_size*seq_len: up to
-SMALL_TOKENS tokens (rows 2 and 12: fewer 32-row programs than the H200 has SMs, so smaller row blocks
-add parallelism) and above (rows 1, 5, 6, 7, 11). Each group gets the configuration with the lowest
-geometric-mean time among those qualifying on all its rows; rows the sweep did not run (3, 4, 8, 9, 10)
-take their group's configuration by size.
+something else is never picked for speed. The rows are grouped as the policy's launch entries are: each row
+joins the first of GROUPS whose bounds cover it (batch_size*seq_len up to max_tokens, num_heads up to
+max_heads). Small (rows 2 and 12: fewer 32-row programs than the H200 has SMs, so smaller row blocks add
+parallelism); mid (rows 1 and 7, and the unswept 9 and 10: 8192 tokens, few heads); large (rows 5, 6 and 11:
+more tokens, or 16 heads of head_dim 8, where the session-4 sweep measured keys and values computed once per
+layer 12-18 % faster and the plain kernel faster on row 7). Each group gets the configuration with the lowest
+geometric-mean time among those qualifying on all its rows; a group the sweep has no row of gets no entry.
 If one fused layer of row 6 beats one layer of the unfused triton route by more than 10%, the fused route's
 size bound is raised to cover row 6. Prints every decision; the policy's other entries are kept.
 """
@@ -24,7 +26,9 @@ from collections import defaultdict
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from shapewise.manifest import official_rows  # noqa: E402
 
-SMALL_TOKENS = 4096  # 4096 tokens = 128 programs of 32 rows: under one wave of the H200's 132 SMs
+# (max_tokens, max_heads) of each launch entry, in order; None: no bound. 4096 tokens = 128 programs of 32 rows,
+# under one wave of the H200's 132 SMs.
+GROUPS = ((4096, None), (8192, 4), (None, None))
 OFFICIAL = official_rows()  # the rows the sweep ran, by number
 TOKENS = {n: r["batch_size"] * r["seq_len"] for n, r in OFFICIAL.items()}
 ROW6_TOKENS_X_D = TOKENS[6] * OFFICIAL[6]["d_model"]
@@ -70,18 +74,26 @@ def main():
     policy = json.load(open(policy_path))
     good, rows = qualifying(sweep["fused"])
     launch = []
-    for bound, group in ((SMALL_TOKENS, [r for r in rows if TOKENS[r] <= SMALL_TOKENS]),
-                         (None, [r for r in rows if TOKENS[r] > SMALL_TOKENS])):
+    groups = [[] for _ in GROUPS]
+    for r in rows:
+        heads = OFFICIAL[r]["num_heads"]
+        first = next(i for i, (tokens, most) in enumerate(GROUPS)
+                     if (tokens is None or TOKENS[r] <= tokens) and (most is None or heads <= most))
+        groups[first].append(r)
+    for (bound, most), group in zip(GROUPS, groups):
         if not group:
             continue
         cfg, cands = best(good, group)
         print(f"rows {group}: picked {cfg} (geomean {cands[cfg]:.4f} ms; baseline "
               f"{cands.get(config_of(sweep['fused'][0]), float('nan')):.4f} ms)")
         entry = {"max_tokens": bound, "block_m": cfg[0], "num_warps": cfg[1], "num_stages": cfg[2]}
+        if most is not None:
+            entry["max_heads"] = most
         if cfg[3]:
             entry["kv_precompute"] = True
         launch.append(entry)
-    launch[-1]["max_tokens"] = None
+    launch[-1]["max_tokens"] = None  # the last entry covers every shape
+    launch[-1].pop("max_heads", None)
     policy["fused"]["launch"] = launch
     if "row6_triton_layer_ms" in sweep and 6 in rows:
         fused6 = min(t[6] for t in good.values() if 6 in t)

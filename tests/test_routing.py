@@ -209,6 +209,20 @@ def test_fused_launch_follows_the_policy_buckets(monkeypatch):
         select_route(large, torch.float32, "cuda")
 
 
+def test_fused_launch_entries_can_bound_the_heads(monkeypatch):
+    """A launch entry with max_heads serves only shapes with at most that many heads; others fall through to the
+    next entry that covers them."""
+    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "max_heads": None, "launch": [
+        {"max_tokens": 8192, "max_heads": 4, "block_m": 32, "num_warps": 4, "num_stages": 2},
+        {"max_tokens": None, "block_m": 32, "num_warps": 4, "num_stages": 1, "kv_precompute": True}]})
+    few = Shape(batch_size=64, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=1, causal=True)
+    many = dataclasses.replace(few, num_heads=16)
+    assert select_route(few, torch.float32, "cuda").launch == (32, 4, 2)
+    assert not select_route(few, torch.float32, "cuda").kv_precompute
+    route = select_route(many, torch.float32, "cuda")
+    assert route.name == "fused" and route.launch == (32, 4, 1) and route.kv_precompute
+
+
 @pytest.mark.parametrize("tokens, heads, fused", [
     (255, 4, False), (256, 4, True), (8192, 4, True), (8193, 4, False), (2048, 5, False), (2048, 1, True)])
 def test_fused_only_inside_the_policy_bounds(monkeypatch, tokens, heads, fused):
@@ -226,9 +240,11 @@ def test_fused_only_inside_the_policy_bounds(monkeypatch, tokens, heads, fused):
 
 
 # The committed policy against the routes the H200 measured fastest per official row (reports/h200: the
-# fused_layer and flash_attention ablations, session 3). A policy edit that changes one of these must say why.
-OFFICIAL_ROUTES = {1: "fused", 2: "graph", 3: "fused", 4: "fused", 5: "graph", 6: "triton", 7: "fused",
-                   8: "graph", 9: "fused", 10: "fused", 11: "graph", 12: "fused", 13: "graph", 14: "triton"}
+# fused_layer and flash_attention ablations, session 3; the fused sweep, session 4). A policy edit that changes one of these must say why.
+OFFICIAL_ROUTES = {1: "fused", 2: "graph", 3: "fused", 4: "fused", 5: "fused", 6: "triton", 7: "fused",
+                   8: "graph", 9: "fused", 10: "fused", 11: "fused", 12: "fused", 13: "graph", 14: "triton"}
+# Rows 5 and 11 went back to fused with kv_precompute after the session-4 sweep (reports/h200/session4/).
+OFFICIAL_KV = {5, 11}
 
 
 def test_committed_policy_routes_the_official_rows_as_measured():
@@ -240,6 +256,7 @@ def test_committed_policy_routes_the_official_rows_as_measured():
         route = select_route(shape, torch.float32, "cuda")
         assert route.name == OFFICIAL_ROUTES[n], f"official row {n}: {route}"
         assert route.attention == ("sdpa" if n == 14 else "triton"), f"official row {n}: {route}"
+        assert route.kv_precompute == (n in OFFICIAL_KV), f"official row {n}: {route}"
 
 
 def test_policy_can_precompute_keys_and_values(monkeypatch):

@@ -36,16 +36,20 @@ def test_fastest_accurate_configuration_per_group(tmp_path):
     fused = []
     for row in (2, 12):  # small group: the fastest is inaccurate (masked), the next one wins
         fused += [record(row, BASE, 0.10), record(row, fast_wrong, 0.05, err_masked=0.5), record(row, fast, 0.07)]
-    for row in (1, 6):  # large group: one configuration fails to compile on row 6
+    for row in (1, 7):  # mid group (8192 tokens, 4 heads): the fastest wins
+        fused += [record(row, BASE, 0.10), record(row, fast, 0.08), record(row, slow, 0.09)]
+    for row in (6, 11):  # large group: one configuration fails to compile on row 6
         fused += [record(row, BASE, 0.10 * (1 + 40 * (row == 6))), record(row, fast, 0.01, error="OutOfResources")
                   if row == 6 else record(row, fast, 0.01), record(row, slow, 0.09 * (1 + 40 * (row == 6)))]
     done, policy = tune(tmp_path, fused, row6_triton_layer_ms=1.0)
     assert done.returncode == 0, done.stderr
     assert policy["fused"]["launch"] == [
         {"max_tokens": 4096, "block_m": 16, "num_warps": 4, "num_stages": 1},
+        {"max_tokens": 8192, "max_heads": 4, "block_m": 16, "num_warps": 4, "num_stages": 1},
         {"max_tokens": None, "block_m": 32, "num_warps": 4, "num_stages": 2}]
     assert policy["fused"]["max_tokens_x_d_model"] == 16777216  # row 6 fused (3.69 ms) loses to 1.0 ms
-    assert policy["fused"]["max_tokens"] == 8192  # the ablation's bound stays
+    before = json.loads((ROOT / "model" / "routing_policy.json").read_text())
+    assert policy["fused"]["max_tokens"] == before["fused"]["max_tokens"]  # the routing bounds are not its call
     assert "(rejected)" in done.stdout
 
 
@@ -80,7 +84,7 @@ def test_precomputed_keys_and_values_are_written_when_they_win(tmp_path):
     fused = []
     for row in (2, 12):
         fused += [record(row, BASE, 0.10), record(row, (16, 4, 1), 0.07)]
-    for row in (1, 6):
+    for row in (5, 11):
         fused += [record(row, BASE, 0.10), record(row, kv, 0.05)]
     done, policy = tune(tmp_path, fused)
     assert done.returncode == 0, done.stderr
