@@ -1,0 +1,79 @@
+"""Registers and spills of the fused layer kernel on sm_90, per official row, from ptxas (no GPU needed).
+
+Usage: python scripts/fused_ptxas.py [OUT.json]
+
+For the official rows the fused route serves (1, 3, 4, 5, 7, 9, 10, 11, 12) it compiles `_fused_layer_fwd`
+with the constexprs `kernels.fused_layer.fused_layer` would pass for that row, at the launch the committed
+policy picks (model/routing_policy.json) and with kv_precompute on and off, then runs the ptxas that ships with
+Triton (`-v`, sm_90a) on the PTX and records registers per thread and spill bytes. Rows whose kernel spills
+are the first suspects when their per-layer time is out of line with their FLOPs (docs/performance.md).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import triton  # noqa: E402
+from fused_ttgir import _compile  # noqa: E402
+
+from kernels.fused_layer import _fused_layer_fwd  # noqa: E402
+from model.routing import Shape, fused_launch  # noqa: E402
+from shapewise.manifest import MODEL_FIELDS, official_rows  # noqa: E402
+
+FUSED_ROWS = (1, 3, 4, 5, 7, 9, 10, 11, 12)
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def constexprs(row, block_m, kv_global):
+    """The constexprs fused_layer passes for an official row (mirrors its launcher)."""
+    S, d, H, ffn = row["seq_len"], row["d_model"], row["num_heads"], row["ffn_dim"]
+    hd = d // H
+    block_s = max(16, triton.next_power_of_2(S))
+    return dict(NUM_HEADS=H, HEAD_DIM=hd, BLOCK_HD=max(16, triton.next_power_of_2(hd)),
+                BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_F=min(64, max(16, triton.next_power_of_2(ffn))),
+                BLOCK_M=min(block_s, block_m), BLOCK_S=block_s, IS_CAUSAL=True, HAS_MASK=False, FINAL_NORM=False,
+                KT_DIRECT=False, KV_GLOBAL=kv_global)
+
+
+def ptxas_usage(ptx: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True, check=True)
+    text = done.stdout + done.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    stores = re.search(r"(\d+) bytes spill stores", text)
+    loads = re.search(r"(\d+) bytes spill loads", text)
+    return {"registers": int(regs[1]) if regs else None, "spill_store_bytes": int(stores[1]) if stores else None,
+            "spill_load_bytes": int(loads[1]) if loads else None}
+
+
+def main():
+    rows = official_rows()
+    out = []
+    for n in FUSED_ROWS:
+        row = rows[n]
+        block_m, num_warps, num_stages = fused_launch(Shape(**{f: row[f] for f in MODEL_FIELDS}))
+        for kv in (False, True):
+            kernel = _compile(_fused_layer_fwd, constexprs(row, block_m, kv), num_warps, num_stages)
+            rec = {"row": n, "head_dim": row["d_model"] // row["num_heads"], "num_heads": row["num_heads"],
+                   "block_m": block_m, "num_warps": num_warps, "num_stages": num_stages, "kv_precompute": kv,
+                   "shared_bytes": kernel.metadata.shared, **ptxas_usage(kernel.asm["ptx"])}
+            out.append(rec)
+            print(json.dumps(rec), flush=True)
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            version = subprocess.run([PTXAS, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+            json.dump({"ptxas": "triton/backends/nvidia/bin/ptxas: " + version[-1], "triton": triton.__version__,
+                       "target": "sm_90a", "kernels": out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
