@@ -1,11 +1,12 @@
 # shapewise evidence pipeline. Run `snakemake --cores all`; see README.md.
 #
-# The global name `workflow` below is Snakemake's own object; our Python lives
-# in the package shapewise/ (imported from this checkout first).
+# The global name `workflow` below is Snakemake's own object; our Python is the
+# package `shapewise` in workflow/shapewise/ (imported from this checkout first;
+# its subpackages shapewise.model and shapewise.kernels are model/ and kernels/).
 
 import sys
 
-sys.path.insert(0, workflow.basedir)
+sys.path.insert(0, f"{workflow.basedir}/workflow")
 
 from snakemake.utils import min_version, validate
 

@@ -26,7 +26,7 @@ from . import INTERPRET
 MAX_SEQ = 128
 MAX_D_MODEL = 128
 # Largest block_m served. 64 and 128 ended in an illegal memory access on the H200 (Triton 3.6; see
-# reports/h200/session2/README.md); scripts/h200_fused_isolation.py raises this in its own processes to probe them.
+# experiments/h200/session2/README.md); experiments/h200_fused_isolation.py raises this in its own processes to probe them.
 MAX_BLOCK_M = 32
 # Triton 3.6's interpreter computes garbage for bf16 dots (see kernels/attention.py): there the
 # (already bf16-rounded) operands are multiplied in fp32, which gives the tensor cores' products.
@@ -105,7 +105,6 @@ def _fused_layer_fwd(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr,
-    KT_DIRECT: tl.constexpr,  # form kᵀ as W_k·LN1(x)ᵀ instead of transposing k, a matmul result (see fused_layer)
     KV_GLOBAL: tl.constexpr,  # read K and V from KV (written by _ln_kv_fwd) instead of recomputing them here
 ):
     pid_m = tl.program_id(0)
@@ -158,10 +157,6 @@ def _fused_layer_fwd(
             k = tl.load(kv_ptrs, mask=kv_ok, other=0.0)
             v = tl.load(kv_ptrs + d_model, mask=kv_ok, other=0.0)
             s = _mm(q, tl.trans(k)) * qk_scale
-        elif KT_DIRECT:  # kᵀ [head_dim, S] = W_k rows f0.. @ LN1(keys)ᵀ: transposes LayerNorm output, no matmul result
-            kt = (_mm(tl.trans(wk), tl.trans(hk)) + bk[:, None]).to(op_ty)
-            v = (_mm(hk, wv) + bv[None, :]).to(op_ty)
-            s = _mm(q, kt) * qk_scale
         else:
             k = (_mm(hk, wk) + bk[None, :]).to(op_ty)
             v = (_mm(hk, wv) + bv[None, :]).to(op_ty)
@@ -251,18 +246,13 @@ def supports(seq_len: int, d_model: int, num_heads: int) -> bool:
 
 
 def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=None, out=None, block_m=None,
-                num_warps=4, num_stages=1, kt_direct=False, kv_precompute=False):
+                num_warps=4, num_stages=1, kv_precompute=False):
     """One layer (and the final norm when `final=(weight, bias)`) over `x [B, S, d]`.
 
     w: dict with qkv_w [3d, d], qkv_b [3d], o_w, o_b, in_w [ffn, d], in_b, out_w [d, ffn], out_b in the
     operand dtype (fp16/bf16) and n1_w, n1_b, n2_w, n2_b in fp32. Returns the new fp32 residual
     `[B, S, d]`, or the normalized output (in `out_dtype`, default x's dtype) when `final` is given.
     block_m, num_warps, num_stages: launch configuration (defaults: the one checked on the H200).
-    kt_direct: form kᵀ directly as W_k·LN1(x)ᵀ (transposing a weight tile and the LayerNorm output) instead
-    of transposing k, a matmul result. At block_m >= 64 Triton 3.6 feeds the score matmul from a transposed
-    shared-memory copy of k (scripts/fused_ttgir.py), the pattern suspected of the H200 crash; transposed
-    copies of non-matmul tiles are what the attention kernel's 64/128-row tiles already run on the H200.
-    Same math; not used by the model until scripts/h200_fused_isolation.py has measured it.
     kv_precompute: compute the keys and values of every token once, in a second small kernel (_ln_kv_fwd),
     and have the layer kernel read them instead of each program recomputing them for the whole sequence
     (S / block_m times per sequence). Same math up to accumulation order; two launches per layer.
@@ -288,7 +278,7 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
     nf_w, nf_b = final if final is not None else (w["n1_w"], w["n1_b"])
     block_s = max(16, triton.next_power_of_2(S))
     # default 32 query rows with 4 warps, 1 stage: the first configuration checked on the H200. The model
-    # passes the policy's tuned configuration (model/routing_policy.json, fused.launch; scripts/tune_policy.py).
+    # passes the policy's tuned configuration (model/routing_policy.json, fused.launch; `shapewise tune`).
     block_m = min(block_s, block_m or 32)
     if block_m > MAX_BLOCK_M:
         raise ValueError(f"fused_layer: block_m must be at most {MAX_BLOCK_M}, got {block_m}")
@@ -313,6 +303,6 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
         BLOCK_D=block_d, BLOCK_F=min(64, max(16, triton.next_power_of_2(ffn))),
         BLOCK_M=block_m, BLOCK_S=block_s,
         IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, FINAL_NORM=final is not None,
-        KT_DIRECT=bool(kt_direct), KV_GLOBAL=bool(kv_precompute), num_warps=num_warps, num_stages=num_stages,
+        KV_GLOBAL=bool(kv_precompute), num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -211,8 +211,8 @@ class UserOptimizedTransformer(BaselineTransformer):
     def _forward_kernels(self, x, mask, route):
         if route.name == "fused":
             return self._forward_fused(x, mask, route)
-        from kernels.attention import flash_attention
-        from kernels.layernorm import add_layernorm
+        from shapewise.kernels.attention import flash_attention
+        from shapewise.kernels.layernorm import add_layernorm
 
         precision = route.precision
         cfg = self.config
@@ -261,7 +261,7 @@ class UserOptimizedTransformer(BaselineTransformer):
         return h
 
     def _forward_fused(self, x, mask, route):
-        from kernels.fused_layer import fused_layer
+        from shapewise.kernels.fused_layer import fused_layer
 
         cfg = self.config
         w = self._weights_for(route.precision, True)

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from kernels.attention import flash_attention
+from shapewise.kernels.attention import flash_attention
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -327,7 +327,7 @@ def test_autotune_candidates_are_pruned_by_shape_and_precision():
     exact fp32 (whose compile time per candidate dominated pipeline jobs), large tiles for long sequences."""
     import triton
 
-    from kernels.attention import _prune
+    from shapewise.kernels.attention import _prune
 
     configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=2)
                for bm, bn in [(128, 128), (128, 64), (64, 64), (64, 32), (32, 32), (16, 32)]]

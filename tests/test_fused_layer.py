@@ -2,14 +2,14 @@
 
 On a CPU the kernel runs in the Triton interpreter. The model-level tests (tests/test_model.py, route `fused`)
 cover it inside the model; here each launch option is checked directly: block_m 16 and 32, the
-KT_DIRECT variant, keys/values precomputed by _ln_kv_fwd (kv_precompute), masks (holes, a fully masked sequence), causal and not, the final norm, odd S,
+keys/values precomputed by _ln_kv_fwd (kv_precompute), masks (holes, a fully masked sequence), causal and not, the final norm, odd S,
 d_model that is not a power of two, head_dim 8 and 80, fp16 and bf16 operands.
 """
 
 import pytest
 import torch
 
-from kernels.fused_layer import MAX_BLOCK_M, fused_layer, fused_layer_reference
+from shapewise.kernels.fused_layer import MAX_BLOCK_M, fused_layer, fused_layer_reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # operand dtype -> (atol, rtol) against fp64 math on the same (rounded) weights: activations rounded to
@@ -60,31 +60,28 @@ def check(y, want, dtype):
     assert not bad.any(), f"{int(bad.sum())} elements off, max abs error {err.max().item():.3e}"
 
 
-@pytest.mark.parametrize("kt_direct", [False, True], ids=["k-trans", "kt-direct"])
 @pytest.mark.parametrize("block_m", [16, 32])
 @pytest.mark.parametrize("mask_kind", ["none", "holes", "one_empty"])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-def test_fused_layer_matches_fp64(shape, mask_kind, block_m, kt_direct):
+def test_fused_layer_matches_fp64(shape, mask_kind, block_m):
     B, S, d, H, ffn = SHAPES[shape]
     causal = S % 2 == 1 or shape == "S128"  # both kinds across the shapes
     w = weights(d, ffn, torch.float16)
     x = torch.randn(B, S, d, device=DEVICE)
     mask = make_mask(mask_kind, B, S)
-    y = fused_layer(x, w, num_heads=H, causal=causal, mask=mask, block_m=block_m, kt_direct=kt_direct)
+    y = fused_layer(x, w, num_heads=H, causal=causal, mask=mask, block_m=block_m)
     want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal, mask=mask)
     check(y, want, torch.float16)
 
 
-@pytest.mark.parametrize("kt_direct", [False, True], ids=["k-trans", "kt-direct"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_final_norm_and_operand_dtypes(dtype, kt_direct):
+def test_final_norm_and_operand_dtypes(dtype):
     B, S, d, H, ffn = SHAPES["S33-hd16"]
     w = weights(d, ffn, dtype)
     final = ((1 + 0.1 * torch.randn(d)).to(DEVICE), (0.1 * torch.randn(d)).to(DEVICE))
     x = torch.randn(B, S, d, device=DEVICE)
     mask = make_mask("holes", B, S)
-    y = fused_layer(x, w, num_heads=H, causal=True, mask=mask, final=final, out_dtype=torch.float32,
-                    kt_direct=kt_direct)
+    y = fused_layer(x, w, num_heads=H, causal=True, mask=mask, final=final, out_dtype=torch.float32)
     want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=True, mask=mask,
                                  final=final)
     check(y, want, dtype)
@@ -118,11 +115,9 @@ def test_precomputed_keys_and_values_with_final_norm(dtype):
     check(y, want, dtype)
 
 
-@pytest.mark.parametrize("variant, bound", [({"kt_direct": True}, 4e-3), ({"kv_precompute": True}, 1e-3)],
-                         ids=["kt-direct", "kv-precompute"])
+@pytest.mark.parametrize("variant, bound", [({"kv_precompute": True}, 1e-3)], ids=["kv-precompute"])
 def test_variants_give_the_same_layer(variant, bound):
-    """Each variant computes the same layer as the default kernel: outputs agree to operand rounding
-    (KT_DIRECT rounds kᵀ from another product order) or to accumulation order (precomputed K/V)."""
+    """The kv_precompute variant computes the same layer as the default kernel, to accumulation order."""
     B, S, d, H, ffn = SHAPES["S33-hd16"]
     w = weights(d, ffn, torch.float16, seed=3)
     x = torch.randn(B, S, d, device=DEVICE)

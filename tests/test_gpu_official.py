@@ -28,7 +28,7 @@ SEED0 = 1234
 
 
 def _config(row):
-    from model import TransformerConfig
+    from shapewise.model import TransformerConfig
 
     B, S, d, H, f, L = OFFICIAL_ROWS[row]
     return TransformerConfig(batch_size=B, seq_len=S, d_model=d, num_heads=H, ffn_dim=f, num_layers=L, causal=True)
@@ -57,9 +57,9 @@ def _sampled_elements(B, trial):
 @torch.no_grad()
 def _run_trial(row, route, trial, tolerance):
     """Builds both models from the trial's seed, runs them, returns a list of (label, Comparison, route name)."""
-    from model import (TOLERANCES, BaselineTransformer, UserOptimizedTransformer, compare_outputs,
+    from shapewise.model import (TOLERANCES, BaselineTransformer, UserOptimizedTransformer, compare_outputs,
                        generate_random_case)
-    from model.reference import chunked_reference_forward
+    from shapewise.model.reference import chunked_reference_forward
 
     cfg = _config(row)
     seed = SEED0 + trial
@@ -146,7 +146,7 @@ def _masks(kind, B, S, dev):
 
 
 def _all_routes():
-    from model.routing import ROUTES
+    from shapewise.model.routing import ROUTES
 
     return ["auto", *ROUTES]
 
@@ -163,9 +163,9 @@ MASKED_CFGS = {
 @pytest.mark.parametrize("shape", sorted(MASKED_CFGS))
 @torch.no_grad()
 def test_masked_inputs_every_route(shape, route, mask_kind, causal, no_tf32):
-    from model import (TOLERANCES, BaselineTransformer, TransformerConfig, UserOptimizedTransformer,
+    from shapewise.model import (TOLERANCES, BaselineTransformer, TransformerConfig, UserOptimizedTransformer,
                        compare_outputs, generate_random_case)
-    from model.routing import RouteUnavailable, Shape, select_route
+    from shapewise.model.routing import RouteUnavailable, Shape, select_route
 
     B, S, d, H, f, L = MASKED_CFGS[shape]
     cfg = TransformerConfig(B, S, d, H, f, L, causal)
@@ -204,7 +204,7 @@ def test_masked_inputs_every_route(shape, route, mask_kind, causal, no_tf32):
 def test_gpu_weight_edit_and_no_aliasing(route, no_tf32):
     """After a first forward (graph captured), an in-place weight edit must show in the next output, and the
     output of call 1 must survive call 2 (the graph's static output buffer is not handed out)."""
-    from model import TOLERANCES, BaselineTransformer, TransformerConfig, UserOptimizedTransformer, compare_outputs
+    from shapewise.model import TOLERANCES, BaselineTransformer, TransformerConfig, UserOptimizedTransformer, compare_outputs
 
     cfg = TransformerConfig(4, 128, 128, 4, 128, 2, True)
     dev = torch.device("cuda")
@@ -235,7 +235,7 @@ def test_one_kernel_per_layer_across_batch_sizes(batch, no_tf32):
     one wave of programs and below (B=1), around the H200's 132 SMs (B=131, 132) and far above it (B=1000).
     Session 1's row-6 failure (B=10000) came with 64-row query blocks, which fused_layer now refuses
     (MAX_BLOCK_M); this keeps the grid sizes around it covered."""
-    from model import TOLERANCES, BaselineTransformer, TransformerConfig, UserOptimizedTransformer, compare_outputs
+    from shapewise.model import TOLERANCES, BaselineTransformer, TransformerConfig, UserOptimizedTransformer, compare_outputs
 
     cfg = TransformerConfig(batch, 128, 128, 4, 128, 2, True)
     dev = torch.device("cuda")

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from kernels.layernorm import add_layernorm, layer_norm
+from shapewise.kernels.layernorm import add_layernorm, layer_norm
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 WIDTHS = (32, 80, 128, 1000, 1024)

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import model
-from model import (TOLERANCES, BaselineTransformer, TransformerConfig, UserOptimizedTransformer, compare_outputs,
+from shapewise import model
+from shapewise.model import (TOLERANCES, BaselineTransformer, TransformerConfig, UserOptimizedTransformer, compare_outputs,
                    generate_random_case)
-from model import routing
+from shapewise.model import routing
 
 OFFICIAL = TOLERANCES["official"]
 MASK_KINDS = ("none", "all_true", "prefix", "left", "holes", "one_empty")
@@ -455,7 +455,7 @@ def test_last_route_names_the_route():
 
 
 def _optimization_names():
-    from model import optimized
+    from shapewise.model import optimized
 
     return list(getattr(optimized, "OPTIMIZATIONS", ()))
 
@@ -488,7 +488,7 @@ def test_each_ablation_switch_stays_correct(name, route):
 def test_switches_a_route_does_not_use_change_nothing(route):
     """model.optimized.switches_used: turning off a switch it leaves out gives bit-identical outputs on the
     same route (which is why the ablation job records those as not applicable instead of timing them)."""
-    from model.optimized import OPTIMIZATIONS, switches_used
+    from shapewise.model.optimized import OPTIMIZATIONS, switches_used
 
     if route == "<none>":
         pytest.skip("no kernel route serves the CPU")
@@ -509,8 +509,8 @@ def test_switches_a_route_does_not_use_change_nothing(route):
 
 
 def test_switches_used_per_route():
-    from model.optimized import switches_used
-    from model.routing import Route
+    from shapewise.model.optimized import switches_used
+    from shapewise.model.routing import Route
 
     f32 = torch.float32
     assert switches_used(Route("sdpa", "fp32", "r"), f32, "cuda") == ()
@@ -768,7 +768,7 @@ def test_constructor_route_wins_over_env(monkeypatch):
 def test_fused_route_with_precomputed_keys_and_values(monkeypatch, mask_kind):
     """A policy entry with kv_precompute runs the fused route as _ln_kv_fwd + the layer kernel per layer: the
     whole model still matches the reference (official comparator), and the route says which ran."""
-    from model import routing
+    from shapewise.model import routing
 
     launch = [{**e, "kv_precompute": True} for e in routing.POLICY["fused"]["launch"]]
     monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "launch": launch})

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-COPIED = ["Snakefile", "pyproject.toml", "workflow", "shapewise", "model", "kernels", "config", "shapes",
+COPIED = ["Snakefile", "pyproject.toml", "workflow", "model", "kernels", "config", "shapes",
           "reports/templates", "profiles/default"]
 TINY = """\
 - {id: tiny-triton, batch_size: 2, seq_len: 7, d_model: 32, num_heads: 2, ffn_dim: 64, num_layers: 1, trials: 2, route: triton}
@@ -110,7 +110,7 @@ def test_results_record_what_ran(workdir):
     prof = json.loads((workdir / "results/profile/tiny-triton/kernels.json").read_text())
     assert any(name.startswith("_attention_fwd") for name in prof["triton_kernels_ran"]), prof
     ablation = json.loads((workdir / "results/ablation/tiny-triton.json").read_text())
-    from model.optimized import OPTIMIZATIONS
+    from shapewise.model.optimized import OPTIMIZATIONS
 
     assert [v["variant"] for v in ablation["variants"]] == ["all-on", *OPTIMIZATIONS]
     timing = json.loads((workdir / "results/timing/tiny-triton.json").read_text())

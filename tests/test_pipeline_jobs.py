@@ -31,8 +31,8 @@ def headroom_between_estimates(row):
     """A headroom whose budget lies between the optimized and the reference estimate."""
     import torch
 
-    from model import TransformerConfig
-    from model.reference import estimate_memory_bytes
+    from shapewise.model import TransformerConfig
+    from shapewise.model.reference import estimate_memory_bytes
 
     fields = ("batch_size", "seq_len", "d_model", "num_heads", "ffn_dim", "num_layers", "causal")
     cfg = TransformerConfig(**{k: row[k] for k in fields})
@@ -91,7 +91,7 @@ def test_roofline_counts():
 
 
 def test_roofline_parameter_count_matches_the_reference_model():
-    from model import BaselineTransformer, TransformerConfig
+    from shapewise.model import BaselineTransformer, TransformerConfig
 
     cfg = TransformerConfig(batch_size=1, seq_len=4, d_model=24, num_heads=2, ffn_dim=40, num_layers=3)
     actual = sum(p.numel() for p in BaselineTransformer(cfg).parameters())
@@ -154,7 +154,7 @@ def test_roofline_peak_is_the_fastest_rate_the_row_may_use():
 def test_only_huge_inputs_are_drawn_on_the_gpu(monkeypatch):
     """make_case draws inputs of at least DEVICE_DRAW_MIN_ELEMENTS on the GPU's generator (official row 14's CPU
     draw: about 20 s per case, estimated), everything else on the CPU generator: the same case on every device."""
-    from model import TransformerConfig
+    from shapewise.model import TransformerConfig
     from shapewise.jobs import common
 
     row14 = TransformerConfig(32, 100000, 1024, 16, 1024, 2, True)

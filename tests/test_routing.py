@@ -6,8 +6,8 @@ import itertools
 import pytest
 import torch
 
-from model import routing
-from model.routing import ROUTES, Route, RouteUnavailable, Shape, select_route
+from shapewise.model import routing
+from shapewise.model.routing import ROUTES, Route, RouteUnavailable, Shape, select_route
 
 MASK_KINDS = ("none", "prefix", "general")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -180,7 +180,7 @@ def test_reference_route_is_exact_fp32():
 def test_policy_can_send_long_unmasked_attention_to_sdpa(monkeypatch):
     """The policy knob attention.sdpa_from_seq_len: long, unmasked rows on the triton route use SDPA attention;
     masked ones keep our kernel; null never switches."""
-    from model import routing
+    from shapewise.model import routing
 
     long_row = Shape(2, 100_000, 1024, 16, 1024, 2, True)
     monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": 4096})

@@ -1,6 +1,6 @@
 """The pipeline on a real single-node SLURM, through `--profile profiles/slurm`.
 
-The module fixture installs and starts SLURM with ci/slurm/start.sh (root and
+The module fixture installs and starts SLURM with .ci/slurm/start.sh (root and
 apt-get needed; skipped elsewhere, but with the env var CI set it fails
 instead, so CI cannot silently skip it) and stops it afterwards if it started
 it. Each case copies the pipeline into a temporary directory and runs
@@ -28,15 +28,15 @@ import yaml
 pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[1]
-START = REPO / "ci" / "slurm" / "start.sh"
-STOP = REPO / "ci" / "slurm" / "stop.sh"
+START = REPO / ".ci" / "slurm" / "start.sh"
+STOP = REPO / ".ci" / "slurm" / "stop.sh"
 STATE = Path(os.environ.get("SHAPEWISE_SLURM_STATE", "/var/lib/shapewise-slurm"))
 
 # What a run needs from the checkout. model/, kernels/ and shapewise/ are
 # copied too so that the implementation fingerprint (hashed from the working
 # directory) and the code the jobs import are the ones of this checkout.
 PIPELINE_PATHS = ("Snakefile", "workflow", "config", "shapes", "reports", "profiles",
-                  "model", "kernels", "shapewise", "pyproject.toml")
+                  "model", "kernels", "pyproject.toml")
 
 # The plugin's log line for every sbatch submission (plugin 2.8.0, run_job()).
 SUBMITTED = re.compile(
@@ -57,7 +57,7 @@ def _unavailable_reason():
     if not sys.platform.startswith("linux"):
         return "needs Linux"
     if os.geteuid() != 0:
-        return "needs root (ci/slurm/start.sh installs packages and starts daemons)"
+        return "needs root (.ci/slurm/start.sh installs packages and starts daemons)"
     if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
         return "needs apt-get to install SLURM (or an installed slurmctld/slurmd/munge)"
     if not (REPO / "Snakefile").is_file():
@@ -184,7 +184,7 @@ def slurm():
     was_running = all(_pid_alive(n) for n in ("munged", "slurmctld", "slurmd"))
     done = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=600)
     # The machine can run it: a failing start is a failure, never a skip.
-    assert done.returncode == 0, f"ci/slurm/start.sh failed:\n{done.stdout}\n{done.stderr}"
+    assert done.returncode == 0, f".ci/slurm/start.sh failed:\n{done.stdout}\n{done.stderr}"
     sinfo = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T %G"], capture_output=True, text=True)
     assert "idle" in sinfo.stdout and "gpu" in sinfo.stdout, sinfo.stdout + sinfo.stderr
     yield

@@ -1,4 +1,4 @@
-"""scripts/tune_policy.py: the fused kernel's launch configurations chosen from a sweep file."""
+"""`shapewise tune`: the fused kernel's launch configurations chosen from a sweep file."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def tune(tmp_path, fused, **extra):
     sweep, policy = tmp_path / "sweep.json", tmp_path / "policy.json"
     sweep.write_text(json.dumps({"fused": fused, **extra}))
     policy.write_text((ROOT / "model" / "routing_policy.json").read_text())
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune_policy.py"), str(sweep), str(policy)],
+    done = subprocess.run([sys.executable, "-m", "shapewise", "tune", str(sweep), str(policy)],
                           capture_output=True, text=True)
     return done, json.loads(policy.read_text())
 

@@ -78,7 +78,8 @@ IMPL_DIGEST = sw_fp.implementation(BASEDIR)["digest"]
 DIGESTS = {"environment": ENV_DIGEST, "implementation": IMPL_DIGEST}
 # The measuring code itself: editing it reruns the measurements, editing the
 # report code does not.
-HARNESS_FILES = sorted((BASEDIR / "shapewise" / "jobs").glob("*.py")) + [BASEDIR / "shapewise" / "roofline.py"]
+HARNESS_FILES = sorted((BASEDIR / "workflow" / "shapewise" / "jobs").glob("*.py")) + [
+    BASEDIR / "workflow" / "shapewise" / "roofline.py"]
 HARNESS_DIGEST = sw_fp.digest_of({p.name: sw_fp.sha256_file(p) for p in HARNESS_FILES if p.is_file()})
 
 FINGERPRINTS = {
@@ -139,7 +140,7 @@ def res(name):
 # The job command: our package, from this checkout, with the Python that runs
 # Snakemake. A job that resolves to the CPU switches on TRITON_INTERPRET=1
 # itself (shapewise.cli) before anything imports triton.
-_env = f"PYTHONPATH={shlex.quote(str(BASEDIR))}${{PYTHONPATH:+:$PYTHONPATH}}"
+_env = f"PYTHONPATH={shlex.quote(str(BASEDIR / 'workflow'))}${{PYTHONPATH:+:$PYTHONPATH}}"
 JOB = f"{_env} {shlex.quote(sys.executable)} -m shapewise job"
 
 

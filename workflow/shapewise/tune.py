@@ -1,8 +1,8 @@
 """Write the fused kernel's launch configurations into model/routing_policy.json from a sweep.
 
-Usage: python scripts/tune_policy.py SWEEP.json [POLICY.json]   (default policy: model/routing_policy.json)
+Usage: shapewise tune SWEEP.json [POLICY.json]   (default policy: the model's own routing_policy.json)
 
-Reads the `fused` records of scripts/h200_sweep.py. Per official row, a configuration qualifies when it
+Reads the `fused` records of a launch sweep (experiments/h200_sweep.py writes them). Per official row, a configuration qualifies when it
 compiled and its errors against the fp64 reference (plain and masked) are at most twice those of the
 baseline configuration (the sweep's first, the one the policy ran before): a configuration that computes
 something else is never picked for speed. The rows are grouped as the policy's launch entries are: each row
@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 from collections import defaultdict
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from shapewise.manifest import official_rows  # noqa: E402
+from shapewise.manifest import official_rows
 
 # (max_tokens, max_heads) of each launch entry, in order; None: no bound. 4096 tokens = 128 programs of 32 rows,
 # under one wave of the H200's 132 SMs.
@@ -68,9 +65,11 @@ def best(good, rows):
     return min(cands, key=cands.get), cands
 
 
-def main():
-    sweep = json.load(open(sys.argv[1]))
-    policy_path = sys.argv[2] if len(sys.argv) > 2 else "model/routing_policy.json"
+def main(sweep_path, policy_path=None):
+    from shapewise.model.routing import POLICY_PATH
+
+    sweep = json.load(open(sweep_path))
+    policy_path = policy_path or POLICY_PATH
     policy = json.load(open(policy_path))
     good, rows = qualifying(sweep["fused"])
     launch = []
@@ -108,7 +107,4 @@ def main():
         json.dump(policy, f, indent=2)
         f.write("\n")
     print("wrote", policy_path, json.dumps(policy["fused"]))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

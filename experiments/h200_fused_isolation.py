@@ -1,13 +1,11 @@
 """Isolate the fused layer kernel's crash at block_m >= 64 on the H200: one process per configuration.
 
-Usage (CUDA machine): python scripts/h200_fused_isolation.py OUT.json
+Usage (CUDA machine): python -m experiments.h200_fused_isolation OUT.json
 
 In session 2 the first block_m=64 configuration ended in `illegal memory access`, and every configuration
 after it failed on the poisoned CUDA context, so which ones crash on their own is unknown. Here every
 configuration runs in a child process (a crash costs only that child) on official rows 1 and 6, plain and
-with a non-prefix mask, in four variants: as Triton compiles it by default; with the kernel's KT_DIRECT
-variant (no transposed copy of a matmul result feeds the score matmul: the suspect, scripts/fused_ttgir.py);
-with keys and values precomputed by _ln_kv_fwd (kv_precompute: the score matmul's B is a loaded tile, and
+with a non-prefix mask, in three variants: as Triton compiles it by default; with keys and values precomputed by _ln_kv_fwd (kv_precompute: the score matmul's B is a loaded tile, and
 no program recomputes K/V); and with DISABLE_MMA_V3=1 (no Hopper wgmma at all). Each setting has its own Triton cache.
 Each record: exit status, the error's last line, max abs error against the fp64 reference, and the GPU time
 of one launch (graph replay of 10 launches / 10). Nothing here changes the policy.
@@ -22,23 +20,20 @@ import tempfile
 
 CONFIGS = [(32, 4, 2), (64, 4, 1), (64, 4, 2), (64, 8, 1), (64, 8, 2), (128, 4, 2), (128, 8, 2)]
 ROWS = (1, 6)  # official rows
-# name: (environment, kt_direct, kv_precompute)
-SETTINGS = {"default": ({}, False, False), "kt-direct": ({}, True, False), "kv-precompute": ({}, False, True),
-            "no-wgmma": ({"DISABLE_MMA_V3": "1"}, False, False)}
+# name: (environment, kv_precompute)
+SETTINGS = {"default": ({}, False), "kv-precompute": ({}, True), "no-wgmma": ({"DISABLE_MMA_V3": "1"}, False)}
 
 
-def child(block_m, num_warps, num_stages, kt_direct, kv_precompute):
+def child(block_m, num_warps, num_stages, kv_precompute):
     import torch
 
-    sys.path.insert(0, ".")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import kernels.fused_layer as fl
-    from h200_sweep import fused_case, measure_fused, shape_of
+    import shapewise.kernels.fused_layer as fl
+    from experiments.h200_sweep import fused_case, measure_fused, shape_of
 
     fl.MAX_BLOCK_M = 128  # this process exists to probe the sizes the library refuses
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: TRITON_INTERPRET=1, to check this script
     out = [{"row": row, **measure_fused(fused_case(row, *shape_of(row), dev=dev), block_m=block_m,
-                                        num_warps=num_warps, num_stages=num_stages, kt_direct=bool(kt_direct),
+                                        num_warps=num_warps, num_stages=num_stages,
                                         kv_precompute=bool(kv_precompute))}
            for row in ROWS]
     print("RESULT " + json.dumps(out), flush=True)
@@ -46,12 +41,12 @@ def child(block_m, num_warps, num_stages, kt_direct, kv_precompute):
 
 def main():
     results = []
-    for setting, (env_extra, kt_direct, kv_precompute) in SETTINGS.items():
+    for setting, (env_extra, kv_precompute) in SETTINGS.items():
         cache = tempfile.mkdtemp(prefix=f"triton-{setting}-")
         for cfg in CONFIGS:
             env = dict(os.environ, TRITON_CACHE_DIR=cache, **env_extra)
             try:
-                command = [sys.executable, __file__, "--child", *map(str, cfg), str(int(kt_direct)),
+                command = [sys.executable, "-m", "experiments.h200_fused_isolation", "--child", *map(str, cfg),
                            str(int(kv_precompute))]
                 done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
                 rc, text = done.returncode, done.stdout + done.stderr
@@ -72,7 +67,7 @@ def main():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 7 and sys.argv[1] == "--child":
+    if len(sys.argv) == 6 and sys.argv[1] == "--child":
         child(*map(int, sys.argv[2:]))
     else:
         main()

@@ -12,7 +12,7 @@ from shapewise.jobs.common import DTYPES, free_memory_bytes, header, log, model_
 
 
 def main(args):
-    from model.reference import estimate_memory_bytes
+    from shapewise.model.reference import estimate_memory_bytes
 
     device = setup(args.device)
     row = json.loads(args.row)

@@ -1,6 +1,6 @@
 """Per-row performance table from a rendered report directory (e.g. reports/h200).
 
-    python scripts/report_rows.py reports/h200
+    python -m experiments.report_rows reports/h200
 
 For each row: optimized median, the issue's target, the roofline floor (from the timing job), the GPU time per
 forward in the profile capture (sum of device kernel and copy time / captured calls), and the three kernels that

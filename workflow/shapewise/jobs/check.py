@@ -30,7 +30,7 @@ def query_ranges(seq_len, block, samples):
 
 
 def compare_all_presets(reference_out, optimized_out):
-    from model import TOLERANCES, compare_outputs
+    from shapewise.model import TOLERANCES, compare_outputs
 
     return {name: compare_outputs(reference_out, optimized_out, rtol=tol["rtol"], atol=tol["atol"]).as_dict()
             for name, tol in TOLERANCES.items()}
@@ -60,7 +60,7 @@ def check(reference, optimized_out, x, mask, reference_fits, settings):
             "elements_compared": optimized_out.numel(),
             "elements_total": optimized_out.numel(),
         }
-    from model.reference import chunked_reference_forward
+    from shapewise.model.reference import chunked_reference_forward
 
     B, S, _ = x.shape
     batch = spread(settings["batch_samples"], B)

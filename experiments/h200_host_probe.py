@@ -1,6 +1,6 @@
 """Host (CPU) time of one optimized forward, piece by piece, on the small official rows.
 
-Usage (CUDA machine, about one device minute): python scripts/h200_host_probe.py OUT.json [ROW ...]
+Usage (CUDA machine, about one device minute): python -m experiments.h200_host_probe OUT.json [ROW ...]
 
 docs/performance.md suspects that rows 2, 3, 7 and 12 wait on the host: their timing median exceeds the GPU time
 of their profile by up to 24 µs. For each row (default 1, 2, 3, 7, 12; auto route, float32 input) this measures:
@@ -21,13 +21,11 @@ import time
 
 import torch
 
-sys.path.insert(0, ".")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from h200_probe import median_ms  # noqa: E402
-from model import BaselineTransformer, UserOptimizedTransformer  # noqa: E402
-from model.reference import check_inputs  # noqa: E402
-from shapewise.jobs.common import model_config  # noqa: E402
-from shapewise.manifest import official_rows  # noqa: E402
+from experiments.h200_probe import median_ms
+from shapewise.model import BaselineTransformer, UserOptimizedTransformer
+from shapewise.model.reference import check_inputs
+from shapewise.jobs.common import model_config
+from shapewise.manifest import official_rows
 
 N = 200
 

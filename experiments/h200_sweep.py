@@ -1,10 +1,10 @@
 """Launch-configuration sweep of our kernels on official shapes, with a correctness check per configuration.
 
-Usage (CUDA machine): python scripts/h200_sweep.py OUT.json [--fused-only]   (--fused-only: skip the attention
+Usage (CUDA machine): python -m experiments.h200_sweep OUT.json [--fused-only]   (--fused-only: skip the attention
 kernel's part, which takes most of the sweep's time on row 14's shape)
 For the fused layer kernel (rows 1, 2, 5, 6, 7, 11, 12) and the attention kernel (row 13's and row 14's
 attention shapes) it runs each configuration, compares against the kernel's fp64 torch reference, and times it
-(CUDA events, median of N calls). scripts/tune_policy.py writes the winners into model/routing_policy.json.
+(CUDA events, median of N calls). shapewise tune writes the winners into model/routing_policy.json.
 """
 from __future__ import annotations
 
@@ -14,14 +14,12 @@ import sys
 
 import torch
 
-sys.path.insert(0, ".")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from h200_probe import median_ms  # noqa: E402
-from kernels.attention import attention_reference, flash_attention  # noqa: E402
-from kernels.fused_layer import fused_layer, fused_layer_reference  # noqa: E402
-from model import TransformerConfig, UserOptimizedTransformer  # noqa: E402
+from experiments.h200_probe import median_ms
+from shapewise.kernels.attention import attention_reference, flash_attention
+from shapewise.kernels.fused_layer import fused_layer, fused_layer_reference
+from shapewise.model import TransformerConfig, UserOptimizedTransformer
 
-from shapewise.manifest import official_rows  # noqa: E402
+from shapewise.manifest import official_rows
 
 OFFICIAL = official_rows()
 

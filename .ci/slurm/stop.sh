@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stop the single-node SLURM started by ci/slurm/start.sh: cancel remaining
+# Stop the single-node SLURM started by .ci/slurm/start.sh: cancel remaining
 # jobs, then stop slurmd, slurmctld and munged by the PIDs recorded in
 # $SHAPEWISE_SLURM_STATE.  Leaves packages, config and the munge key in place,
 # so a later start.sh is fast.  Safe to run when nothing is running.

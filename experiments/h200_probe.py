@@ -1,6 +1,6 @@
 """One-call H200 probe: accuracy per operand precision and quick timings per official row.
 
-Usage (on a CUDA machine): python scripts/h200_probe.py OUT.json [--rows 1,2,...] [--row14]
+Usage (on a CUDA machine): python -m experiments.h200_probe OUT.json [--rows 1,2,...] [--row14]
 Writes one JSON with, per row and precision, the official/strict comparison of one trial and the
 median latency (short protocol: 10 warm-up, 50 timed calls, CUDA events) of the reference and the
 optimized routes. It informs model/routing_policy.json; the pipeline's timing job is the measurement.
@@ -15,9 +15,8 @@ import time
 
 import torch
 
-sys.path.insert(0, ".")
-from model import TOLERANCES, BaselineTransformer, TransformerConfig, UserOptimizedTransformer  # noqa: E402
-from model import compare_outputs, generate_random_case  # noqa: E402
+from shapewise.model import TOLERANCES, BaselineTransformer, TransformerConfig, UserOptimizedTransformer
+from shapewise.model import compare_outputs, generate_random_case
 
 OFFICIAL = {
     1: (64, 128, 128, 4, 128, 4), 2: (1, 128, 128, 4, 128, 4), 3: (4, 128, 128, 4, 128, 4),
@@ -83,7 +82,7 @@ def probe_row(row, precisions, routes, log):
 
 
 def probe_row14(log):
-    from kernels.attention import flash_attention
+    from shapewise.kernels.attention import flash_attention
 
     res = {}
     B, S, H, D = 4, 100000, 16, 64

@@ -28,7 +28,7 @@ from shapewise.jobs.preflight import fits
 
 
 def main(args):
-    from model.optimized import OPTIMIZATIONS, switches_used
+    from shapewise.model.optimized import OPTIMIZATIONS, switches_used
 
     device = setup(args.device, args.threads)
     row = json.loads(args.row)

@@ -1,14 +1,14 @@
 """Compile the fused layer kernel for sm_90 on any machine (no GPU needed) and list how each dot is lowered.
 
-Usage: python scripts/fused_ttgir.py [--kt-direct | --kv-global] [BLOCK_M NUM_WARPS NUM_STAGES ...]
-       (default configurations: 32 4 1 64 4 1; --kt-direct: the kernel's KT_DIRECT variant; --kv-global: the
+Usage: python -m experiments.fused_ttgir [--kv-global] [BLOCK_M NUM_WARPS NUM_STAGES ...]
+       (default configurations: 32 4 1 64 4 1; --kv-global: the
        KV_GLOBAL variant, which reads keys and values written by _ln_kv_fwd, compiled too)
 
 For each launch configuration (official row 1's shape: d_model 128, 4 heads, S 128, ffn 128, causal) it prints
 the shared memory the kernel takes and, per dot, whether Triton lowered it to a Hopper wgmma
 (`ttng.warp_group_dot`) or to an mma.sync (`tt.dot`), with the layout of its B operand. This is the
-offline half of the block_m >= 64 investigation (reports/h200/session2/README.md); the device half is
-scripts/h200_fused_isolation.py.
+offline half of the block_m >= 64 investigation (experiments/h200/session2/README.md); the device half is
+experiments/h200_fused_isolation.py.
 """
 from __future__ import annotations
 
@@ -16,12 +16,11 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-from kernels.fused_layer import _fused_layer_fwd, _ln_kv_fwd  # noqa: E402
+from shapewise.kernels.fused_layer import _fused_layer_fwd, _ln_kv_fwd
 
 FP16_POINTERS = ("Wqkv", "Bqkv", "Wo", "Bo", "Win", "Bin", "Wout", "Bout", "KV")
 INTS = ("stride_xb", "stride_xs", "stride_yb", "stride_ys", "stride_mb", "stride_kvb", "stride_kvs", "seq_len",
@@ -37,9 +36,9 @@ def _compile(fn, consts, num_warps, num_stages):
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def compile_for_sm90(block_m, num_warps, num_stages, kt_direct=False, kv_global=False):
+def compile_for_sm90(block_m, num_warps, num_stages, kv_global=False):
     consts = dict(NUM_HEADS=4, HEAD_DIM=32, BLOCK_HD=32, BLOCK_D=128, BLOCK_F=64, BLOCK_M=block_m, BLOCK_S=128,
-                  IS_CAUSAL=True, HAS_MASK=False, FINAL_NORM=False, KT_DIRECT=kt_direct, KV_GLOBAL=kv_global)
+                  IS_CAUSAL=True, HAS_MASK=False, FINAL_NORM=False, KV_GLOBAL=kv_global)
     return _compile(_fused_layer_fwd, consts, num_warps, num_stages)
 
 
@@ -49,8 +48,7 @@ def compile_ln_kv_for_sm90():
 
 
 def main():
-    flags = {"--kt-direct", "--kv-global"}
-    variant = "--kt-direct" in sys.argv[1:]
+    flags = {"--kv-global"}
     kv_global = "--kv-global" in sys.argv[1:]
     args = [int(a) for a in sys.argv[1:] if a not in flags] or [32, 4, 1, 64, 4, 1]
     if kv_global:
@@ -58,9 +56,9 @@ def main():
         print(f"_ln_kv_fwd: shared memory {kernel.metadata.shared} B, {kernel.asm['ptx'].count('mma')} mma lines")
     for i in range(0, len(args), 3):
         cfg = tuple(args[i:i + 3])
-        kernel = compile_for_sm90(*cfg, kt_direct=variant, kv_global=kv_global)
+        kernel = compile_for_sm90(*cfg, kv_global=kv_global)
         ttgir = kernel.asm["ttgir"]
-        print(f"block_m={cfg[0]} num_warps={cfg[1]} num_stages={cfg[2]}{' KT_DIRECT' if variant else ''}"
+        print(f"block_m={cfg[0]} num_warps={cfg[1]} num_stages={cfg[2]}"
               f"{' KV_GLOBAL' if kv_global else ''}: shared memory {kernel.metadata.shared} B")
         for line in ttgir.splitlines():
             m = re.search(r"(%\w+) = (ttng\.warp_group_dot|tt\.dot) (%\w+), (%\w+).*: (tensor<[^>]*>[^*]*)\* ([^-]*)->",

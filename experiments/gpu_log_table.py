@@ -1,6 +1,6 @@
 """Accuracy table (markdown) from the log of `pytest -m gpu -s tests/test_gpu_official.py`.
 
-Usage: python scripts/gpu_log_table.py GPU_TESTS.log
+Usage: python -m experiments.gpu_log_table GPU_TESTS.log
 One line per (tolerance, row, route): the route taken, trials seen, failed/total elements summed over the
 trials (and sampled batch elements for row 14), and the largest absolute error. Only what the log printed
 is counted: a case cut off by a time limit shows fewer trials.

@@ -21,8 +21,8 @@ import jinja2
 from shapewise import provenance
 from shapewise.manifest import load_manifests
 
-TEMPLATES = Path("reports/templates")
-SOURCE_DIRS = ("model", "kernels", "shapewise", "workflow")
+TEMPLATES = Path("reports/templates")  # relative: the report job runs in the checkout's root
+SOURCE_DIRS = ("model", "kernels", "workflow")
 SOURCE_SUFFIXES = (".py", ".smk", ".yaml", ".yml", ".json", ".j2", ".csv", ".toml")
 SUMMARY_COLUMNS = ["id", "status", "route", "failed_elements", "total_elements", "max_abs_error",
                    "reference_median_ms", "optimized_median_ms", "speedup"]

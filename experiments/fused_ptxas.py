@@ -1,6 +1,6 @@
 """Registers and spills of the fused layer kernel on sm_90, per official row, from ptxas (no GPU needed).
 
-Usage: python scripts/fused_ptxas.py [OUT.json]
+Usage: python -m experiments.fused_ptxas [OUT.json]
 
 For the official rows the fused route serves (1, 3, 4, 5, 7, 9, 10, 11, 12) it compiles `_fused_layer_fwd`
 with the constexprs `kernels.fused_layer.fused_layer` would pass for that row, at the launch the committed
@@ -17,13 +17,12 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import triton  # noqa: E402
-from fused_ttgir import _compile  # noqa: E402
+import triton
+from experiments.fused_ttgir import _compile
 
-from kernels.fused_layer import _fused_layer_fwd  # noqa: E402
-from model.routing import Shape, fused_launch  # noqa: E402
-from shapewise.manifest import MODEL_FIELDS, official_rows  # noqa: E402
+from shapewise.kernels.fused_layer import _fused_layer_fwd
+from shapewise.model.routing import Shape, fused_launch
+from shapewise.manifest import MODEL_FIELDS, official_rows
 
 FUSED_ROWS = (1, 3, 4, 5, 7, 9, 10, 11, 12)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -37,7 +36,7 @@ def constexprs(row, block_m, kv_global):
     return dict(NUM_HEADS=H, HEAD_DIM=hd, BLOCK_HD=max(16, triton.next_power_of_2(hd)),
                 BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_F=min(64, max(16, triton.next_power_of_2(ffn))),
                 BLOCK_M=min(block_s, block_m), BLOCK_S=block_s, IS_CAUSAL=True, HAS_MASK=False, FINAL_NORM=False,
-                KT_DIRECT=False, KV_GLOBAL=kv_global)
+                KV_GLOBAL=kv_global)
 
 
 def ptxas_usage(ptx: str) -> dict:

@@ -43,7 +43,7 @@ def setup(device, threads=None):
 
 
 def model_config(row):
-    from model import TransformerConfig
+    from shapewise.model import TransformerConfig
     from shapewise.manifest import MODEL_FIELDS
 
     return TransformerConfig(**{name: row[name] for name in MODEL_FIELDS}).validate()
@@ -113,7 +113,7 @@ def make_case(row, config, device, seed):
     zeroed in every case. Returns (x, mask or None, mask_kind) with
     mask_kind in none/prefix/general for model.routing.
     """
-    from model import generate_random_case
+    from shapewise.model import generate_random_case
 
     dtype = DTYPES[row["dtype"]]
     kind = row["mask"]
@@ -150,7 +150,7 @@ def build_models(row, config, device, disable=(), reference_dtype=None):
     (default: float32), so it computes exact math on the very parameters the
     optimized model uses.
     """
-    from model import BaselineTransformer, UserOptimizedTransformer
+    from shapewise.model import BaselineTransformer, UserOptimizedTransformer
 
     dtype = DTYPES[row["dtype"]]
     torch.manual_seed(WEIGHT_SEED)
@@ -163,7 +163,7 @@ def build_models(row, config, device, disable=(), reference_dtype=None):
 
 
 def build_optimized(row, config, device, disable=()):
-    from model import BaselineTransformer, UserOptimizedTransformer
+    from shapewise.model import BaselineTransformer, UserOptimizedTransformer
 
     torch.manual_seed(WEIGHT_SEED)
     reference = BaselineTransformer(config)

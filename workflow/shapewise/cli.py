@@ -3,6 +3,7 @@
   shapewise verify DIR          re-hash everything DIR/provenance.json lists
   shapewise validate FILE...    check shape manifests, print their rows
   shapewise targets ID...       the per-shape result files of rows (for --forcerun)
+  shapewise tune SWEEP [POLICY] write the fused kernel's launch policy from a sweep file
   shapewise job STEP ...        one pipeline job (run by Snakemake)
 """
 
@@ -52,6 +53,9 @@ def build_parser():
     validate.add_argument("files", nargs="+")
     targets = sub.add_parser("targets", help="per-shape result files of the given row ids")
     targets.add_argument("ids", nargs="+")
+    tune = sub.add_parser("tune", help="write the fused launch policy (routing_policy.json) from a sweep file")
+    tune.add_argument("sweep")
+    tune.add_argument("policy", nargs="?", default=None, help="policy file to rewrite (default: the model's own)")
     _job_parser(sub)
     return parser
 
@@ -76,6 +80,10 @@ def main(argv=None):
                   f"causal={row['causal']} mask={row['mask']} route={row['route']}")
         print(f"{len(rows)} rows valid")
         return 0
+    if args.command == "tune":
+        from shapewise.tune import main as tune_main
+
+        return tune_main(args.sweep, args.policy)
     if args.command == "targets":
         steps = ("preflight", "accuracy", "timing", "ablation")
         paths = [f"results/{s}/{i}.json" for i in args.ids for s in steps]

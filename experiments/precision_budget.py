@@ -1,6 +1,6 @@
 """Which fp16 rounding of the fused route costs the strict tolerance? An fp64 emulation on the CPU.
 
-Usage: python scripts/precision_budget.py [ROW] [TRIALS]   (default: official row 1, 5 trials; about a minute)
+Usage: python -m experiments.precision_budget [ROW] [TRIALS]   (default: official row 1, 5 trials; about a minute)
 
 The fused route (kernels/fused_layer.py) rounds to fp16 at fixed points: the LayerNorm outputs and the weights
 that enter each dot, q, k and v, the unnormalized softmax probabilities, the attention output and the GELU
@@ -18,10 +18,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, ".")
-from model import TOLERANCES, BaselineTransformer, compare_outputs, generate_random_case  # noqa: E402
-from shapewise.jobs.common import model_config  # noqa: E402
-from shapewise.manifest import official_rows  # noqa: E402
+from shapewise.model import TOLERANCES, BaselineTransformer, compare_outputs, generate_random_case
+from shapewise.jobs.common import model_config
+from shapewise.manifest import official_rows
 
 POINTS = ("ln1_out", "qkv_w", "qkv_out", "probs", "attn_out", "o_w", "ln2_out", "in_w", "gelu_out", "out_w")
 WEIGHTS = ("qkv_w", "o_w", "in_w", "out_w")

@@ -30,11 +30,11 @@ TRITON_WRAPPERS = ("JITFunction", "InterpretedFunction", "Autotuner", "Heuristic
 
 def our_triton_kernels():
     """Names of every @triton.jit function defined in the kernels package."""
-    import kernels
+    from shapewise import kernels
 
     names = set()
     for info in pkgutil.iter_modules(kernels.__path__):
-        module = importlib.import_module(f"kernels.{info.name}")
+        module = importlib.import_module(f"shapewise.kernels.{info.name}")
         for attr in vars(module).values():
             if type(attr).__name__ not in TRITON_WRAPPERS:
                 continue

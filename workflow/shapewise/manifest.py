@@ -14,8 +14,8 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "workflow" / "schemas" / "shapes.schema.yaml"
-OFFICIAL_PATH = Path(__file__).resolve().parent.parent / "shapes" / "official.yaml"
+from shapewise.paths import OFFICIAL_MANIFEST as OFFICIAL_PATH
+from shapewise.paths import SHAPES_SCHEMA as SCHEMA_PATH
 
 SIZE_FIELDS = ("batch_size", "seq_len", "d_model", "num_heads", "ffn_dim", "num_layers")
 MODEL_FIELDS = SIZE_FIELDS + ("causal",)

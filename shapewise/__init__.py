@@ -1,1 +1,0 @@
-"""shapewise: the evidence pipeline around the model (manifests, jobs, report, provenance)."""

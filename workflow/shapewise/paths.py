@@ -1,0 +1,51 @@
+"""Where things are: the one owner of every path the pipeline, the CLI and the report use.
+
+Repository files (schemas, manifests, templates) are found from this file's place in the checkout; results
+are relative to the working directory Snakemake runs in (the checkout's root).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent  # the checkout: Snakefile, model/, kernels/, workflow/, ...
+SCHEMAS = ROOT / "workflow" / "schemas"
+SHAPES_SCHEMA = SCHEMAS / "shapes.schema.yaml"
+CONFIG_SCHEMA = SCHEMAS / "config.schema.yaml"
+SHAPES_DIR = ROOT / "shapes"
+OFFICIAL_MANIFEST = SHAPES_DIR / "official.yaml"
+TEMPLATES = ROOT / "reports" / "templates"
+
+RESULTS = "results"
+# The per-shape steps, in the order the report reads them; each writes one JSON file per row.
+SHAPE_STEPS = ("preflight", "accuracy", "timing", "profile", "ablation")
+FINGERPRINTS = {"env": f"{RESULTS}/fingerprint/environment.json",
+                "impl": f"{RESULTS}/fingerprint/implementation.json"}
+MICROBENCH = f"{RESULTS}/microbench/microbench.json"
+
+
+def manifest(name: str) -> str:
+    """The manifest file of a manifest name (`official` -> shapes/official.yaml), relative to the root."""
+    return f"shapes/{name}.yaml"
+
+
+def result(step: str, shape: str) -> str:
+    """The result JSON of one per-shape step (the profile step's table is its JSON)."""
+    if step not in SHAPE_STEPS:
+        raise ValueError(f"unknown step {step!r}; steps are {SHAPE_STEPS}")
+    if step == "profile":
+        return f"{RESULTS}/profile/{shape}/kernels.json"
+    return f"{RESULTS}/{step}/{shape}.json"
+
+
+def profile_extra(shape: str) -> dict:
+    """The profile step's other outputs: the per-kernel CSV and the Chrome trace."""
+    return {"csv": f"{RESULTS}/profile/{shape}/kernels.csv", "trace": f"{RESULTS}/profile/{shape}/trace.json"}
+
+
+def per_shape(shape: str) -> dict:
+    """{step: result JSON} of one row."""
+    return {step: result(step, shape) for step in SHAPE_STEPS}
+
+
+def log(step: str, name: str) -> str:
+    return f"{RESULTS}/logs/{step}/{name}.log"
