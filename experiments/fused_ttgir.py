@@ -12,7 +12,6 @@ experiments/h200_fused_isolation.py.
 """
 from __future__ import annotations
 
-import os
 import re
 import sys
 

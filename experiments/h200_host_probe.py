@@ -14,7 +14,6 @@ of their profile by up to 24 µs. For each row (default 1, 2, 3, 7, 12; auto rou
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ import torch
 from experiments.h200_probe import median_ms
 from shapewise.model import BaselineTransformer, UserOptimizedTransformer
 from shapewise.model.reference import check_inputs
-from shapewise.jobs.common import model_config
+from shapewise.jobs.models import model_config
 from shapewise.manifest import official_rows
 
 N = 200

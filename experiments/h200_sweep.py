@@ -9,7 +9,6 @@ attention shapes) it runs each configuration, compares against the kernel's fp64
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch

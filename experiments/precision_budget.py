@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from shapewise.model import TOLERANCES, BaselineTransformer, compare_outputs, generate_random_case
-from shapewise.jobs.common import model_config
+from shapewise.jobs.models import model_config
 from shapewise.manifest import official_rows
 
 POINTS = ("ln1_out", "qkv_w", "qkv_out", "probs", "attn_out", "o_w", "ln2_out", "in_w", "gelu_out", "out_w")

@@ -18,7 +18,8 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from .reference import BaselineTransformer, TransformerConfig, check_inputs
+from .config import TransformerConfig
+from .reference import BaselineTransformer, check_inputs
 from .routing import ROUTES, RouteUnavailable, Shape, select_route
 
 # Ablation switches: each can be turned off alone (constructor `disable=` or env SHAPEWISE_DISABLE).

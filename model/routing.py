@@ -19,7 +19,7 @@ import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .reference import TransformerConfig
+from .config import TransformerConfig
 
 ROUTES = ("reference", "sdpa", "triton", "graph", "fused")
 CPU_ROUTES = ("reference", "sdpa", "triton", "fused")  # triton and fused only under TRITON_INTERPRET=1

@@ -3,7 +3,7 @@
 Every official row, float32, causal, 5 trials (seeds 1234 + t), route "auto" and route "triton", against the
 reference in fp32 with TF32 off, official comparator, zero failed elements. Row 14 (B=32, S=100000) is too big
 for the plain reference: its output is checked on sampled batch elements against
-`model.reference.chunked_reference_forward` on `x[b:b+1]`.
+`shapewise.model.chunked.chunked_reference_forward` on `x[b:b+1]`.
 
 The strict comparator has its own parametrized test, so its result is visible row by row.
 Each case prints one line: row, route, trial, failed/total, max abs error, the route taken.
@@ -59,7 +59,7 @@ def _run_trial(row, route, trial, tolerance):
     """Builds both models from the trial's seed, runs them, returns a list of (label, Comparison, route name)."""
     from shapewise.model import (TOLERANCES, BaselineTransformer, UserOptimizedTransformer, compare_outputs,
                        generate_random_case)
-    from shapewise.model.reference import chunked_reference_forward
+    from shapewise.model.chunked import chunked_reference_forward
 
     cfg = _config(row)
     seed = SEED0 + trial

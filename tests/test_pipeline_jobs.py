@@ -32,7 +32,7 @@ def headroom_between_estimates(row):
     import torch
 
     from shapewise.model import TransformerConfig
-    from shapewise.model.reference import estimate_memory_bytes
+    from shapewise.model.memory import estimate_memory_bytes
 
     fields = ("batch_size", "seq_len", "d_model", "num_heads", "ffn_dim", "num_layers", "causal")
     cfg = TransformerConfig(**{k: row[k] for k in fields})
@@ -155,7 +155,7 @@ def test_only_huge_inputs_are_drawn_on_the_gpu(monkeypatch):
     """make_case draws inputs of at least DEVICE_DRAW_MIN_ELEMENTS on the GPU's generator (official row 14's CPU
     draw: about 20 s per case, estimated), everything else on the CPU generator: the same case on every device."""
     from shapewise.model import TransformerConfig
-    from shapewise.jobs import common
+    from shapewise.jobs import inputs as common
 
     row14 = TransformerConfig(32, 100000, 1024, 16, 1024, 2, True)
     row6 = TransformerConfig(10000, 128, 128, 4, 128, 4, True)

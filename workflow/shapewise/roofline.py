@@ -15,6 +15,8 @@ reached = floor / measured time (1.0 would be a perfect kernel).
 
 from __future__ import annotations
 
+from shapewise.model.config import parameter_count
+
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 # Which microbench GEMM entries bound a row's matmuls: the fastest of them. An
@@ -22,14 +24,6 @@ ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # with fp16 operands (fp32 accumulation), so its floor takes the fp16/bf16
 # rate when that is higher: a floor is a lower bound on time.
 PEAK_ENTRIES = {"float32": ("tf32", "fp16", "bf16"), "float16": ("fp16",), "bfloat16": ("bf16",)}
-
-
-def parameter_count(d_model, ffn_dim, num_layers):
-    """Weights and biases of the pre-LayerNorm Transformer (4 projections,
-    2 FFN matrices, 2 LayerNorms per layer, a final LayerNorm)."""
-    d, f = d_model, ffn_dim
-    per_layer = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
-    return num_layers * per_layer + 2 * d
 
 
 def flops(batch_size, seq_len, d_model, ffn_dim, num_layers, causal=True, **_):

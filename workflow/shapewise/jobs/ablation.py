@@ -21,9 +21,10 @@ import statistics
 import torch
 
 from shapewise.jobs.check import check
-from shapewise.jobs.common import (FIRST_TRIAL_SEED, build_models, build_optimized, header, log, make_case,
-                                   model_config, read_json, route_of, run_optimized, set_precision, setup,
-                                   time_calls, write_result)
+from shapewise.jobs.device import setup, time_calls
+from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
+from shapewise.jobs.io import header, log, read_json, write_result
+from shapewise.jobs.models import build_models, build_optimized, model_config, route_of, run_optimized, set_precision
 from shapewise.jobs.preflight import fits
 
 

@@ -13,9 +13,10 @@ import json
 import torch
 
 from shapewise.jobs.check import check
-from shapewise.jobs.common import (FIRST_TRIAL_SEED, build_models, header, input_generator, log, make_case,
-                                   model_config, read_json, route_of, run_optimized, set_precision, setup,
-                                   write_result)
+from shapewise.jobs.device import setup
+from shapewise.jobs.inputs import FIRST_TRIAL_SEED, input_generator, make_case
+from shapewise.jobs.io import header, log, read_json, write_result
+from shapewise.jobs.models import build_models, model_config, route_of, run_optimized, set_precision
 from shapewise.jobs.preflight import fits
 
 

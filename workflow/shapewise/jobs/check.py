@@ -2,7 +2,7 @@
 
 Full check: the reference model in float32 (TF32 off) on the whole input.
 Chunked check (the plain reference does not fit): the reference's math via
-model.reference.chunked_reference_forward on sampled batch elements; the
+shapewise.model.chunked.chunked_reference_forward on sampled batch elements; the
 comparison covers sampled query blocks (or every position). What was
 compared is returned so the report can state it exactly.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from shapewise.jobs.common import set_precision
+from shapewise.jobs.models import set_precision
 
 
 def spread(count, total):
@@ -60,7 +60,7 @@ def check(reference, optimized_out, x, mask, reference_fits, settings):
             "elements_compared": optimized_out.numel(),
             "elements_total": optimized_out.numel(),
         }
-    from shapewise.model.reference import chunked_reference_forward
+    from shapewise.model.chunked import chunked_reference_forward
 
     B, S, _ = x.shape
     batch = spread(settings["batch_samples"], B)
@@ -81,7 +81,7 @@ def check(reference, optimized_out, x, mask, reference_fits, settings):
     comparisons = compare_all_presets(ref_sel, opt_sel)
     return comparisons, {
         "method": "chunked",
-        "reference": ("model.reference.chunked_reference_forward in float32 (TF32 off), "
+        "reference": ("shapewise.model.chunked.chunked_reference_forward in float32 (TF32 off), "
                       f"query_block {settings['query_block']}, on the sampled batch elements"),
         "batch_indices": batch,
         "query_ranges": [list(r) for r in ranges],

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from shapewise import fingerprint as fp
-from shapewise.jobs.common import header, log, setup, write_result
+from shapewise.jobs.device import setup
+from shapewise.jobs.io import header, log, write_result
 
 
 def main(args):

@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from shapewise.jobs.common import header, log, setup, write_result
+from shapewise.jobs.device import setup
+from shapewise.jobs.io import header, log, write_result
 
 
 def _median_ms(fn, device, repeats, warmup=2):

@@ -1,6 +1,6 @@
 """Preflight: does each model of a shape fit in this device's free memory?
 
-Uses model.reference.estimate_memory_bytes. A model that does not fit is a
+Uses shapewise.model.memory.estimate_memory_bytes. A model that does not fit is a
 resource skip for that model in the later jobs, never a pass.
 """
 
@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 
-from shapewise.jobs.common import DTYPES, free_memory_bytes, header, log, model_config, setup, write_result
+from shapewise.jobs.device import free_memory_bytes, setup
+from shapewise.jobs.inputs import DTYPES
+from shapewise.jobs.io import header, log, write_result
+from shapewise.jobs.models import model_config
 
 
 def main(args):
-    from shapewise.model.reference import estimate_memory_bytes
+    from shapewise.model.memory import estimate_memory_bytes
 
     device = setup(args.device)
     row = json.loads(args.row)

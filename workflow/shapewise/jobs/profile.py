@@ -20,8 +20,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from shapewise.jobs.common import (FIRST_TRIAL_SEED, build_optimized, header, log, make_case, model_config,
-                                   read_json, route_of, run_optimized, setup, sync, write_result)
+from shapewise.jobs.device import setup, sync
+from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
+from shapewise.jobs.io import header, log, read_json, write_result
+from shapewise.jobs.models import build_optimized, model_config, route_of, run_optimized
 from shapewise.jobs.preflight import fits
 
 

@@ -19,10 +19,10 @@ import json
 import torch
 
 from shapewise import roofline
-from shapewise.jobs.common import (FIRST_TRIAL_SEED, build_models, build_optimized, first_call_ms, header, log,
-                                   make_case, model_config, peak_memory_bytes, peak_memory_reset, read_json,
-                                   route_of, run_optimized, set_precision, setup, summarize, time_calls,
-                                   write_result)
+from shapewise.jobs.device import first_call_ms, peak_memory_bytes, peak_memory_reset, setup, summarize, time_calls
+from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
+from shapewise.jobs.io import header, log, read_json, write_result
+from shapewise.jobs.models import build_models, build_optimized, model_config, route_of, run_optimized, set_precision
 from shapewise.jobs.microbench import peaks
 from shapewise.jobs.preflight import fits
 

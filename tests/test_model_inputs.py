@@ -1,0 +1,82 @@
+"""Bad inputs and configs raise errors that name the culprit; NaN propagates like the reference."""
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from shapewise.model import (BaselineTransformer, TransformerConfig, UserOptimizedTransformer)
+from model_helpers import CFG_MAIN, CFG_SEQ7, CPU_ROUTES, OFFICIAL, build_pair, cfg_of, make_inputs
+
+
+def _bad_input_cases(cfg):
+    B, S, d = cfg.batch_size, cfg.seq_len, cfg.d_model
+    x = torch.randn(B, S, d)
+    ok_mask = torch.ones(B, S, dtype=torch.bool)
+    return {
+        "x-rank2": ("x", (x[0], None)),
+        "x-rank4": ("x", (x[None], None)),
+        "x-width": ("x|d_model", (torch.randn(B, S, d + 1), None)),
+        "x-int": ("x", (x.to(torch.int64), None)),
+        "x-list": ("x", (x.tolist(), None)),
+        "mask-shape": ("valid_token_mask", (x, ok_mask[:, :-1])),
+        "mask-rank": ("valid_token_mask", (x, ok_mask[..., None])),
+        "mask-dtype": ("valid_token_mask", (x, ok_mask.float())),
+        "mask-device": ("valid_token_mask|device", (x, ok_mask.to("meta"))),
+    }
+
+
+@pytest.mark.parametrize("which", ["baseline", "optimized"])
+@pytest.mark.parametrize("case", sorted(_bad_input_cases(cfg_of(CFG_SEQ7))))
+def test_bad_inputs_raise_naming_the_culprit(which, case):
+    cfg = cfg_of(CFG_SEQ7)
+    name, (x, mask) = _bad_input_cases(cfg)[case]
+    m = BaselineTransformer(cfg) if which == "baseline" else UserOptimizedTransformer(cfg)
+    with pytest.raises((ValueError, TypeError)) as ei:
+        m(x, mask)
+    assert re.search(name, str(ei.value)), f"error does not name {name!r}: {ei.value}"
+
+
+@pytest.mark.parametrize("field,value", [
+    ("num_heads", 5),  # 64 % 5 != 0
+    ("batch_size", 0), ("seq_len", -1), ("d_model", 0), ("num_heads", 0), ("ffn_dim", 0), ("num_layers", 0),
+])
+@pytest.mark.parametrize("which", ["config", "baseline", "optimized"])
+def test_bad_config_raises_naming_the_field(field, value, which):
+    fields = dict(zip(("batch_size", "seq_len", "d_model", "num_heads", "ffn_dim", "num_layers"), CFG_MAIN))
+    fields[field] = value
+    ns = SimpleNamespace(**fields, causal=True)
+    with pytest.raises((ValueError, TypeError)) as ei:
+        if which == "config":
+            TransformerConfig(**vars(ns)).validate()
+        elif which == "baseline":
+            BaselineTransformer(ns)
+        else:
+            UserOptimizedTransformer(ns)
+    assert field in str(ei.value), f"error does not name {field!r}: {ei.value}"
+
+
+@pytest.mark.parametrize("route", CPU_ROUTES)
+@pytest.mark.parametrize("mask_kind", ["none", "prefix", "holes"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_nan_propagates_like_reference(route, mask_kind, causal):
+    """A NaN in one valid token of x: the reference's output is NaN exactly on the rows that attend to it
+    (and finite elsewhere); the optimized model must give the same NaN pattern (no crash, no NaN hidden
+    as a number, no NaN leaking into rows that cannot see the token)."""
+    cfg = cfg_of(CFG_SEQ7, causal)
+    ref, opt = build_pair(cfg, route)
+    x, mask = make_inputs(cfg, mask_kind)
+    if mask is not None:
+        mask[0, 3] = True  # the poisoned token is valid
+        mask[0, 5] = False
+    x[0, 3, 5] = float("nan")
+    with torch.no_grad():
+        r = ref(x, mask)
+        y = opt(x, mask)
+    assert torch.isnan(r).any()
+    assert torch.equal(torch.isnan(y), torch.isnan(r)), (
+        f"NaN pattern differs: reference NaN rows {torch.isnan(r).any(-1).nonzero().tolist()}, "
+        f"optimized {torch.isnan(y).any(-1).nonzero().tolist()}")
+    fin = ~torch.isnan(r)
+    torch.testing.assert_close(y[fin], r[fin], atol=OFFICIAL["atol"], rtol=OFFICIAL["rtol"])

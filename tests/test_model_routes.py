@@ -1,0 +1,106 @@
+"""UserOptimizedTransformer against BaselineTransformer on every CPU-capable route: masks, odd shapes,
+non-contiguous inputs, low-precision inputs."""
+
+
+import pytest
+import torch
+
+from shapewise.model import (BaselineTransformer, generate_random_case)
+from shapewise.model import routing
+from model_helpers import CFG_HD8, CFG_MAIN, CFG_SEQ1, CFG_SEQ7, CPU_ROUTES, MASK_KINDS, build_pair, cfg_of, check_official, make_inputs
+
+
+def test_some_cpu_route_exists():
+    assert CPU_ROUTES, f"no route in {routing.ROUTES} serves a CPU tensor"
+    assert "reference" in CPU_ROUTES or "triton" in CPU_ROUTES
+
+
+@pytest.mark.parametrize("route", CPU_ROUTES)
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_optimized_matches_baseline(route, mask_kind, causal):
+    cfg = cfg_of(CFG_MAIN, causal)
+    ref, opt = build_pair(cfg, route)
+    x, mask = make_inputs(cfg, mask_kind)
+    with torch.no_grad():
+        r = ref(x, mask)
+        y = opt(x, mask)
+    assert y.shape == r.shape and y.dtype == r.dtype
+    assert opt.last_route.name == route
+    check_official(r, y, f"route={route} mask={mask_kind} causal={causal}")
+    if mask is not None and (~mask).any():
+        assert y[~mask].abs().max().item() == 0.0, "invalid rows are not exactly zero"
+
+
+@pytest.mark.parametrize("route", CPU_ROUTES)
+@pytest.mark.parametrize("shape", [CFG_SEQ1, CFG_SEQ7, CFG_HD8], ids=["S1", "S7-H3", "hd8"])
+@pytest.mark.parametrize("mask_kind", ["none", "prefix", "holes"])
+def test_optimized_odd_shapes(route, shape, mask_kind):
+    cfg = cfg_of(shape, causal=True)
+    ref, opt = build_pair(cfg, route)
+    x, mask = make_inputs(cfg, mask_kind)
+    with torch.no_grad():
+        check_official(ref(x, mask), opt(x, mask), f"route={route} shape={shape} mask={mask_kind}")
+
+
+@pytest.mark.parametrize("route", CPU_ROUTES)
+def test_auto_padding_from_generate_random_case(route):
+    cfg = cfg_of(CFG_MAIN)
+    ref, opt = build_pair(cfg, route)
+    x, mask = generate_random_case(cfg, "cpu", torch.float32, seed=7, padding_ratio=0.5)
+    assert mask is not None
+    with torch.no_grad():
+        check_official(ref(x, mask), opt(x, mask), f"route={route} generated padding")
+
+
+@pytest.mark.parametrize("route", CPU_ROUTES)
+def test_non_contiguous_mask(route):
+    """A [B, S] mask that is a transposed view (strides (1, B)) is a valid user input."""
+    cfg = cfg_of(CFG_MAIN)
+    ref, opt = build_pair(cfg, route)
+    x, mask = make_inputs(cfg, "holes")
+    tmask = mask.t().contiguous().t()
+    assert not tmask.is_contiguous() and torch.equal(tmask, mask)
+    with torch.no_grad():
+        check_official(ref(x, mask), opt(x, tmask), f"route={route} transposed mask")
+
+
+@pytest.mark.parametrize("route", CPU_ROUTES)
+def test_non_contiguous_input(route):
+    cfg = cfg_of(CFG_SEQ7)
+    ref, opt = build_pair(cfg, route)
+    big = torch.randn(cfg.seq_len, cfg.batch_size, cfg.d_model)
+    x = big.transpose(0, 1)  # [B, S, d] view, not contiguous
+    with torch.no_grad():
+        check_official(ref(x), opt(x), f"route={route} non-contiguous x")
+
+
+# low-precision inputs: (atol, rtol) of the optimized output against the fp32 reference on the same (rounded)
+# weights and inputs. The fp16/bf16 reference itself is off by up to ~3e-3 (fp16) / ~2.5e-2 (bf16) here.
+LOWP_TOL = {torch.float16: (1e-2, 2e-2), torch.bfloat16: (6e-2, 5e-2)}
+
+
+@pytest.mark.parametrize("route", CPU_ROUTES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape", [CFG_SEQ7, CFG_MAIN], ids=["S7", "S33"])
+def test_low_precision_inputs(route, dtype, shape, assert_close):
+    """fp16/bf16 model and inputs. The CPU reference runs in those dtypes too (checked: nn.Linear, LayerNorm
+    and matmul accept them on the CPU), but it is itself inexact, so both are measured against the fp32
+    reference with the same rounded weights: the optimized output must be within the dtype's tolerance and
+    its mean error no worse than twice the low-precision reference's own."""
+    cfg = cfg_of(shape)
+    ref, opt = build_pair(cfg, route)
+    ref, opt = ref.to(dtype), opt.to(dtype)
+    ref32 = BaselineTransformer(cfg).eval()
+    ref32.load_state_dict({k: v.float() for k, v in ref.state_dict().items()}, strict=True)
+    x, mask = make_inputs(cfg, "prefix", dtype)
+    with torch.no_grad():
+        truth = ref32(x.float(), mask)
+        r = ref(x, mask)
+        y = opt(x, mask)
+    assert y.dtype == dtype and y.shape == x.shape
+    atol, rtol = LOWP_TOL[dtype]
+    assert_close(y, truth, atol=atol, rtol=rtol, what=f"route={route} {dtype} vs fp32 reference")
+    err_opt = (y.float() - truth).abs().mean().item()
+    err_ref = (r.float() - truth).abs().mean().item()
+    assert err_opt <= 2 * err_ref + 1e-5, f"mean error {err_opt:.2e} vs the {dtype} reference's {err_ref:.2e}"

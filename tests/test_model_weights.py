@@ -1,0 +1,120 @@
+"""Parameters and state: names, strict loading, weight edits after the first forward, output aliasing,
+global flags."""
+
+
+import pytest
+import torch
+
+from shapewise.model import (BaselineTransformer, UserOptimizedTransformer)
+from model_helpers import CFG_MAIN, CFG_SEQ7, CPU_ROUTES, build_pair, cfg_of, check_official, make_inputs
+
+
+def expected_param_names(L):
+    names = set()
+    for i in range(L):
+        for n in ("norm1", "norm2", "attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.out_proj",
+                  "ffn_in", "ffn_out"):
+            names |= {f"layers.{i}.{n}.weight", f"layers.{i}.{n}.bias"}
+    return names | {"final_norm.weight", "final_norm.bias"}
+
+
+def test_state_dict_keys_and_strict_load():
+    cfg = cfg_of(CFG_MAIN)
+    ref = BaselineTransformer(cfg)
+    opt = UserOptimizedTransformer(cfg)
+    assert set(ref.state_dict().keys()) == expected_param_names(cfg.num_layers)
+    assert list(opt.state_dict().keys()) == list(ref.state_dict().keys())
+    for k, v in ref.state_dict().items():
+        assert opt.state_dict()[k].shape == v.shape, k
+    opt.load_state_dict(ref.state_dict(), strict=True)
+    ref.load_state_dict(opt.state_dict(), strict=True)
+    assert {n for n, _ in opt.named_parameters()} == expected_param_names(cfg.num_layers)
+
+
+@pytest.mark.parametrize("route", CPU_ROUTES)
+def test_in_place_weight_edit_after_first_forward(route):
+    """Caches (packed qkv weights etc.) must notice an in-place edit of a parameter."""
+    cfg = cfg_of(CFG_MAIN)
+    ref, opt = build_pair(cfg, route)
+    x, mask = make_inputs(cfg, "prefix")
+    with torch.no_grad():
+        first = opt(x, mask).clone()
+        for name in ("layers.0.attention.k_proj.weight", "layers.1.norm2.weight", "layers.0.ffn_in.bias"):
+            dict(opt.named_parameters())[name].mul_(1.5).add_(0.05)
+        fresh = BaselineTransformer(cfg).eval()
+        fresh.load_state_dict(opt.state_dict(), strict=True)
+        second = opt(x, mask)
+        check_official(fresh(x, mask), second, f"route={route} after in-place edit")
+    assert not torch.allclose(first, second), "output did not change after the weights changed"
+
+
+@pytest.mark.parametrize("route", CPU_ROUTES)
+def test_load_state_dict_after_first_forward(route):
+    cfg = cfg_of(CFG_SEQ7)
+    ref, opt = build_pair(cfg, route)
+    x, _ = make_inputs(cfg, "none")
+    with torch.no_grad():
+        opt(x)
+        other = BaselineTransformer(cfg).eval()
+        opt.load_state_dict(other.state_dict(), strict=True)
+        check_official(other(x), opt(x), f"route={route} after load_state_dict")
+
+
+@pytest.mark.parametrize("route", CPU_ROUTES)
+def test_load_state_dict_assign_after_first_forward(route):
+    """`load_state_dict(..., assign=True)` swaps in new Parameter objects (whose version counters may equal
+    the old ones): the next forward must use the new weights."""
+    cfg = cfg_of(CFG_SEQ7)
+    ref, opt = build_pair(cfg, route)
+    x, _ = make_inputs(cfg, "none")
+    with torch.no_grad():
+        opt(x)
+        torch.manual_seed(123)
+        other = BaselineTransformer(cfg).eval()
+        opt.load_state_dict({k: v.clone() for k, v in other.state_dict().items()}, strict=True, assign=True)
+        check_official(other(x), opt(x), f"route={route} after load_state_dict(assign=True)")
+
+
+@pytest.mark.parametrize("route", CPU_ROUTES)
+def test_parameter_data_swap_after_first_forward(route):
+    """`param.data = new_tensor` (a common way to set weights) after the first forward."""
+    cfg = cfg_of(CFG_SEQ7)
+    ref, opt = build_pair(cfg, route)
+    x, _ = make_inputs(cfg, "none")
+    with torch.no_grad():
+        opt(x)
+        torch.manual_seed(321)
+        for name, p in opt.named_parameters():
+            if name.endswith("v_proj.weight") or name.endswith("ffn_out.weight"):
+                p.data = torch.randn_like(p) * 0.2
+        fresh = BaselineTransformer(cfg).eval()
+        fresh.load_state_dict(opt.state_dict(), strict=True)
+        check_official(fresh(x), opt(x), f"route={route} after param.data swap")
+
+
+@pytest.mark.parametrize("route", CPU_ROUTES)
+def test_outputs_do_not_alias(route):
+    cfg = cfg_of(CFG_SEQ7)
+    _, opt = build_pair(cfg, route)
+    x1, _ = make_inputs(cfg, "none", seed=1)
+    x2, _ = make_inputs(cfg, "none", seed=2)
+    with torch.no_grad():
+        y1 = opt(x1)
+        keep = y1.clone()
+        x1_before = x1.clone()
+        y2 = opt(x2)
+    assert torch.equal(y1, keep), "output of call 1 changed by call 2"
+    assert y1.data_ptr() != y2.data_ptr()
+    assert torch.equal(x1, x1_before), "forward modified its input"
+
+
+@pytest.mark.parametrize("route", CPU_ROUTES)
+def test_global_flags_untouched(route):
+    cfg = cfg_of(CFG_SEQ7)
+    _, opt = build_pair(cfg, route)
+    x, _ = make_inputs(cfg, "none")
+    flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.get_float32_matmul_precision(), torch.is_grad_enabled())
+    opt(x)
+    assert flags == (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+                     torch.get_float32_matmul_precision(), torch.is_grad_enabled())

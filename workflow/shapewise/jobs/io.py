@@ -1,0 +1,67 @@
+"""A job's result file and log: the header every result starts with, atomic writes, reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from shapewise.fingerprint import job_environment
+
+
+def log(message):
+    stamp = datetime.now().strftime("%H:%M:%S")
+    print(f"[{stamp}] {message}", flush=True)
+
+
+def now_iso():
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def header(step, row, device):
+    """The fields every result file starts with."""
+    return {
+        "step": step,
+        "shape": row["id"] if row else None,
+        "row": row,
+        "device": device,
+        "environment": job_environment(device),
+        "started": now_iso(),
+        "_t0": time.perf_counter(),
+    }
+
+
+def write_result(path, result):
+    t0 = result.pop("_t0", None)
+    result["finished"] = now_iso()
+    if t0 is not None:
+        result["duration_s"] = round(time.perf_counter() - t0, 3)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2, sort_keys=True, default=_json_default) + "\n")
+    os.replace(tmp, path)
+    log(f"wrote {path}")
+
+
+def _json_default(obj):
+    if isinstance(obj, (torch.dtype, torch.device)):
+        return str(obj)
+    if isinstance(obj, tuple):
+        return list(obj)
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+def read_json(path):
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def fail(message):
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
