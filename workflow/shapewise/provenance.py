@@ -1,4 +1,4 @@
-"""provenance.json: the SHA-256 of every input and artifact of a report.
+"""provenance.json: the SHA-256 of every input and artifact of a report, and the git commit it came from.
 
 Artifacts (the report's own files, the copied per-shape results, figures)
 are listed relative to the report directory; inputs (manifests, config,
@@ -6,18 +6,35 @@ sources) relative to the repository root, which provenance.json records
 relative to the report directory ("../.." for both results/report and
 reports/<name>). Copying the report directory to reports/<name>/ therefore
 keeps `shapewise verify reports/<name>` working.
+
+Format 2 adds the git state of the checkout the report was produced from:
+
+- `commit`: `git rev-parse HEAD` in the root, or null when the root is not in a
+  git repository (or git is missing).
+- `dirty`: true when at least one input's bytes differ from that commit's blob
+  (or the input is not in the commit), false when none does, null without a
+  commit. The check is limited to the listed inputs, not the whole tree: an
+  edited file the report did not read does not make it dirty, and an ignored or
+  untracked input does.
+- `dirty_inputs`: the inputs for which that holds (sorted paths).
+
+`verify` then checks the inputs against the commit's git objects rather than
+the working tree, so a report stays verifiable after the sources move on.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
 from shapewise.fingerprint import sha256_file
 
-FORMAT = 1
+FORMAT = 2
+FORMATS = (1, 2)  # the formats verify understands
 
 
 def _entry(path, base):
@@ -25,14 +42,56 @@ def _entry(path, base):
     return {"path": Path(path).as_posix(), "sha256": sha256_file(full), "bytes": full.stat().st_size}
 
 
+def _git(root, *args):
+    """(ok, stdout bytes, first line of stderr) of `git -C root ARGS`; ok is False when git is missing too."""
+    try:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, check=False)
+    except FileNotFoundError:
+        return False, b"", "git not found"
+    err = done.stderr.decode(errors="replace").strip().splitlines()
+    return done.returncode == 0, done.stdout, (err[0] if err else f"git exited {done.returncode}")
+
+
+def head_commit(root="."):
+    """The commit checked out in root (40 hex digits), or None when root is not in a git repository."""
+    ok, out, _ = _git(root, "rev-parse", "--verify", "-q", "HEAD")
+    return out.decode().strip() if ok else None
+
+
+def commit_known(root, commit):
+    """(True, "") when the repository at root has the commit, else (False, why)."""
+    if not commit:
+        return False, "no commit recorded"
+    ok, _, err = _git(root, "cat-file", "-e", f"{commit}^{{commit}}")
+    return ok, ("" if ok else err)
+
+
+def blob_sha256(root, commit, path):
+    """SHA-256 of `path` as the commit holds it (with the checkout's filters applied, as the working tree would
+    have it), or None when the commit has no such file. `path` is relative to root."""
+    ok, out, _ = _git(root, "cat-file", "--filters", f"{commit}:./{Path(path).as_posix()}")
+    return hashlib.sha256(out).hexdigest() if ok else None
+
+
+def dirty_inputs(root, commit, entries):
+    """Paths of the input entries whose recorded SHA-256 is not that of the commit's blob (or absent from it)."""
+    return sorted(e["path"] for e in entries if blob_sha256(root, commit, e["path"]) != e["sha256"])
+
+
 def write(report_dir, inputs, artifacts, root="."):
-    """inputs: paths relative to `root`; artifacts: paths relative to report_dir."""
+    """inputs: paths relative to `root`; artifacts: paths relative to report_dir. Returns the record written."""
     report_dir = Path(report_dir)
+    input_entries = [_entry(p, root) for p in sorted(set(map(str, inputs)))]
+    commit = head_commit(root)
+    dirty = dirty_inputs(root, commit, input_entries) if commit else None
     record = {
         "format": FORMAT,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "root": os.path.relpath(Path(root).resolve(), report_dir.resolve()),
-        "inputs": [_entry(p, root) for p in sorted(set(map(str, inputs)))],
+        "commit": commit,
+        "dirty": None if dirty is None else bool(dirty),
+        "dirty_inputs": dirty or [],
+        "inputs": input_entries,
         "artifacts": [_entry(p, report_dir) for p in sorted(set(map(str, artifacts)))],
     }
     path = report_dir / "provenance.json"
@@ -40,33 +99,105 @@ def write(report_dir, inputs, artifacts, root="."):
     return record
 
 
+def _check_files(kind, base, entries):
+    """Problems ("<kind> missing: path", "<kind> changed (SHA-256 mismatch): path") of entries against files."""
+    problems = []
+    for entry in entries:
+        path = base / entry["path"]
+        if not path.is_file():
+            problems.append(f"{kind} missing: {path}")
+        elif sha256_file(path) != entry["sha256"]:
+            problems.append(f"{kind} changed (SHA-256 mismatch): {path}")
+    return problems
+
+
+def _check_inputs_against_commit(root, commit, record, out):
+    """Inputs against the commit's git objects. Returns the problems (tampering); notes dirty inputs and
+    whether the working tree still matches, neither of which fails."""
+    dirty_at_production = set(record.get("dirty_inputs") or [])
+    problems, matched, unverifiable = [], 0, []
+    for entry in record["inputs"]:
+        blob = blob_sha256(root, commit, entry["path"])
+        if blob == entry["sha256"]:
+            matched += 1
+        elif entry["path"] in dirty_at_production:
+            unverifiable.append(entry["path"])
+        elif blob is None:
+            problems.append(f"input not in commit {commit[:12]} and not recorded as dirty "
+                            f"(provenance.json does not match the commit): {entry['path']}")
+        else:
+            problems.append(f"input differs from commit {commit[:12]} and was not recorded as dirty "
+                            f"(provenance.json does not match the commit): {entry['path']}")
+    out(f"verify: inputs: {matched} of {len(record['inputs'])} match commit {commit[:12]} (git objects)")
+    for path in unverifiable:
+        out(f"verify: input dirty at production, not checkable against the commit: {path}")
+    changed = [e["path"] for e in record["inputs"]
+               if not (root / e["path"]).is_file() or sha256_file(root / e["path"]) != e["sha256"]]
+    if changed:
+        noun = "input" if len(changed) == 1 else "inputs"
+        out(f"verify: {len(changed)} {noun} changed since {commit[:12]} (working tree; informational):")
+        for path in changed:
+            out(f"verify:   {path}{'' if (root / path).is_file() else ' (deleted)'}")
+    else:
+        out("verify: inputs: current (the working tree still matches)")
+    return problems
+
+
 def verify(report_dir, artifacts_only=False, out=print):
-    """0 when every listed file exists with its recorded SHA-256, else 1."""
+    """0 when the report's artifacts match provenance.json and its inputs are what it claims, else 1.
+
+    Artifacts are always re-hashed: a missing or changed one fails. Inputs of a format-2 record whose commit the
+    repository has are hashed as that commit holds them: a mismatch means the record lies and fails, except for
+    inputs recorded as dirty at production (noted, not checkable). Whether the working tree still matches is
+    reported but never fails. Without the commit (format 1, no git at production, or a commit this repository
+    lacks) the inputs are checked against the working tree and a mismatch fails: it cannot be told from tampering.
+    """
     report_dir = Path(report_dir)
     manifest = report_dir / "provenance.json"
     if not manifest.is_file():
         out(f"verify: FAILED: {manifest} not found")
         return 1
-    record = json.loads(manifest.read_text())
-    root = report_dir / record["root"]
-    groups = [("artifact", report_dir, record["artifacts"])]
+    try:
+        record = json.loads(manifest.read_text())
+        fmt = record["format"]
+        root = report_dir / record["root"]
+        record["inputs"], record["artifacts"]
+    except (ValueError, KeyError, TypeError) as exc:
+        out(f"verify: FAILED: {manifest} is not a provenance record ({type(exc).__name__}: {exc})")
+        return 1
+    if fmt not in FORMATS:
+        out(f"verify: FAILED: {manifest} has format {fmt!r}; this shapewise reads formats {FORMATS}")
+        return 1
+
+    problems = _check_files("artifact", report_dir, record["artifacts"])
+    n_art = len(record["artifacts"])
+    out(f"verify: artifacts: {n_art - len(problems)} of {n_art} match")
     if not artifacts_only:
-        groups.append(("input", root, record["inputs"]))
-    problems, checked = [], 0
-    for kind, base, entries in groups:
-        for entry in entries:
-            path = base / entry["path"]
-            checked += 1
-            if not path.is_file():
-                problems.append(f"{kind} missing: {path}")
-            elif sha256_file(path) != entry["sha256"]:
-                problems.append(f"{kind} changed (SHA-256 mismatch): {path}")
+        commit = record.get("commit") if fmt >= 2 else None
+        known, why = commit_known(root, commit)
+        if fmt >= 2 and record.get("dirty"):
+            out(f"verify: produced from a dirty tree: {len(record.get('dirty_inputs') or [])} inputs differed "
+                f"from commit {commit[:12] if commit else '?'}")
+        if known:
+            problems += _check_inputs_against_commit(root, commit, record, out)
+        else:
+            if fmt < 2:
+                reason = "format-1 record (no commit recorded)"
+            elif not commit:
+                reason = "the report was not produced in a git repository"
+            else:
+                reason = f"commit {commit[:12]} unknown to the repository at {root} ({why})"
+            out(f"verify: inputs: {reason}: checked against the working tree; a mismatch fails because it cannot "
+                f"be told from tampering (fetch the commit, or use --artifacts-only)")
+            input_problems = _check_files("input", root, record["inputs"])
+            out(f"verify: inputs: {len(record['inputs']) - len(input_problems)} of {len(record['inputs'])} "
+                f"match the working tree")
+            problems += input_problems
     for problem in problems:
         out(f"verify: {problem}")
     if problems:
-        out(f"verify: FAILED: {len(problems)} of {checked} files missing or changed in {report_dir}")
+        out(f"verify: FAILED: {len(problems)} problems in {report_dir}")
         return 1
-    n_art = len(record["artifacts"])
     n_in = 0 if artifacts_only else len(record["inputs"])
     out(f"verify: OK: {n_art} artifacts and {n_in} inputs of {report_dir} match provenance.json")
     return 0
