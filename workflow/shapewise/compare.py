@@ -1,0 +1,262 @@
+"""`shapewise compare OLD NEW`: two report runs side by side, a regression gate for CI.
+
+Rows are matched by (machine, id): a row measured on one machine is never compared with a row measured on
+another (those are listed as not comparable). For each model of a row in both runs:
+
+- change = new median / old median - 1;
+- "faster" / "slower" when the change is beyond noise, else "within noise". Beyond noise means both: the two
+  runs' 95 % intervals of the median (summary.csv's `<model>_ci_low_ms` / `<model>_ci_high_ms`) do not overlap,
+  and |change| exceeds the model's floor (DEFAULT_FLOORS: 3 % for the optimized model, 5 % for the reference,
+  whose launch-bound rows move more between processes). When either run has no interval (older reports), the
+  floor alone decides and the verdict says so;
+- "n/a" when either median is missing (row not timed, added or removed).
+
+A regression is a row whose optimized model is slower beyond noise; `main` exits 1 when there is one, 0
+otherwise, 2 when a report cannot be read (the message names the file).
+
+Older summary.csv files (columns id, status, route, failed_elements, total_elements, max_abs_error,
+reference_median_ms, optimized_median_ms, speedup) have no machine column: the machine is read from the
+report's data/timing/<id>.json (`environment.machine_key`) when that file exists, else it is "unknown".
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+
+SUMMARY = "summary.csv"
+MODELS = ("optimized", "reference")
+DEFAULT_FLOORS = {"optimized": 0.03, "reference": 0.05}
+UNKNOWN_MACHINE = "unknown"
+FLOOR_ONLY = "floor only"  # how a verdict's basis starts when a run had no interval
+REQUIRED_COLUMNS = ("id", "status", "route", "reference_median_ms", "optimized_median_ms")
+TEXT_COLUMNS = ("id", "machine", "status", "call", "route")
+# Columns compare reads as numbers: a cell that is neither empty nor a number is an error, not a silent None.
+NUMBER_COLUMNS = tuple(f"{m}_{c}" for m in MODELS for c in ("median_ms", "ci_low_ms", "ci_high_ms"))
+
+
+class CompareError(Exception):
+    """A report that cannot be read; the message names the file (and row / column)."""
+
+
+def _timing_json(report_dir, row_id):
+    # The report copies each row's timing result to data/timing/<id>.json (shapewise.report).
+    return Path(report_dir) / "data" / "timing" / f"{row_id}.json"
+
+
+def _cell(text):
+    """'' -> None, 'true'/'false' -> bool, integers and floats parsed, anything else kept as text."""
+    if text is None or text == "":
+        return None
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _machine_from_timing(report_dir, row_id):
+    path = _timing_json(report_dir, row_id)
+    if not path.is_file():
+        return UNKNOWN_MACHINE, "unknown"
+    try:
+        key = json.loads(path.read_text()).get("environment", {}).get("machine_key")
+    except (ValueError, AttributeError) as exc:
+        raise CompareError(f"{path}: not a timing result JSON ({exc})") from exc
+    return (key, path.relative_to(report_dir).as_posix()) if key else (UNKNOWN_MACHINE, "unknown")
+
+
+def load_rows(report_dir) -> list[dict]:
+    """Rows of report_dir/summary.csv as dicts: numbers parsed, '' -> None. Each row also gets
+    `machine_source`: "summary.csv", "data/timing/<id>.json" (older summaries) or "unknown"."""
+    report_dir = Path(report_dir)
+    path = report_dir / SUMMARY
+    if not path.is_file():
+        raise CompareError(f"{path}: not found (is {report_dir} a report directory?)")
+    try:
+        with open(path, newline="") as fh:
+            reader = csv.DictReader(fh)
+            columns = reader.fieldnames or []
+            raw = list(reader)
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise CompareError(f"{path}: cannot be read as CSV ({exc})") from exc
+    missing = [c for c in REQUIRED_COLUMNS if c not in columns]
+    if missing:
+        raise CompareError(f"{path}: missing column(s) {', '.join(missing)} (has: {', '.join(columns)})")
+    rows, seen = [], set()
+    for line, cells in enumerate(raw, start=2):
+        if None in cells or any(v is None for v in cells.values()):
+            raise CompareError(f"{path}, line {line}: wrong number of cells for the header")
+        row = {k: (v if k in TEXT_COLUMNS and v != "" else _cell(v)) for k, v in cells.items()}
+        if not row["id"]:
+            raise CompareError(f"{path}, line {line}: empty id")
+        for column in NUMBER_COLUMNS:
+            value = row.get(column)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise CompareError(f"{path}, line {line} (row {row['id']}): {column} is {cells[column]!r}, "
+                                   f"not a number")
+            if value is not None:
+                row[column] = float(value)
+        if "machine" in columns and row.get("machine"):
+            row["machine_source"] = SUMMARY
+        else:
+            row["machine"], row["machine_source"] = _machine_from_timing(report_dir, row["id"])
+        key = (row["machine"], row["id"])
+        if key in seen:
+            raise CompareError(f"{path}, line {line}: row {row['id']} appears twice for machine {row['machine']!r}")
+        seen.add(key)
+        rows.append(row)
+    return rows
+
+
+def _interval(row, model):
+    low, high = row.get(f"{model}_ci_low_ms"), row.get(f"{model}_ci_high_ms")
+    return (low, high) if low is not None and high is not None else None
+
+
+def model_change(old, new, model, floor):
+    """{"old_ms", "new_ms", "change", "verdict", "basis"} of one model between two matched rows (either may be
+    None for an added / removed row). basis says what decided the verdict."""
+    old_ms = old.get(f"{model}_median_ms") if old else None
+    new_ms = new.get(f"{model}_median_ms") if new else None
+    entry = {"old_ms": old_ms, "new_ms": new_ms, "change": None, "verdict": "n/a", "basis": None}
+    if old_ms is None or new_ms is None or old_ms <= 0:
+        return entry
+    change = new_ms / old_ms - 1
+    old_ci, new_ci = _interval(old, model), _interval(new, model)
+    beyond_floor = abs(change) > floor
+    if old_ci and new_ci:
+        overlap = old_ci[0] <= new_ci[1] and new_ci[0] <= old_ci[1]
+        beyond = beyond_floor and not overlap
+        basis = f"intervals {'overlap' if overlap else 'apart'}, floor {floor:.0%}"
+    else:
+        beyond = beyond_floor
+        runs = " and ".join(n for n, ci in (("old", old_ci), ("new", new_ci)) if not ci)
+        basis = f"{FLOOR_ONLY}: no interval in the {runs} run"
+    entry.update(change=change, basis=basis,
+                 verdict=("slower" if change > 0 else "faster") if beyond else "within noise")
+    return entry
+
+
+def _route_name(route):
+    match = re.match(r"[A-Za-z_]+", route or "")
+    return match.group(0) if match else None
+
+
+def _route_changed(old, new):
+    """Whether the route changed; an older summary's full route string against a newer short label is compared
+    by the route's name (fused, graph, triton, ...) only, since the two spell the rest differently."""
+    if old.get("route") is None or new.get("route") is None:
+        return False
+    if (old["machine_source"] == SUMMARY) == (new["machine_source"] == SUMMARY):
+        return old["route"] != new["route"]
+    return _route_name(old["route"]) != _route_name(new["route"])
+
+
+def compare_rows(old_rows, new_rows, floors=None) -> dict:
+    """Match rows by (machine, id) and give each model's change and verdict (see the module docstring).
+
+    floors: {"optimized": fraction, "reference": fraction}, default DEFAULT_FLOORS. Returns {"rows": [...],
+    "regressions": [ids], "not_comparable": [{"id", "old_machines", "new_machines"}], "floors": {...}}."""
+    floors = {**DEFAULT_FLOORS, **(floors or {})}
+    old_by = {(r["machine"], r["id"]): r for r in old_rows}
+    new_by = {(r["machine"], r["id"]): r for r in new_rows}
+    keys = list(old_by) + [k for k in new_by if k not in old_by]
+    rows, regressions = [], []
+    for machine, row_id in keys:
+        old, new = old_by.get((machine, row_id)), new_by.get((machine, row_id))
+        status = "both" if old and new else ("removed" if old else "added")
+        entry = {"id": row_id, "machine": machine, "status": status,
+                 "route_old": old.get("route") if old else None, "route_new": new.get("route") if new else None,
+                 "route_changed": bool(old and new and _route_changed(old, new)),
+                 "result_old": old.get("status") if old else None, "result_new": new.get("status") if new else None}
+        for model in MODELS:
+            entry[model] = model_change(old, new, model, floors[model])
+        if entry["optimized"]["verdict"] == "slower" and row_id not in regressions:
+            regressions.append(row_id)
+        rows.append(entry)
+    old_machines, new_machines = {}, {}
+    for machine, row_id in old_by:
+        old_machines.setdefault(row_id, []).append(machine)
+    for machine, row_id in new_by:
+        new_machines.setdefault(row_id, []).append(machine)
+    not_comparable = [{"id": i, "old_machines": old_machines[i], "new_machines": new_machines[i]}
+                      for i in old_machines if i in new_machines and not set(old_machines[i]) & set(new_machines[i])]
+    return {"rows": rows, "regressions": regressions, "not_comparable": not_comparable, "floors": floors}
+
+
+def _ms(value):
+    return "-" if value is None else f"{value:.4g}"
+
+
+def _pct(change):
+    return "" if change is None else f"{change * 100:+.1f} %"
+
+
+def format_comparison(result, old_name="OLD", new_name="NEW") -> list[str]:
+    """The comparison as text lines: per machine a table of the rows in both runs, then route and status
+    changes, rows added and removed, rows not comparable, and the verdict."""
+    floors = result["floors"]
+    lines = [f"compare: {old_name} -> {new_name} (noise floors: optimized {floors['optimized']:.0%}, "
+             f"reference {floors['reference']:.0%}; beyond noise = intervals apart and change above the floor)"]
+    elsewhere = {n["id"] for n in result["not_comparable"]}
+    machines = list(dict.fromkeys(r["machine"] for r in result["rows"]))
+    for machine in machines:
+        rows = [r for r in result["rows"] if r["machine"] == machine]
+        both = [r for r in rows if r["status"] == "both"]
+        lines.append("")
+        lines.append(f"machine {machine}: {len(both)} rows in both runs")
+        if both:
+            lines.append(f"  {'id':<20} {'model':<10} {'old ms':>9} {'new ms':>9} {'change':>9}  verdict")
+        for r in both:
+            for n, model in enumerate(MODELS):
+                m = r[model]
+                verdict = m["verdict"] + ("*" if m["basis"] and m["basis"].startswith(FLOOR_ONLY) else "")
+                lines.append(f"  {r['id'] if n == 0 else '':<20} {model:<10} {_ms(m['old_ms']):>9} "
+                             f"{_ms(m['new_ms']):>9} {_pct(m['change']):>9}  {verdict}")
+        for r in both:
+            if r["route_changed"]:
+                lines.append(f"  route changed: {r['id']}: {r['route_old']} -> {r['route_new']}")
+            if r["result_old"] != r["result_new"]:
+                lines.append(f"  status changed: {r['id']}: {r['result_old']} -> {r['result_new']}")
+        added = [r["id"] for r in rows if r["status"] == "added" and r["id"] not in elsewhere]
+        removed = [r["id"] for r in rows if r["status"] == "removed" and r["id"] not in elsewhere]
+        if added:
+            lines.append(f"  rows added: {', '.join(added)}")
+        if removed:
+            lines.append(f"  rows removed: {', '.join(removed)}")
+    if result["not_comparable"]:
+        lines.append("")
+        lines.append("not comparable (measured on different machines):")
+        for n in result["not_comparable"]:
+            lines.append(f"  {n['id']}: old on {', '.join(n['old_machines'])}; new on {', '.join(n['new_machines'])}")
+    floor_only = sorted({r[m]["basis"].split(": ", 1)[1] for r in result["rows"] for m in MODELS
+                         if r[m]["basis"] and r[m]["basis"].startswith(FLOOR_ONLY)})
+    if floor_only:
+        lines.append("")
+        lines.append(f"* {'; '.join(floor_only)} (an older report): the verdict rests on the floor alone")
+    lines.append("")
+    if result["regressions"]:
+        lines.append(f"compare: REGRESSION: optimized model slower beyond noise on {len(result['regressions'])} "
+                     f"row(s): {', '.join(result['regressions'])}")
+    else:
+        lines.append("compare: no regression (no row's optimized model is slower beyond noise)")
+    return lines
+
+
+def main(old_dir, new_dir, floors=None, out=print, err=print) -> int:
+    """Print the comparison of two report directories; 1 on a regression, 0 without, 2 on unreadable input."""
+    try:
+        result = compare_rows(load_rows(old_dir), load_rows(new_dir), floors)
+    except CompareError as exc:
+        err(f"compare: {exc}")
+        return 2
+    for line in format_comparison(result, str(old_dir), str(new_dir)):
+        out(line)
+    return 1 if result["regressions"] else 0
