@@ -1,6 +1,7 @@
 """The `shapewise` command.
 
-  shapewise verify DIR          re-hash everything DIR/provenance.json lists
+  shapewise verify DIR          check a report against its provenance.json (artifacts; inputs against its commit)
+  shapewise compare OLD NEW     compare two reports' timings per (machine, row); exit 1 on a regression
   shapewise validate FILE...    check shape manifests, print their rows
   shapewise targets ID...       the per-shape result files of rows (for --forcerun)
   shapewise tune SWEEP [POLICY] write the fused kernel's launch policy from a sweep file
@@ -45,10 +46,22 @@ def build_parser():
     parser = argparse.ArgumentParser(prog="shapewise", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    verify = sub.add_parser("verify", help="re-hash the files a report's provenance.json lists")
+    verify = sub.add_parser("verify", help="check a report's files and inputs against its provenance.json")
     verify.add_argument("dir")
     verify.add_argument("--artifacts-only", action="store_true",
                         help="skip the inputs (sources, manifests, config): check only the report's own files")
+    from shapewise.compare import DEFAULT_FLOORS
+
+    compare = sub.add_parser("compare", help="compare two report directories; exit 1 when the optimized model "
+                                             "of a row is slower beyond noise, 2 on unreadable input")
+    compare.add_argument("old")
+    compare.add_argument("new")
+    compare.add_argument("--optimized-floor", type=float, default=None, metavar="FRACTION",
+                         help="smallest change of the optimized model's median that counts "
+                              f"(default {DEFAULT_FLOORS['optimized']})")
+    compare.add_argument("--reference-floor", type=float, default=None, metavar="FRACTION",
+                         help="smallest change of the reference's median that counts "
+                              f"(default {DEFAULT_FLOORS['reference']})")
     validate = sub.add_parser("validate", help="validate shape manifests")
     validate.add_argument("files", nargs="+")
     targets = sub.add_parser("targets", help="per-shape result files of the given row ids")
@@ -66,6 +79,12 @@ def main(argv=None):
         from shapewise.provenance import verify
 
         return verify(args.dir, artifacts_only=args.artifacts_only)
+    if args.command == "compare":
+        from shapewise.compare import main as compare_main
+
+        floors = {m: f for m, f in (("optimized", args.optimized_floor), ("reference", args.reference_floor))
+                  if f is not None}
+        return compare_main(args.old, args.new, floors, err=lambda line: print(line, file=sys.stderr))
     if args.command == "validate":
         from shapewise.manifest import ManifestError, load_manifests
 
