@@ -1,0 +1,141 @@
+"""How sure a timing is: bootstrap intervals over the rounds of a timing protocol.
+
+A round is one block of back-to-back calls of one model; the rounds of the two models alternate, so round i of
+the reference and round i of the optimized model ran close together in time. The round is the unit that is
+resampled (calls within a round share the host's and the GPU's state of that moment and are not independent).
+
+- a model's median: median of all its timed calls; its interval: the percentile bootstrap of that median,
+  resampling rounds with replacement (the calls of the chosen rounds pooled);
+- the speedup: reference median / optimized median; its interval resamples the same round indices for both
+  models (paired), so a slow moment of the machine moves both;
+- noisy: the speedup interval's half-width exceeds NOISY_HALF_WIDTH of the speedup.
+
+Seeded and deterministic: the same round times give the same intervals.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+LEVEL = 0.95
+RESAMPLES = 2000
+SEED = 0
+MIN_ROUNDS = 2  # fewer rounds give no interval (a single round cannot show its own spread)
+NOISY_HALF_WIDTH = 0.05
+METHOD = (f"percentile bootstrap over rounds ({RESAMPLES} resamples, seed {SEED}): rounds drawn with replacement, "
+          "the same draw for both models; statistic: median of the pooled calls of the drawn rounds")
+
+
+def round_medians(rounds):
+    return [float(np.median(r)) for r in rounds]
+
+
+def rel_spread(rounds):
+    """max / min of the round medians minus 1 (0 for one round; None without rounds)."""
+    medians = round_medians(rounds)
+    if not medians:
+        return None
+    return max(medians) / min(medians) - 1.0
+
+
+def _draws(n_rounds):
+    rng = np.random.default_rng(SEED)
+    return rng.integers(0, n_rounds, size=(RESAMPLES, n_rounds))
+
+
+def _resampled_medians(rounds, draws):
+    """The median of the pooled calls of each resample (one row of `draws` = the round indices drawn)."""
+    lengths = {len(r) for r in rounds}
+    if len(lengths) == 1:
+        table = np.asarray(rounds, dtype=float)  # (rounds, calls)
+        return np.median(table[draws].reshape(draws.shape[0], -1), axis=1)
+    arrays = [np.asarray(r, dtype=float) for r in rounds]
+    return np.array([np.median(np.concatenate([arrays[i] for i in row])) for row in draws])
+
+
+def _interval(samples):
+    tail = (1.0 - LEVEL) / 2.0
+    low, high = np.quantile(samples, [tail, 1.0 - tail])
+    return float(low), float(high)
+
+
+def _check(rounds, name):
+    if any(len(r) == 0 for r in rounds):
+        raise ValueError(f"{name}: a round without timed calls")
+
+
+def model_summary(rounds):
+    """{"median_ms", "round_medians_ms", "median_ci_ms", "rel_spread"} of one model's rounds (lists of ms)."""
+    _check(rounds, "model_summary")
+    pooled = [t for r in rounds for t in r]
+    ci = None
+    if len(rounds) >= MIN_ROUNDS:
+        ci = list(_interval(_resampled_medians(rounds, _draws(len(rounds)))))
+    return {
+        "median_ms": float(np.median(pooled)) if pooled else None,
+        "round_medians_ms": round_medians(rounds),
+        "median_ci_ms": ci,
+        "rel_spread": rel_spread(rounds),
+    }
+
+
+def speedup_interval(reference_rounds, optimized_rounds):
+    """{"low", "high", "level", "method"} of reference median / optimized median, or None (too few rounds)."""
+    _check(reference_rounds, "speedup_interval (reference)")
+    _check(optimized_rounds, "speedup_interval (optimized)")
+    if len(reference_rounds) != len(optimized_rounds):
+        raise ValueError(f"speedup_interval: {len(reference_rounds)} reference rounds but "
+                         f"{len(optimized_rounds)} optimized rounds; the rounds must be paired")
+    if len(reference_rounds) < MIN_ROUNDS:
+        return None
+    draws = _draws(len(reference_rounds))
+    ratios = _resampled_medians(reference_rounds, draws) / _resampled_medians(optimized_rounds, draws)
+    low, high = _interval(ratios)
+    return {"low": low, "high": high, "level": LEVEL, "method": METHOD}
+
+
+def rel_half_width(low, high, point):
+    """Half the interval's width as a fraction of the point estimate."""
+    return (high - low) / 2.0 / point
+
+
+def is_noisy(speedup, ci):
+    """True when the speedup interval is wider than +-NOISY_HALF_WIDTH; None without an interval."""
+    if speedup is None or ci is None:
+        return None
+    return rel_half_width(ci["low"], ci["high"], speedup) > NOISY_HALF_WIDTH
+
+
+def summarize(rounds_by_model):
+    """Per-model summaries, the speedup, its interval and the noisy flag of {model: rounds}.
+
+    Keys of the result: each model present ("reference", "optimized"), "speedup", "speedup_ci", "noisy"."""
+    out = {which: model_summary(rounds) for which, rounds in rounds_by_model.items()}
+    speedup = ci = None
+    if "reference" in out and "optimized" in out:
+        speedup = out["reference"]["median_ms"] / out["optimized"]["median_ms"]
+        ci = speedup_interval(rounds_by_model["reference"], rounds_by_model["optimized"])
+    out["speedup"] = speedup
+    out["speedup_ci"] = ci
+    out["noisy"] = is_noisy(speedup, ci)
+    return out
+
+
+def settled_width(rounds_by_model):
+    """The relative half-width the stopping rule looks at: of the speedup interval when both models are timed,
+    else the widest of the models' median intervals; None while there are too few rounds."""
+    if "reference" in rounds_by_model and "optimized" in rounds_by_model:
+        ci = speedup_interval(rounds_by_model["reference"], rounds_by_model["optimized"])
+        if ci is None:
+            return None
+        point = (np.median([t for r in rounds_by_model["reference"] for t in r])
+                 / np.median([t for r in rounds_by_model["optimized"] for t in r]))
+        return rel_half_width(ci["low"], ci["high"], float(point))
+    widths = []
+    for rounds in rounds_by_model.values():
+        summary = model_summary(rounds)
+        if summary["median_ci_ms"] is None:
+            return None
+        low, high = summary["median_ci_ms"]
+        widths.append(rel_half_width(low, high, summary["median_ms"]))
+    return max(widths) if widths else None
