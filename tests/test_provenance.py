@@ -174,3 +174,27 @@ def test_cli_verify(repo, capsys):
     assert cli_main(["verify", str(repo / "reports" / "r")]) == 0
     assert "1 input changed since" in capsys.readouterr().out
     assert cli_main(["verify", "--artifacts-only", str(repo / "reports" / "r")]) == 0
+
+
+def test_commit_given_for_a_tree_without_git(repo, tmp_path_factory):
+    """A copy of the tree without .git (as sent to a GPU machine) records the commit it is told; verify in the
+    repository then checks the inputs against that commit, and dirty is unknown so any difference fails."""
+    import shutil
+
+    commit = git(repo, "rev-parse", "HEAD").strip()
+    copy = tmp_path_factory.mktemp("device") / "tree"
+    shutil.copytree(repo, copy, ignore=shutil.ignore_patterns(".git"))
+    (copy / "model" / "a.py").write_text("x = 7  # edited on the device\n")
+    record = provenance.write(copy / "reports" / "r", INPUTS, ARTIFACTS, root=copy, commit=commit)
+    assert record["commit"] == commit and record["dirty"] is None
+    shutil.rmtree(repo / "reports" / "r")
+    shutil.copytree(copy / "reports" / "r", repo / "reports" / "r")
+    rc, text = verify(repo)
+    assert rc == 1 and "does not know whether the tree was dirty" in text and "model/a.py" in text
+
+    (copy / "model" / "a.py").write_text("x = 1\n")
+    provenance.write(copy / "reports" / "r", INPUTS, ARTIFACTS, root=copy, commit=commit)
+    shutil.rmtree(repo / "reports" / "r")
+    shutil.copytree(copy / "reports" / "r", repo / "reports" / "r")
+    rc, text = verify(repo)
+    assert rc == 0 and "inputs: 2 of 2 match commit" in text, text

@@ -78,12 +78,18 @@ def dirty_inputs(root, commit, entries):
     return sorted(e["path"] for e in entries if blob_sha256(root, commit, e["path"]) != e["sha256"])
 
 
-def write(report_dir, inputs, artifacts, root="."):
-    """inputs: paths relative to `root`; artifacts: paths relative to report_dir. Returns the record written."""
+def write(report_dir, inputs, artifacts, root=".", commit=None):
+    """inputs: paths relative to `root`; artifacts: paths relative to report_dir. Returns the record written.
+
+    commit: the commit the inputs come from, for a root that is a copy of the tree without its git repository
+    (a GPU machine that received the working tree); default: HEAD of root. When the repository at root does not
+    have the commit, `dirty` is null (unknown) and verify later treats any input that differs from the commit as
+    a false record."""
     report_dir = Path(report_dir)
     input_entries = [_entry(p, root) for p in sorted(set(map(str, inputs)))]
-    commit = head_commit(root)
-    dirty = dirty_inputs(root, commit, input_entries) if commit else None
+    if commit is None:
+        commit = head_commit(root)
+    dirty = dirty_inputs(root, commit, input_entries) if commit_known(root, commit)[0] else None
     record = {
         "format": FORMAT,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -115,6 +121,8 @@ def _check_inputs_against_commit(root, commit, record, out):
     """Inputs against the commit's git objects. Returns the problems (tampering); notes dirty inputs and
     whether the working tree still matches, neither of which fails."""
     dirty_at_production = set(record.get("dirty_inputs") or [])
+    unrecorded = ("the record does not know whether the tree was dirty" if record.get("dirty") is None
+                  else "was not recorded as dirty")
     problems, matched, unverifiable = [], 0, []
     for entry in record["inputs"]:
         blob = blob_sha256(root, commit, entry["path"])
@@ -122,11 +130,9 @@ def _check_inputs_against_commit(root, commit, record, out):
             matched += 1
         elif entry["path"] in dirty_at_production:
             unverifiable.append(entry["path"])
-        elif blob is None:
-            problems.append(f"input not in commit {commit[:12]} and not recorded as dirty "
-                            f"(provenance.json does not match the commit): {entry['path']}")
         else:
-            problems.append(f"input differs from commit {commit[:12]} and was not recorded as dirty "
+            how = "not in" if blob is None else "differs from"
+            problems.append(f"input {how} commit {commit[:12]} and {unrecorded} "
                             f"(provenance.json does not match the commit): {entry['path']}")
     out(f"verify: inputs: {matched} of {len(record['inputs'])} match commit {commit[:12]} (git objects)")
     for path in unverifiable:
