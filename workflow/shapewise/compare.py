@@ -154,7 +154,7 @@ def _route_changed(old, new):
     by the route's name (fused, graph, triton, ...) only, since the two spell the rest differently."""
     if old.get("route") is None or new.get("route") is None:
         return False
-    if (old["machine_source"] == SUMMARY) == (new["machine_source"] == SUMMARY):
+    if (old.get("machine_source", SUMMARY) == SUMMARY) == (new.get("machine_source", SUMMARY) == SUMMARY):
         return old["route"] != new["route"]
     return _route_name(old["route"]) != _route_name(new["route"])
 
@@ -165,8 +165,8 @@ def compare_rows(old_rows, new_rows, floors=None) -> dict:
     floors: {"optimized": fraction, "reference": fraction}, default DEFAULT_FLOORS. Returns {"rows": [...],
     "regressions": [ids], "not_comparable": [{"id", "old_machines", "new_machines"}], "floors": {...}}."""
     floors = {**DEFAULT_FLOORS, **(floors or {})}
-    old_by = {(r["machine"], r["id"]): r for r in old_rows}
-    new_by = {(r["machine"], r["id"]): r for r in new_rows}
+    old_by = {(r.get("machine") or UNKNOWN_MACHINE, r["id"]): r for r in old_rows}
+    new_by = {(r.get("machine") or UNKNOWN_MACHINE, r["id"]): r for r in new_rows}
     keys = list(old_by) + [k for k in new_by if k not in old_by]
     rows, regressions = [], []
     for machine, row_id in keys:
