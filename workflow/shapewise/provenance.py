@@ -193,8 +193,9 @@ def verify(report_dir, artifacts_only=False, out=print):
                 reason = "the report was not produced in a git repository"
             else:
                 reason = f"commit {commit[:12]} unknown to the repository at {root} ({why})"
+            hint = "fetch the commit, or use --artifacts-only" if commit else "or use --artifacts-only"
             out(f"verify: inputs: {reason}: checked against the working tree; a mismatch fails because it cannot "
-                f"be told from tampering (fetch the commit, or use --artifacts-only)")
+                f"be told from tampering ({hint})")
             input_problems = _check_files("input", root, record["inputs"])
             out(f"verify: inputs: {len(record['inputs']) - len(input_problems)} of {len(record['inputs'])} "
                 f"match the working tree")
