@@ -16,6 +16,26 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
+# Before any job: the config, then (common.smk) every selected manifest. An
+# unknown key, e.g. a typo on --config, is named on one line (the schema's
+# own error would print the whole schema and config after it).
+def _unknown_config_keys():
+    import difflib
+
+    import yaml
+    from shapewise.paths import CONFIG_SCHEMA
+
+    known = sorted(yaml.safe_load(CONFIG_SCHEMA.read_text())["properties"])
+    problems = []
+    for key in sorted(set(config) - set(known)):
+        close = difflib.get_close_matches(key, known, n=1)
+        problems.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    if problems:
+        raise WorkflowError(f"unknown config key {', '.join(problems)} in --config or config/config.yaml; "
+                            f"the keys are: {', '.join(known)}")
+
+
+_unknown_config_keys()
 validate(config, "workflow/schemas/config.schema.yaml")
 
 
@@ -26,8 +46,5 @@ include: "workflow/rules/report.smk"
 
 rule all:
     input:
-        "results/report/report.md",
-        "results/report/report.html",
-        "results/report/summary.csv",
-        "results/report/provenance.json",
+        rules.report.output,
     default_target: True

@@ -1,5 +1,10 @@
 # Parse-time helpers: device choice, manifest loading and validation, the
-# digests that decide what reruns, and the job command line.
+# digests that decide what reruns, the SHAPEWISE_* variables passed to the
+# jobs, and the job command line.
+#
+# Nothing here may depend on where the checkout lies: a params value, an input
+# path or a rule's shell command (before formatting) that held an absolute
+# path would rerun every job of a checkout moved or copied elsewhere.
 #
 # Nothing here imports torch (it would cost seconds on every `snakemake` call).
 
@@ -13,6 +18,7 @@ from pathlib import Path
 
 from shapewise import fingerprint as sw_fp
 from shapewise import manifest as sw_manifest
+from shapewise import paths as sw_paths
 
 BASEDIR = Path(workflow.basedir).resolve()
 
@@ -50,7 +56,7 @@ def _manifest_names():
     return list(chosen)
 
 
-MANIFESTS = [f"shapes/{name}.yaml" for name in _manifest_names()]
+MANIFESTS = [sw_paths.manifest(name) for name in _manifest_names()]
 try:
     ROWS = {row["id"]: row for row in sw_manifest.load_manifests(MANIFESTS)}
 except sw_manifest.ManifestError as exc:
@@ -82,10 +88,26 @@ HARNESS_FILES = sorted((BASEDIR / "workflow" / "shapewise" / "jobs").glob("*.py"
     BASEDIR / "workflow" / "shapewise" / "roofline.py"]
 HARNESS_DIGEST = sw_fp.digest_of({p.name: sw_fp.sha256_file(p) for p in HARNESS_FILES if p.is_file()})
 
-FINGERPRINTS = {
-    "env": "results/fingerprint/environment.json",
-    "impl": "results/fingerprint/implementation.json",
-}
+FINGERPRINTS = dict(sw_paths.FINGERPRINTS)
+
+
+# SHAPEWISE_* variables of this shell that the jobs keep (config pass_env);
+# shapewise.cli removes every other one inside the job. Each is passed as
+# `--env NAME=VALUE`, and the whole string is a params value of every
+# measuring job, so setting, changing or unsetting one reruns them. A name
+# not set in this shell is not passed (the job sees it unset, as the shell).
+def _pass_env_args():
+    names = config.get("pass_env") or []
+    if isinstance(names, str):  # --config pass_env=A,B
+        names = names.split(",")
+    args = []
+    for name in names:
+        if name in os.environ:
+            args.append("--env " + shlex.quote(f"{name}={os.environ[name]}"))
+    return " ".join(args)
+
+
+PASS_ENV = _pass_env_args()
 
 
 def device_settings(section, shape=None):
@@ -119,20 +141,13 @@ def row_priority(wildcards):
     return -math.log2(max(2.0, roofline.flops(**row)["total"])) if row is not None else 0
 
 
-def _is_large(shape):
-    row = ROWS.get(shape)
-    return row is not None and row["batch_size"] * row["seq_len"] >= 1_000_000
-
-
 def res(name):
-    """A resource function: config resources (default, or large per row)."""
+    """A resource function: config resources.default, or heavy.resources for a heavy row."""
 
     def pick(wildcards):
-        if _is_large(getattr(wildcards, "shape", "")):
-            entry = config["resources"]["large"]
-        else:
-            entry = config["resources"]["default"]
-        return entry[name]
+        if _is_heavy(getattr(wildcards, "shape", "")):
+            return config["heavy"]["resources"][name]
+        return config["resources"]["default"][name]
 
     return pick
 
@@ -145,10 +160,4 @@ JOB = f"{_env} {shlex.quote(sys.executable)} -m shapewise job"
 
 
 def per_shape_outputs(shape):
-    return [
-        f"results/preflight/{shape}.json",
-        f"results/accuracy/{shape}.json",
-        f"results/timing/{shape}.json",
-        f"results/profile/{shape}/kernels.json",
-        f"results/ablation/{shape}.json",
-    ]
+    return list(sw_paths.per_shape(shape).values())

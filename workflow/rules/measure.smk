@@ -1,17 +1,20 @@
 # The measuring jobs. Every job writes its own files under results/<step>/,
 # logs into results/logs/<step>/, and records the node and device it ran on.
 # GPU jobs declare gpu=1 so that the default profile (gpu=1 in total) never
-# lets two of them share a GPU.
+# lets two of them share a GPU. Result and log paths come from shapewise.paths.
+#
+# Every measuring job gets the implementation and environment digests (it
+# records them in its result's identity) and the SHAPEWISE_* variables of
+# config pass_env (params.pass_env: a change reruns the job).
 
 
 rule fingerprint:
     output:
-        "results/fingerprint/{kind}.json",
+        f"{Path(sw_paths.FINGERPRINTS['env']).parent}/{{kind}}.json",
     params:
         digest=lambda wc: DIGESTS[wc.kind],
-        root=str(BASEDIR),
     log:
-        "results/logs/fingerprint/{kind}.log",
+        sw_paths.log("fingerprint", "{kind}"),
     threads: 1
     resources:
         gpu=lambda wc: 1 if wc.kind == "environment" else 0,
@@ -19,19 +22,20 @@ rule fingerprint:
         runtime=10,
     shell:
         "{JOB} fingerprint --kind {wildcards.kind} --device {DEVICE_ARG} "
-        "--dag-digest {params.digest} --root {params.root:q} --out {output} > {log} 2>&1"
+        "--dag-digest {params.digest} --root {BASEDIR:q} --out {output} > {log} 2>&1"
 
 
 rule microbench:
     input:
         env=FINGERPRINTS["env"],
     output:
-        "results/microbench/microbench.json",
+        sw_paths.MICROBENCH,
     params:
         settings=device_settings("microbench"),
         harness=HARNESS_DIGEST,
+        pass_env=PASS_ENV,
     log:
-        "results/logs/microbench/microbench.log",
+        sw_paths.log("microbench", "microbench"),
     threads: res("threads")
     resources:
         gpu=1,
@@ -39,21 +43,23 @@ rule microbench:
         runtime=res("runtime"),
     shell:
         "{JOB} microbench --device {DEVICE_ARG} --settings {params.settings:q} "
-        "--threads {threads} --out {output} > {log} 2>&1"
+        "--threads {threads} --impl-digest {IMPL_DIGEST} --env-digest {ENV_DIGEST} {params.pass_env} "
+        "--out {output} > {log} 2>&1"
 
 
 rule preflight:
     input:
         **FINGERPRINTS,
     output:
-        "results/preflight/{shape}.json",
+        sw_paths.result("preflight", "{shape}"),
     params:
         row=row_param,
         headroom=config["preflight"]["headroom"],
         harness=HARNESS_DIGEST,
+        pass_env=PASS_ENV,
     priority: row_priority
     log:
-        "results/logs/preflight/{shape}.log",
+        sw_paths.log("preflight", "{shape}"),
     threads: 1
     resources:
         gpu=1,
@@ -61,22 +67,23 @@ rule preflight:
         runtime=10,
     shell:
         "{JOB} preflight --device {DEVICE_ARG} --row {params.row:q} --headroom {params.headroom} "
-        "--out {output} > {log} 2>&1"
+        "--impl-digest {IMPL_DIGEST} --env-digest {ENV_DIGEST} {params.pass_env} --out {output} > {log} 2>&1"
 
 
 rule accuracy:
     input:
         **FINGERPRINTS,
-        preflight="results/preflight/{shape}.json",
+        preflight=sw_paths.result("preflight", "{shape}"),
     output:
-        "results/accuracy/{shape}.json",
+        sw_paths.result("accuracy", "{shape}"),
     params:
         row=row_param,
         chunked=json.dumps(config["chunked_check"], sort_keys=True),
         harness=HARNESS_DIGEST,
+        pass_env=PASS_ENV,
     priority: row_priority
     log:
-        "results/logs/accuracy/{shape}.log",
+        sw_paths.log("accuracy", "{shape}"),
     threads: res("threads")
     resources:
         gpu=1,
@@ -84,23 +91,25 @@ rule accuracy:
         runtime=res("runtime"),
     shell:
         "{JOB} accuracy --device {DEVICE_ARG} --row {params.row:q} --preflight {input.preflight} "
-        "--chunked {params.chunked:q} --threads {threads} --out {output} > {log} 2>&1"
+        "--chunked {params.chunked:q} --threads {threads} "
+        "--impl-digest {IMPL_DIGEST} --env-digest {ENV_DIGEST} {params.pass_env} --out {output} > {log} 2>&1"
 
 
 rule timing:
     input:
         **FINGERPRINTS,
-        preflight="results/preflight/{shape}.json",
-        microbench="results/microbench/microbench.json",
+        preflight=sw_paths.result("preflight", "{shape}"),
+        microbench=sw_paths.MICROBENCH,
     output:
-        "results/timing/{shape}.json",
+        sw_paths.result("timing", "{shape}"),
     params:
         row=row_param,
         protocol=protocol_of("timing"),
         harness=HARNESS_DIGEST,
+        pass_env=PASS_ENV,
     priority: row_priority
     log:
-        "results/logs/timing/{shape}.log",
+        sw_paths.log("timing", "{shape}"),
     threads: res("threads")
     resources:
         gpu=1,
@@ -109,24 +118,24 @@ rule timing:
     shell:
         "{JOB} timing --device {DEVICE_ARG} --row {params.row:q} --preflight {input.preflight} "
         "--microbench {input.microbench} --protocol {params.protocol:q} --threads {threads} "
-        "--out {output} > {log} 2>&1"
+        "--impl-digest {IMPL_DIGEST} --env-digest {ENV_DIGEST} {params.pass_env} --out {output} > {log} 2>&1"
 
 
 rule profile:
     input:
         **FINGERPRINTS,
-        preflight="results/preflight/{shape}.json",
+        preflight=sw_paths.result("preflight", "{shape}"),
     output:
-        table="results/profile/{shape}/kernels.json",
-        csv="results/profile/{shape}/kernels.csv",
-        trace="results/profile/{shape}/trace.json",
+        table=sw_paths.result("profile", "{shape}"),
+        **sw_paths.profile_extra("{shape}"),
     params:
         row=row_param,
         capture=protocol_of("profile"),
         harness=HARNESS_DIGEST,
+        pass_env=PASS_ENV,
     priority: row_priority
     log:
-        "results/logs/profile/{shape}.log",
+        sw_paths.log("profile", "{shape}"),
     threads: res("threads")
     resources:
         gpu=1,
@@ -135,23 +144,25 @@ rule profile:
     shell:
         "{JOB} profile --device {DEVICE_ARG} --row {params.row:q} --preflight {input.preflight} "
         "--capture {params.capture:q} --threads {threads} --out {output.table} --csv {output.csv} "
-        "--trace {output.trace} > {log} 2>&1"
+        "--trace {output.trace} --impl-digest {IMPL_DIGEST} --env-digest {ENV_DIGEST} {params.pass_env} "
+        "> {log} 2>&1"
 
 
 rule ablation:
     input:
         **FINGERPRINTS,
-        preflight="results/preflight/{shape}.json",
+        preflight=sw_paths.result("preflight", "{shape}"),
     output:
-        "results/ablation/{shape}.json",
+        sw_paths.result("ablation", "{shape}"),
     params:
         row=row_param,
         protocol=protocol_of("ablation"),
         chunked=json.dumps(config["chunked_check"], sort_keys=True),
         harness=HARNESS_DIGEST,
+        pass_env=PASS_ENV,
     priority: row_priority
     log:
-        "results/logs/ablation/{shape}.log",
+        sw_paths.log("ablation", "{shape}"),
     threads: res("threads")
     resources:
         gpu=1,
@@ -160,4 +171,4 @@ rule ablation:
     shell:
         "{JOB} ablation --device {DEVICE_ARG} --row {params.row:q} --preflight {input.preflight} "
         "--protocol {params.protocol:q} --chunked {params.chunked:q} --threads {threads} "
-        "--out {output} > {log} 2>&1"
+        "--impl-digest {IMPL_DIGEST} --env-digest {ENV_DIGEST} {params.pass_env} --out {output} > {log} 2>&1"

@@ -24,6 +24,8 @@ def _job_parser(sub):
         p.add_argument("--device", choices=["auto", "cuda", "cpu"], required=True)
         p.add_argument("--threads", type=int, default=None)
         p.add_argument("--out", required=True)
+        p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                       help="a SHAPEWISE_* variable the job keeps (config pass_env); every other one is removed")
         for option in options:
             p.add_argument(f"--{option}", required=True)
         return p
@@ -96,7 +98,7 @@ def main(argv=None):
         for row in rows:
             print(f"{row['id']}: B={row['batch_size']} S={row['seq_len']} d={row['d_model']} "
                   f"H={row['num_heads']} ffn={row['ffn_dim']} L={row['num_layers']} {row['dtype']} "
-                  f"causal={row['causal']} mask={row['mask']} route={row['route']}")
+                  f"causal={row['causal']} mask={row['mask']} pass_mask={row['pass_mask']} route={row['route']}")
         print(f"{len(rows)} rows valid")
         return 0
     if args.command == "tune":
@@ -104,15 +106,34 @@ def main(argv=None):
 
         return tune_main(args.sweep, args.policy)
     if args.command == "targets":
-        steps = ("preflight", "accuracy", "timing", "ablation")
-        paths = [f"results/{s}/{i}.json" for i in args.ids for s in steps]
-        paths += [f"results/profile/{i}/kernels.json" for i in args.ids]
-        print(" ".join(paths))
+        from shapewise import paths
+
+        print(" ".join(path for i in args.ids for path in paths.per_shape(i).values()))
         return 0
     return run_job(args)
 
 
+PIPELINE_PREFIX = "SHAPEWISE_PIPELINE_"  # the pipeline's own variables (GPU slot pool), never removed
+
+
+def job_environment_variables(passed):
+    """Remove every SHAPEWISE_* variable of the user's shell from this process, except the pipeline's own
+    (SHAPEWISE_PIPELINE_*), then set those passed explicitly as NAME=VALUE (config pass_env). Runs before
+    anything imports the model, which reads SHAPEWISE_ROUTE and SHAPEWISE_DISABLE."""
+    kept = {}
+    for item in passed:
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("SHAPEWISE_") or name.startswith(PIPELINE_PREFIX):
+            raise SystemExit(f"--env {item!r}: expected NAME=VALUE with NAME a SHAPEWISE_* variable "
+                             f"(not {PIPELINE_PREFIX}*)")
+        kept[name] = value
+    for name in [n for n in os.environ if n.startswith("SHAPEWISE_") and not n.startswith(PIPELINE_PREFIX)]:
+        del os.environ[name]
+    os.environ.update(kept)
+
+
 def run_job(args):
+    job_environment_variables(getattr(args, "env", []))
     # Triton reads TRITON_INTERPRET when it is imported: set it before any job
     # module (the model, the kernels) is imported. torch itself does not
     # import triton, so asking it whether there is a GPU is safe.

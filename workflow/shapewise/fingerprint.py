@@ -145,6 +145,9 @@ def job_environment(device: str):
     env["device"] = device
     env["torch_full"] = torch.__version__
     env["cuda_runtime"] = torch.version.cuda
+    # Inside a pipeline job these are only the pipeline's own (SHAPEWISE_PIPELINE_*) and those config
+    # pass_env passed on: shapewise.cli removes every other SHAPEWISE_* variable of the user's shell.
+    env["shapewise_variables"] = shapewise_variables()
     if device == "cuda":
         index = torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
@@ -157,6 +160,11 @@ def job_environment(device: str):
         env["gpu_name"] = None
     env["machine_key"] = machine_key(env)
     return env
+
+
+def shapewise_variables():
+    """The SHAPEWISE_* variables of this process, sorted by name."""
+    return {name: value for name, value in sorted(os.environ.items()) if name.startswith("SHAPEWISE_")}
 
 
 def machine_key(env):
