@@ -20,7 +20,7 @@ ROW = normalize_row({"id": "chunk-row", "batch_size": 3, "seq_len": 256, "d_mode
 
 
 def job(tmp_path, *args):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "workflow"), TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-m", "shapewise", "job", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -164,3 +164,276 @@ def test_only_huge_inputs_are_drawn_on_the_gpu(monkeypatch):
     assert common.input_generator(row6, "cuda") == "cpu"
     monkeypatch.setattr(common, "DEVICE_DRAW_MIN_ELEMENTS", 10000 * 128 * 128)
     assert common.input_generator(row6, torch.device("cuda", 0)) == "device"
+
+
+# --- resource skips, identity, the timing protocols, GPU identity and contention ---------------------------------
+
+HUGE = normalize_row({"id": "huge-row", "batch_size": 100_000_000, "seq_len": 32, "d_model": 32, "num_heads": 2,
+                      "ffn_dim": 64, "num_layers": 1, "trials": 1})
+TIMING_SETTINGS = {"cpu": {"warmup": 0, "calls": 2, "min_rounds": 2, "max_rounds": 3, "ci_half_width": 0.5,
+                           "gc_off": True, "cpus": "inherit"},
+                   "cuda": "stable", "official": {"warmup": 20, "rounds": 3, "calls": 100},
+                   "stable": {"warmup": 20, "calls": 50, "min_rounds": 6, "max_rounds": 30, "ci_half_width": 0.02,
+                              "gc_off": True, "cpus": "per-slot"}}
+CHUNKED = json.dumps({"batch_samples": 1, "query_block": 64, "query_samples": "all"})
+
+
+def fake_preflight(path, reference_fits, optimized_fits):
+    path.write_text(json.dumps({"budget_bytes": 1000, "models": {
+        "reference": {"fits": reference_fits, "estimate_bytes": 10**14},
+        "optimized": {"fits": optimized_fits, "estimate_bytes": 10**13}}}))
+
+
+def fake_microbench(path):
+    path.write_text(json.dumps({"device": "cpu", "environment": {"gpu_name": None, "cpu": "some cpu"},
+                                "gemm": {"fp32": {"tflop_per_s": 1.0}}, "copy": {"gb_per_s": 10.0}}))
+
+
+def test_a_row_that_does_not_fit_is_recorded_as_a_skip_by_every_job_without_allocating(tmp_path, monkeypatch):
+    """Batch 100 000 000 (its input alone: 400 GB): accuracy, timing, profile and ablation write a resource skip
+    with their identity, and none builds a model or draws the input."""
+    from shapewise.cli import main
+    from shapewise.identity import identity
+    from shapewise.jobs import ablation, accuracy, profile, timing
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a skipped row must not build models or draw inputs")
+
+    for module in (ablation, accuracy, profile, timing):
+        for name in ("make_case", "build_models", "build_optimized"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, refuse)
+    monkeypatch.chdir(tmp_path)
+    fake_preflight(tmp_path / "pre.json", reference_fits=False, optimized_fits=False)
+    fake_microbench(tmp_path / "mb.json")
+    row = row_json(HUGE)
+    common = ["--device", "cpu", "--row", row, "--preflight", "pre.json", "--impl-digest", "impl-d",
+              "--env-digest", "env-d"]
+    assert main(["job", "timing", *common, "--microbench", "mb.json", "--protocol", json.dumps(TIMING_SETTINGS),
+                 "--out", "timing.json"]) == 0
+    assert main(["job", "accuracy", *common, "--chunked", CHUNKED, "--out", "accuracy.json"]) == 0
+    assert main(["job", "profile", *common, "--capture", json.dumps({"cpu": {"warmup": 0, "calls": 1}}),
+                 "--csv", "k.csv", "--trace", "trace.json", "--out", "profile.json"]) == 0
+    assert main(["job", "ablation", *common, "--protocol", json.dumps({"cpu": {"warmup": 0, "rounds": 1, "calls": 1}}),
+                 "--chunked", CHUNKED, "--out", "ablation.json"]) == 0
+    expected = identity(HUGE, "impl-d", "env-d")
+    for step in ("timing", "accuracy", "profile", "ablation"):
+        result = json.loads((tmp_path / f"{step}.json").read_text())
+        assert result["status"] == "resource-skip", step
+        assert result["identity"] == expected, step
+        assert result["call"] is None and result["gpu"] is None, step
+    tim = json.loads((tmp_path / "timing.json").read_text())
+    assert set(tim["skips"]) == {"reference", "optimized"} and "10000000000000 bytes" in tim["skips"]["optimized"]
+    assert tim["speedup"] is None and tim["noisy"] is None and tim["protocol"]["name"] == "stable"
+    assert "reference" not in tim and "optimized" not in tim
+    acc = json.loads((tmp_path / "accuracy.json").read_text())
+    assert acc["skip_reason"] == "resource skip: estimated 10000000000000 bytes > budget 1000 bytes"
+
+
+def test_the_skip_reason_is_the_preflights_own_when_it_gives_one():
+    from shapewise.jobs.io import resource_skip_reason
+
+    pre = {"budget_bytes": 5, "models": {"optimized": {"fits": False, "estimate_bytes": 9, "budget_bytes": 7},
+                                         "reference": {"fits": False, "estimate_bytes": 9, "reason": "too big"}}}
+    assert resource_skip_reason(pre, "optimized") == "resource skip: estimated 9 bytes > budget 7 bytes"
+    assert resource_skip_reason(pre, "reference") == "resource skip: too big"
+
+
+def test_timing_job_records_protocol_intervals_call_and_identity(tmp_path):
+    """A real (tiny) timing job on the CPU: the contract's fields are all there."""
+    row = normalize_row({"id": "tiny-row", "batch_size": 2, "seq_len": 8, "d_model": 32, "num_heads": 2,
+                         "ffn_dim": 32, "num_layers": 1, "trials": 1})
+    fake_preflight(tmp_path / "pre.json", reference_fits=True, optimized_fits=True)
+    pre = json.loads((tmp_path / "pre.json").read_text())
+    pre["budget_bytes"] = 10**15
+    (tmp_path / "pre.json").write_text(json.dumps(pre))
+    fake_microbench(tmp_path / "mb.json")
+    job(tmp_path, "timing", "--device", "cpu", "--row", row_json(row), "--preflight", "pre.json", "--microbench",
+        "mb.json", "--protocol", json.dumps(TIMING_SETTINGS), "--impl-digest", "i", "--env-digest", "e",
+        "--out", "t.json")
+    tim = json.loads((tmp_path / "t.json").read_text())
+    from shapewise.identity import identity
+
+    assert tim["identity"] == identity(row, "i", "e") and tim["status"] == "ok"
+    assert tim["protocol"]["name"] == "stable" and tim["protocol"]["gc_off"] is True
+    assert 2 <= tim["stopping"]["rounds_run"] <= 3 and tim["stopping"]["reason"] in ("settled", "cap")
+    for which in ("reference", "optimized"):
+        entry = tim[which]
+        assert len(entry["round_medians_ms"]) == tim["stopping"]["rounds_run"]
+        low, high = entry["median_ci_ms"]
+        assert low <= high and entry["rel_spread"] >= 0
+        assert len(entry["times_ms"]) == 2 * tim["stopping"]["rounds_run"]
+    assert set(tim["speedup_ci"]) == {"low", "high", "level", "method"} and isinstance(tim["noisy"], bool)
+    assert tim["call"] == "model(x, mask)" if row["pass_mask"] else "model(x)"
+    assert tim["gpu"] is None and tim["contention"]["checked"] is False
+    assert tim["gpu_state"]["before"]["available"] is False and tim["started"] <= tim["finished"]
+
+
+def test_timing_protocol_names_resolve_and_heavy_rows_run_the_official_procedure():
+    from shapewise.jobs.timing import resolve_protocol
+
+    assert resolve_protocol(TIMING_SETTINGS, "cuda")[0] == "stable"
+    assert resolve_protocol(dict(TIMING_SETTINGS, cuda="official"), "cuda") == \
+        ("official", {"warmup": 20, "rounds": 3, "calls": 100})
+    heavy = dict(TIMING_SETTINGS, cuda={"warmup": 1, "rounds": 1, "calls": 3})
+    assert resolve_protocol(heavy, "cuda") == ("official", {"warmup": 1, "rounds": 1, "calls": 3})
+    assert resolve_protocol(TIMING_SETTINGS, "cpu")[0] == "stable"
+    with pytest.raises(SystemExit, match="'fast'"):
+        resolve_protocol(dict(TIMING_SETTINGS, cuda="fast"), "cuda")
+    with pytest.raises(SystemExit, match="min_rounds 5 > max_rounds 3"):
+        resolve_protocol({"cpu": dict(TIMING_SETTINGS["cpu"], min_rounds=5)}, "cpu")
+
+
+def scripted_time_calls(per_round, seen_gc):
+    """A stand-in for device.time_calls: round r of each model returns per_round[model](r); records gc state."""
+    import gc
+
+    counters = {}
+
+    def fake(fn, device, count):
+        which = fn()
+        r = counters.get(which, 0)
+        counters[which] = r + 1
+        seen_gc.append(gc.isenabled())
+        return [per_round[which](r)] * count
+    return fake
+
+
+def test_stable_protocol_stops_when_the_interval_settles_and_at_its_cap(monkeypatch):
+    import gc
+
+    from shapewise.jobs import timing
+
+    device = torch.device("cpu")
+    calls = {"reference": lambda: "reference", "optimized": lambda: "optimized"}
+    stable = {"warmup": 0, "calls": 4, "min_rounds": 3, "max_rounds": 12, "ci_half_width": 0.02, "gc_off": True,
+              "cpus": "inherit"}
+    seen_gc = []
+    steady = {"reference": lambda r: 2.0 + 0.001 * (r % 2), "optimized": lambda r: 1.0}
+    monkeypatch.setattr(timing, "time_calls", scripted_time_calls(steady, seen_gc))
+    rounds, _, stopping = timing.run_rounds(calls, device, "stable", stable)
+    assert stopping["reason"] == "settled" and stopping["rounds_run"] == 3 and len(rounds["reference"]) == 3
+    assert seen_gc and not any(seen_gc) and gc.isenabled()  # collector off inside rounds, back on after
+
+    seen_gc.clear()
+    drifting = {"reference": lambda r: 2.0 * (1 + 0.5 * (r % 3)), "optimized": lambda r: 1.0}
+    monkeypatch.setattr(timing, "time_calls", scripted_time_calls(drifting, seen_gc))
+    rounds, _, stopping = timing.run_rounds(calls, device, "stable", stable)
+    assert stopping["reason"] == "cap" and stopping["rounds_run"] == 12 and stopping["half_width"] > 0.02
+
+    seen_gc.clear()
+    monkeypatch.setattr(timing, "time_calls", scripted_time_calls(drifting, seen_gc))
+    official = {"warmup": 0, "rounds": 3, "calls": 4}
+    rounds, _, stopping = timing.run_rounds(calls, device, "official", official)
+    assert stopping == {"rounds_run": 3, "reason": "fixed"} and all(seen_gc)  # the official protocol touches no gc
+
+
+FAKE_UUID = "GPU-58f2a1b0-0000-1111-2222-333344445555"
+OTHER_UUID = "GPU-99999999-0000-1111-2222-333344445555"
+
+
+def fake_gpu():
+    return {"index": 0, "uuid": FAKE_UUID, "name": "NVIDIA H200", "slot": "1", "slot_source": "lock",
+            "cuda_visible_devices": "1"}
+
+
+def test_gpu_identity_names_index_uuid_model_and_slot(monkeypatch):
+    from types import SimpleNamespace
+
+    from shapewise.jobs import device as dev
+
+    props = SimpleNamespace(uuid="58f2a1b0-0000-1111-2222-333344445555", name="NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setenv("SHAPEWISE_PIPELINE_GPU_SLOT", "1")
+    monkeypatch.setenv("SHAPEWISE_PIPELINE_GPU_SLOT_SOURCE", "lock")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert dev.gpu_identity("cuda") == fake_gpu()
+    assert dev.gpu_identity("cpu") is None
+
+
+def test_gpu_state_parses_clocks_and_marks_missing_readings(monkeypatch):
+    from shapewise.jobs import device as dev
+
+    asked = []
+    monkeypatch.setattr(dev, "nvidia_smi", lambda args: asked.append(args) or "1980, 2619, 41, 122.35\n")
+    state = dev.gpu_state(fake_gpu())
+    assert state["available"] and state["sm_clock_mhz"] == 1980 and state["mem_clock_mhz"] == 2619
+    assert state["temperature_c"] == 41 and state["power_w"] == 122.35
+    assert f"--id={FAKE_UUID}" in asked[0]
+    monkeypatch.setattr(dev, "nvidia_smi", lambda args: "1980, 2619, 41, [N/A]\n")
+    assert dev.gpu_state(fake_gpu())["power_w"] is None
+    monkeypatch.setattr(dev, "nvidia_smi", lambda args: None)
+    assert dev.gpu_state(fake_gpu())["available"] is False
+    assert dev.gpu_state(None) == {"available": False, "reason": "CPU job: no GPU"}
+
+
+def test_contention_lists_other_processes_on_this_gpu_only(monkeypatch):
+    from shapewise.jobs import device as dev
+
+    me = os.getpid()
+    listing = (f"{FAKE_UUID}, {me}, python, 1200\n"
+               f"{FAKE_UUID}, 4242, other_trainer, 30000\n"
+               f"{OTHER_UUID}, 777, elsewhere, 500\n")
+    monkeypatch.setattr(dev, "nvidia_smi", lambda args: listing)
+    busy = dev.compute_processes(fake_gpu())
+    assert [p["pid"] for p in busy] == [me, 4242] and busy[1]["used_memory_bytes"] == 30000 * 2**20
+    alone = [p for p in busy if p["pid"] == me]
+    out = dev.contention(fake_gpu(), [{"at": "before", "processes": alone}, {"at": "after", "processes": busy}])
+    assert out["checked"] and out["contended"] and out["own_pid_listed"]
+    assert out["other_processes"] == [{"pid": 4242, "name": "other_trainer", "used_memory_bytes": 30000 * 2**20,
+                                       "seen": ["after"]}]
+    quiet = dev.contention(fake_gpu(), [{"at": "before", "processes": alone}, {"at": "after", "processes": alone}])
+    assert quiet["checked"] and not quiet["contended"] and quiet["other_processes"] == []
+    # another pid namespace (a container): our pid never shows; one listed process is taken to be us
+    foreign_me = [{"pid": 1, "name": "python", "used_memory_bytes": 1}]
+    ns = dev.contention(fake_gpu(), [{"at": "before", "processes": foreign_me}])
+    assert not ns["contended"] and "namespace" in ns["note"]
+    monkeypatch.setattr(dev, "nvidia_smi", lambda args: None)
+    none = dev.contention(fake_gpu(), [{"at": "before", "processes": dev.compute_processes(fake_gpu())}])
+    assert none["checked"] is False and none["contended"] is False
+
+
+def test_cpu_pinning_per_slot_inherit_and_explicit(monkeypatch):
+    from shapewise.jobs import device as dev
+
+    original, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    allowed = sorted(original)
+    try:
+        assert dev.pin_cpus("inherit")["applied"] is False
+        monkeypatch.setenv("SHAPEWISE_PIPELINE_GPU_SLOT_SOURCE", "slurm")
+        assert dev.pin_cpus("per-slot")["applied"] is False
+        monkeypatch.setenv("SHAPEWISE_PIPELINE_GPU_SLOT_SOURCE", "lock")
+        monkeypatch.setenv("SHAPEWISE_PIPELINE_GPUS", "0,3")
+        monkeypatch.setenv("SHAPEWISE_PIPELINE_GPU_SLOT", "3")
+        done = dev.pin_cpus("per-slot")
+        if len(allowed) >= 2:
+            assert done["applied"] and done["cores"] == allowed[len(allowed) // 2:]
+            assert sorted(os.sched_getaffinity(0)) == done["cores"]
+        monkeypatch.setenv("SHAPEWISE_PIPELINE_GPU_SLOT", "5")
+        with pytest.raises(SystemExit, match="SHAPEWISE_PIPELINE_GPU_SLOT='5' is not in the pool"):
+            dev.pin_cpus("per-slot")
+        os.sched_setaffinity(0, original)
+        with pytest.raises(SystemExit, match=r"cores \[100000\] are not among"):
+            dev.pin_cpus([allowed[0], 100000])
+        assert dev.pin_cpus([allowed[0]])["cores"] == [allowed[0]]
+    finally:
+        os.sched_setaffinity(0, original)
+        torch.set_num_threads(threads)
+
+
+def test_microbench_uses_do_bench_median_on_a_gpu(monkeypatch):
+    import triton.testing
+
+    from shapewise.jobs import microbench
+
+    seen = {}
+
+    def fake_do_bench(fn, warmup, rep, return_mode):
+        seen.update(warmup=warmup, rep=rep, return_mode=return_mode)
+        return 0.25
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    assert microbench._median_ms(lambda: None, torch.device("cuda"), repeats=3) == 0.25
+    assert seen == {"warmup": microbench.DO_BENCH_WARMUP_MS, "rep": microbench.DO_BENCH_REP_MS,
+                    "return_mode": "median"}
+    assert microbench._median_ms(lambda: None, torch.device("cpu"), repeats=3) >= 0

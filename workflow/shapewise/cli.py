@@ -26,6 +26,10 @@ def _job_parser(sub):
         p.add_argument("--out", required=True)
         p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                        help="a SHAPEWISE_* variable the job keeps (config pass_env); every other one is removed")
+        p.add_argument("--impl-digest", default=None,
+                       help="digest of the implementation (model/, kernels/), recorded in the result's identity")
+        p.add_argument("--env-digest", default=None,
+                       help="digest of the environment, recorded in the result's identity")
         for option in options:
             p.add_argument(f"--{option}", required=True)
         return p

@@ -24,7 +24,8 @@ from shapewise.jobs.check import check
 from shapewise.jobs.device import setup, time_calls
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
 from shapewise.jobs.io import header, log, read_json, write_result
-from shapewise.jobs.models import build_models, build_optimized, model_config, route_of, run_optimized, set_precision
+from shapewise.jobs.models import (build_models, build_optimized, call_of, model_config, route_of, run_optimized,
+                                   set_precision)
 from shapewise.jobs.preflight import fits
 
 
@@ -36,10 +37,11 @@ def main(args):
     protocol = json.loads(args.protocol)[args.device]
     settings = dict(json.loads(args.chunked), batch_samples=1)
     preflight = read_json(args.preflight)
-    result = header("ablation", row, args.device)
+    result = header("ablation", row, args.device, args)
     result["protocol"] = protocol
     result["switches"] = list(OPTIMIZATIONS)
     result["variants"] = []
+    result["call"] = None
     if not fits(preflight, "optimized"):
         result["status"] = "resource-skip"
         write_result(args.out, result)
@@ -48,6 +50,7 @@ def main(args):
     reference_fits = fits(preflight, "reference")
     reference, _ = build_models(row, config, device)
     x, mask, _ = make_case(row, config, device, FIRST_TRIAL_SEED)
+    result["call"] = call_of(mask)
     set_precision(reference=False)
     used = None  # the switches the all-on route uses, known after its first call
     for name, disable in [("all-on", ())] + [(s, (s,)) for s in OPTIMIZATIONS]:

@@ -15,8 +15,8 @@ import torch
 from shapewise.jobs.check import check
 from shapewise.jobs.device import setup
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, input_generator, make_case
-from shapewise.jobs.io import header, log, read_json, write_result
-from shapewise.jobs.models import build_models, model_config, route_of, run_optimized, set_precision
+from shapewise.jobs.io import header, log, read_json, resource_skip_reason, write_result
+from shapewise.jobs.models import build_models, call_of, model_config, route_of, run_optimized, set_precision
 from shapewise.jobs.preflight import fits
 
 
@@ -40,29 +40,32 @@ def main(args):
     row = json.loads(args.row)
     settings = json.loads(args.chunked)
     preflight = read_json(args.preflight)
-    result = header("accuracy", row, args.device)
+    result = header("accuracy", row, args.device, args)
     result["trials"] = []
     if not fits(preflight, "optimized"):
         result["status"] = "resource-skip"
-        result["skip_reason"] = (f"optimized model needs ~{preflight['models']['optimized']['estimate_bytes']} bytes, "
-                                 f"budget {preflight['budget_bytes']} bytes")
-        log(f"{row['id']}: resource skip: {result['skip_reason']}")
+        result["call"] = None
+        result["skip_reason"] = resource_skip_reason(preflight, "optimized")
+        log(f"{row['id']}: {result['skip_reason']}")
         write_result(args.out, result)
         return 0
     reference_fits = fits(preflight, "reference")
     config = model_config(row)
     reference, optimized = build_models(row, config, device)
     routes = set()
+    calls = set()
     for t in range(row["trials"]):
         seed = FIRST_TRIAL_SEED + t
         x, mask, mask_kind = make_case(row, config, device, seed)
+        calls.add(call_of(mask))
         set_precision(reference=False)
         with torch.inference_mode():
             out = run_optimized(optimized, x, mask, row)
         route_name, route = route_of(optimized)
         routes.add(route_name)
         comparisons, checked = check(reference, out, x, mask, reference_fits, settings)
-        trial = {"trial": t, "seed": seed, "input_generator": input_generator(config, device), "mask_kind": mask_kind,
+        trial = {"trial": t, "seed": seed, "call": call_of(mask), "input_generator": input_generator(config, device),
+                 "mask_kind": mask_kind,
                  "route": route_name, "route_detail": route,
                  "comparisons": comparisons, "checked": checked,
                  "output_finite": bool(torch.isfinite(out).all().item())}
@@ -73,6 +76,7 @@ def main(args):
             f"max abs {official['max_abs_error']:.3g}, check {checked['method']}")
         del x, mask, out
     result["aggregate"] = aggregate(result["trials"])
+    result["call"] = ",".join(sorted(calls))  # one call for every trial of a row
     result["routes"] = sorted(r for r in routes if r is not None)
     result["route"] = ",".join(result["routes"])
     result["check_method"] = result["trials"][0]["checked"]["method"]

@@ -1,9 +1,13 @@
-"""The device a job runs on: setup, synchronization, per-call timers, memory readings."""
+"""The device a job runs on: setup, synchronization, per-call timers, memory readings, which GPU it is, its
+clocks, the other processes on it, and the CPU cores the job runs on."""
 
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import statistics
+import subprocess
 import time
 
 import torch
@@ -93,3 +97,151 @@ def free_memory_bytes(device):
             elif line.startswith("MemTotal:"):
                 total = int(line.split()[1]) * 1024
     return available, total
+
+
+# --- which GPU, its state, who else is on it, which CPU cores -------------------------------------------------
+
+SLOT_ENV = "SHAPEWISE_PIPELINE_GPU_SLOT"
+SLOT_SOURCE_ENV = "SHAPEWISE_PIPELINE_GPU_SLOT_SOURCE"
+POOL_ENV = "SHAPEWISE_PIPELINE_GPUS"
+NOT_AVAILABLE_ON_CPU = {"available": False, "reason": "CPU job: no GPU"}
+
+
+def gpu_identity(device):
+    """{"index", "uuid", "name", "slot", "slot_source", "cuda_visible_devices"} of the GPU a job runs on, or None
+    on a CPU. `index` is torch's index (among the visible GPUs), `slot` the physical index the slot pool gave."""
+    if torch.device(device).type != "cuda":
+        return None
+    index = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    uuid = str(props.uuid)
+    return {
+        "index": index,
+        "uuid": uuid if uuid.startswith("GPU-") else f"GPU-{uuid}",  # nvidia-smi's spelling
+        "name": props.name,
+        "slot": os.environ.get(SLOT_ENV),
+        "slot_source": os.environ.get(SLOT_SOURCE_ENV),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+
+
+def nvidia_smi(args):
+    """stdout of `nvidia-smi ARGS`, or None when there is no nvidia-smi or it fails."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        done = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def _number(text):
+    try:
+        return float(text)
+    except ValueError:
+        return None  # "[N/A]", "[Not Supported]"
+
+
+def gpu_state(gpu):
+    """SM and memory clocks (MHz), temperature (C) and power draw (W) of the job's GPU now (nvidia-smi)."""
+    if gpu is None:
+        return dict(NOT_AVAILABLE_ON_CPU)
+    out = nvidia_smi([f"--id={gpu['uuid']}", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw",
+                      "--format=csv,noheader,nounits"])
+    lines = [line for line in (out or "").splitlines() if line.strip()]
+    if len(lines) != 1 or len(lines[0].split(",")) != 4:
+        return {"available": False, "reason": "nvidia-smi gave no reading for this GPU", "time": _now()}
+    sm, mem, temp, power = (_number(part.strip()) for part in lines[0].split(","))
+    return {"available": True, "time": _now(), "sm_clock_mhz": sm, "mem_clock_mhz": mem, "temperature_c": temp,
+            "power_w": power}
+
+
+def compute_processes(gpu):
+    """[{"pid", "name", "used_memory_bytes"}] of every compute process nvidia-smi lists on the job's GPU, or
+    None when it cannot tell (no nvidia-smi)."""
+    out = nvidia_smi(["--query-compute-apps=gpu_uuid,pid,process_name,used_memory",
+                      "--format=csv,noheader,nounits"])
+    if out is None:
+        return None
+    listed = []
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 4 or parts[0] != gpu["uuid"]:
+            continue
+        memory = _number(parts[-1])
+        listed.append({"pid": int(parts[1]) if parts[1].isdigit() else parts[1], "name": ",".join(parts[2:-1]),
+                       "used_memory_bytes": int(memory * 2**20) if memory is not None else None})
+    return listed
+
+
+def contention(gpu, snapshots, own_pid=None):
+    """The contract's `contention` from snapshots {"at": label, "processes": compute_processes(...)}.
+
+    Our own process is left out by pid. Inside a container nvidia-smi may list host pids: when our pid is never
+    listed, one listed process per snapshot is taken to be this job (said in `note`)."""
+    if gpu is None:
+        return {"checked": False, "other_processes": [], "contended": False, "reason": "CPU job: no GPU"}
+    own_pid = os.getpid() if own_pid is None else own_pid
+    taken = [s for s in snapshots if s["processes"] is not None]
+    if not taken:
+        return {"checked": False, "other_processes": [], "contended": False,
+                "reason": "nvidia-smi could not list the GPU's compute processes"}
+    own_listed = any(p["pid"] == own_pid for s in taken for p in s["processes"])
+    others, contended = {}, False
+    for snap in taken:
+        rest = [p for p in snap["processes"] if p["pid"] != own_pid]
+        contended = contended or len(rest) > (0 if own_listed else 1)
+        for p in rest:
+            others.setdefault(p["pid"], dict(p, seen=[]))["seen"].append(snap["at"])
+    result = {"checked": True, "other_processes": list(others.values()), "contended": contended,
+              "checks": [s["at"] for s in taken], "own_pid": own_pid, "own_pid_listed": own_listed}
+    if not own_listed and others:
+        result["note"] = ("this job's pid is not among the listed ones (another pid namespace): one listed "
+                          "process per check is taken to be this job")
+    return result
+
+
+def pin_cpus(spec):
+    """Apply the protocol's `cpus` setting to this process; returns what was done.
+
+    "inherit": the cores the job started with. "per-slot": the job's allowed cores split evenly among the GPUs
+    of the run's pool (SHAPEWISE_PIPELINE_GPUS), this job taking the share of the slot it holds, so concurrent
+    GPU jobs never share a core; only with slots from the local lock pool (under SLURM the scheduler places the
+    job, with CUDA_VISIBLE_DEVICES from the user nothing says which jobs run beside it). A list: those cores."""
+    allowed = sorted(os.sched_getaffinity(0))
+    record = {"requested": spec, "allowed": allowed, "cores": allowed, "applied": False}
+    if spec == "inherit":
+        return dict(record, reason="left as the job started")
+    if spec == "per-slot":
+        source, slot, pool = (os.environ.get(SLOT_SOURCE_ENV), os.environ.get(SLOT_ENV),
+                              os.environ.get(POOL_ENV, ""))
+        if source != "lock":
+            return dict(record, reason=f"slot source {source!r}, not the local lock pool: cores left as they were")
+        gpus = [g.strip() for g in pool.split(",") if g.strip()]
+        if slot not in gpus:
+            raise SystemExit(f"cpus per-slot: this job's slot {SLOT_ENV}={slot!r} is not in the pool "
+                             f"{POOL_ENV}={pool!r}")
+        k, n = gpus.index(slot), len(gpus)
+        cores = allowed[k * len(allowed) // n:(k + 1) * len(allowed) // n]
+        if not cores:
+            return dict(record, reason=f"{len(allowed)} cores for {n} GPUs: no core of its own, left as they were")
+    elif isinstance(spec, list) and all(isinstance(c, int) for c in spec):
+        cores = sorted(spec)
+        foreign = sorted(set(cores) - set(allowed))
+        if foreign or not cores:
+            raise SystemExit(f"timing protocol cpus {spec!r}: cores {foreign or cores} are not among this job's "
+                             f"allowed cores {allowed}")
+    else:
+        raise SystemExit(f"timing protocol cpus {spec!r}: expected inherit, per-slot or a list of core numbers")
+    os.sched_setaffinity(0, cores)
+    if torch.get_num_threads() > len(cores):
+        torch.set_num_threads(len(cores))
+    return dict(record, cores=cores, applied=True, torch_threads=torch.get_num_threads(),
+                reason=f"pinned to {len(cores)} of {len(allowed)} cores")
+
+
+def _now():
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")

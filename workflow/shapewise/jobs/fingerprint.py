@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shapewise import fingerprint as fp
+from shapewise.identity import identity
 from shapewise.jobs.device import setup
 from shapewise.jobs.io import header, log, write_result
 
@@ -17,12 +18,13 @@ def main(args):
                 f"the implementation changed while the workflow ran (digest {impl['digest'][:12]} now, "
                 f"{args.dag_digest[:12]} when the DAG was built); run snakemake again"
             )
-        result = {"step": "fingerprint", "kind": "implementation", **impl}
+        result = {"step": "fingerprint", "kind": "implementation",
+                  "identity": identity(None, args.impl_digest, args.env_digest), **impl}
         log(f"{len(impl['files'])} implementation files, digest {impl['digest']}")
         write_result(args.out, result)
         return 0
     setup(args.device)
-    result = header("fingerprint", None, args.device)
+    result = header("fingerprint", None, args.device, args)
     result["kind"] = "environment"
     result["dag_digest"] = args.dag_digest
     result["digest"] = fp.digest_of(fp.cheap_environment())

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 
 from shapewise.fingerprint import job_environment
+from shapewise.identity import identity
+from shapewise.jobs.device import gpu_identity
 
 
 def log(message):
@@ -23,14 +25,18 @@ def now_iso():
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def header(step, row, device):
-    """The fields every result file starts with."""
+def header(step, row, device, args=None):
+    """The fields every result file starts with: what it measured (`identity`: the row and the implementation
+    and environment digests the job was given as --impl-digest / --env-digest), where (`environment`, `gpu`)
+    and when (`started`; `finished` is added by write_result)."""
     return {
         "step": step,
         "shape": row["id"] if row else None,
         "row": row,
+        "identity": identity(row, getattr(args, "impl_digest", None), getattr(args, "env_digest", None)),
         "device": device,
         "environment": job_environment(device),
+        "gpu": gpu_identity(device),
         "started": now_iso(),
         "_t0": time.perf_counter(),
     }
@@ -60,6 +66,15 @@ def _json_default(obj):
 def read_json(path):
     with open(path) as fh:
         return json.load(fh)
+
+
+def resource_skip_reason(preflight, which):
+    """Why the preflight result says `which` model does not fit, in its own words where it gave some."""
+    model = preflight["models"][which]
+    if model.get("reason"):
+        return f"resource skip: {model['reason']}"
+    budget = model.get("budget_bytes", preflight.get("budget_bytes"))
+    return f"resource skip: estimated {model['estimate_bytes']} bytes > budget {budget} bytes"
 
 
 def fail(message):

@@ -3,8 +3,10 @@
 GPU: device-to-device copy (GB/s, bytes read + bytes written), square GEMMs
 in fp32 with TF32 off, TF32, fp16 and bf16 (TFLOP/s, 2 n^3 per product),
 and the latency of a tiny kernel launched eagerly (host time per launch) and
-replayed inside a CUDA graph (GPU time per kernel). Each number is the median
-of `repeats` timed repetitions after warm-up.
+replayed inside a CUDA graph (GPU time per kernel). On a GPU each number is
+the median of triton.testing.do_bench (its warm-up and repetitions are set in
+milliseconds, below; `repeats` is not used there); on a CPU the median of
+`repeats` time.perf_counter-timed repetitions after warm-up.
 CPU: copy bandwidth and fp32 GEMM; the GPU-only entries are marked not
 applicable.
 """
@@ -21,22 +23,28 @@ from shapewise.jobs.device import setup
 from shapewise.jobs.io import header, log, write_result
 
 
+# triton.testing.do_bench runs a function for about DO_BENCH_WARMUP_MS, then times it (one CUDA event pair per
+# call, L2 cache flushed between calls) for about DO_BENCH_REP_MS; both are milliseconds of GPU time, not counts.
+DO_BENCH_WARMUP_MS = 25
+DO_BENCH_REP_MS = 100
+GPU_TIMER = (f"triton.testing.do_bench(warmup={DO_BENCH_WARMUP_MS} ms, rep={DO_BENCH_REP_MS} ms, "
+             "return_mode='median')")
+CPU_TIMER = "median of `repeats` time.perf_counter-timed calls after 2 warm-up calls"
+
+
 def _median_ms(fn, device, repeats, warmup=2):
+    """Median milliseconds of one call of fn: do_bench on a GPU, perf_counter on a CPU (do_bench needs CUDA)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=DO_BENCH_WARMUP_MS, rep=DO_BENCH_REP_MS, return_mode="median"))
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
@@ -83,26 +91,22 @@ def launch_latency(launches):
     torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    graph_us = start.elapsed_time(end) * 1e3 / launches
+    graph_us = _median_ms(graph.replay, torch.device("cuda"), repeats=None) * 1e3 / launches
     return {
         "launches": launches,
         "eager_us_per_launch": eager_us,
         "eager_method": "host wall time of N back-to-back launches of a 1-element add, then one sync, / N",
         "graph_us_per_kernel": graph_us,
-        "graph_method": "CUDA-event time of one replay of a graph holding N such kernels, / N",
+        "graph_method": f"{GPU_TIMER} of one replay of a graph holding N such kernels, / N",
     }
 
 
 def main(args):
     device = setup(args.device, args.threads)
     settings = json.loads(args.settings)[args.device]
-    result = header("microbench", None, args.device)
+    result = header("microbench", None, args.device, args)
     result["settings"] = settings
+    result["timer"] = GPU_TIMER if device.type == "cuda" else CPU_TIMER
     na = {"applicable": False, "reason": "needs a CUDA GPU"}
     log(f"copy bandwidth, {settings['copy_mib']} MiB")
     result["copy"] = copy_bandwidth(device, settings["copy_mib"], settings["repeats"])

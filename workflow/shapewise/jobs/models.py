@@ -49,6 +49,11 @@ def route_of(model):
     return str(route), route.as_dict()
 
 
+def call_of(mask):
+    """How a job called the models, from the mask jobs.inputs.make_case returned for the row (its pass_mask)."""
+    return "model(x)" if mask is None else "model(x, mask)"
+
+
 def run_optimized(model, x, mask, row):
     """One optimized forward; a failure names the shape row and the input."""
     try:

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from shapewise.jobs.device import setup, sync
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
 from shapewise.jobs.io import header, log, read_json, write_result
-from shapewise.jobs.models import build_optimized, model_config, route_of, run_optimized
+from shapewise.jobs.models import build_optimized, call_of, model_config, route_of, run_optimized
 from shapewise.jobs.preflight import fits
 
 
@@ -68,11 +68,12 @@ def main(args):
     row = json.loads(args.row)
     capture = json.loads(args.capture)[args.device]
     preflight = read_json(args.preflight)
-    result = header("profile", row, args.device)
+    result = header("profile", row, args.device, args)
     result["capture"] = capture
     table = []
     for path in (args.out, args.csv, args.trace):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
+    result["call"] = None
     if not fits(preflight, "optimized"):
         result["status"] = "resource-skip"
         with open(args.trace, "w") as fh:
@@ -84,6 +85,7 @@ def main(args):
         config = model_config(row)
         model = build_optimized(row, config, device)
         x, mask, _ = make_case(row, config, device, FIRST_TRIAL_SEED)
+        result["call"] = call_of(mask)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with torch.inference_mode():
             for _ in range(capture["warmup"]):

@@ -1,30 +1,125 @@
-"""The timing protocol.
+"""The timing job: two protocols, both recorded by name.
 
-Inputs in the row's dtype (float32 for every official row) with
-torch.set_float32_matmul_precision('high'). First the very first call of
-each model is timed alone (wall clock, synchronized: compile, autotune and
-graph capture of the optimized model land here). Then `warmup` calls each,
-then `rounds` rounds alternating reference and optimized, `calls` calls per
-model per round. On a GPU every call is timed by its own pair of CUDA events
-(so p90 is a per-call figure); on a CPU by time.perf_counter. Reported: the
-median, p90 and min over all timed calls, tokens/s at the median, peak memory
-(torch.cuda.max_memory_allocated over warm-up and timed calls), speedup =
-reference median / optimized median, and the fraction of the roofline floor.
+Inputs in the row's dtype with torch.set_float32_matmul_precision('high'), called as the row says
+(`call`: model(x, mask) or model(x)). First the very first call of each model is timed alone (wall clock,
+synchronized: compile, autotune and graph capture of the optimized model land here), then `warmup` calls each,
+then rounds alternating reference and optimized, `calls` calls per model per round. On a GPU every call is timed
+by its own pair of CUDA events (so p90 is a per-call figure); on a CPU by time.perf_counter.
+
+- "official": exactly `rounds` rounds, nothing else touched (the official harness's protocol).
+- "stable": Python's garbage collector collected before each round and disabled during it; the job optionally
+  pinned to CPU cores (`cpus`); rounds continue from `min_rounds` until the bootstrap interval of the speedup
+  (or, with one model, of each model's median) is within +-`ci_half_width`, at most `max_rounds`.
+
+Both record the GPU's clocks, temperature and power before and after, and the other processes on the GPU
+(`contention`). Reported per model: the median over all timed calls, its bootstrap interval over rounds, the
+round medians and their spread, p90, min, tokens/s, peak memory; the speedup with its interval and the `noisy`
+flag (shapewise.stats); the fraction of the roofline floor. A row whose optimized model does not fit (preflight)
+is a resource skip: nothing is built or allocated.
 """
 
 from __future__ import annotations
 
+import gc
 import json
+import time
 
 import torch
 
-from shapewise import roofline
-from shapewise.jobs.device import first_call_ms, peak_memory_bytes, peak_memory_reset, setup, summarize, time_calls
+from shapewise import roofline, stats
+from shapewise.jobs.device import (compute_processes, contention, first_call_ms, gpu_state, peak_memory_bytes,
+                                   peak_memory_reset, pin_cpus, setup, summarize, time_calls)
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
-from shapewise.jobs.io import header, log, read_json, write_result
-from shapewise.jobs.models import build_models, build_optimized, model_config, route_of, run_optimized, set_precision
+from shapewise.jobs.io import header, log, read_json, resource_skip_reason, write_result
+from shapewise.jobs.models import (build_models, build_optimized, call_of, model_config, route_of, run_optimized,
+                                   set_precision)
 from shapewise.jobs.microbench import peaks
 from shapewise.jobs.preflight import fits
+
+PROTOCOL_NAMES = ("official", "stable")
+MODELS = ("reference", "optimized")  # the order within a round
+
+
+def resolve_protocol(settings, device_type):
+    """(name, parameters) of the protocol this device runs, from the config's `timing` section.
+
+    settings[device] is a protocol name (official, stable: defined in the same section) or a protocol given
+    inline (the cpu entry, or a heavy row's shorter protocol): one with `rounds` runs the official procedure,
+    one with `min_rounds`/`max_rounds` the stable one."""
+    entry = settings[device_type]
+    if isinstance(entry, str):
+        if entry not in PROTOCOL_NAMES or entry not in settings:
+            raise SystemExit(f"timing protocol {entry!r} (timing.{device_type}): expected one of {PROTOCOL_NAMES}, "
+                             f"defined under timing")
+        name, protocol = resolve_protocol({device_type: settings[entry]}, device_type)
+        if name != entry:
+            raise SystemExit(f"timing.{entry} does not define the {entry} procedure")
+        return name, protocol
+    if "rounds" in entry:
+        return "official", dict(entry)
+    if "min_rounds" in entry and "max_rounds" in entry:
+        if entry["min_rounds"] > entry["max_rounds"]:
+            raise SystemExit(f"timing.{device_type}: min_rounds {entry['min_rounds']} > max_rounds "
+                             f"{entry['max_rounds']}")
+        return "stable", dict(entry)
+    raise SystemExit(f"timing.{device_type} {entry!r}: neither `rounds` (official) nor `min_rounds` and "
+                     "`max_rounds` (stable)")
+
+
+def describe(name, protocol, device):
+    """The protocol as the result records it: the configured parameters only (the same for every row that ran
+    it; what happened in a row is recorded beside it)."""
+    out = {"name": name, "warmup": protocol["warmup"], "calls": protocol["calls"],
+           "rounds": protocol.get("rounds"),
+           "timer": "cuda events per call" if device.type == "cuda" else "time.perf_counter per call",
+           "float32_matmul_precision": "high", "order": "reference then optimized in each round"}
+    if name == "stable":
+        out.update(min_rounds=protocol["min_rounds"], max_rounds=protocol["max_rounds"],
+                   ci_half_width=protocol["ci_half_width"], gc_off=protocol["gc_off"], cpus=protocol["cpus"])
+    return out
+
+
+def run_rounds(calls, device, name, protocol, tag=""):
+    """Alternating timed rounds of `calls` ({model: fn}). Returns ({model: [round times]}, {model: peak bytes},
+    stopping) where stopping says how many rounds ran and why they stopped."""
+    rounds = {which: [] for which in MODELS if which in calls}
+    peaks_seen = {which: None for which in rounds}
+    stable = name == "stable"
+    limit = protocol["max_rounds"] if stable else protocol["rounds"]
+    width = None
+    reason = "fixed"
+    for r in range(limit):
+        if stable and protocol["gc_off"]:
+            gc.collect()
+            gc.disable()
+        try:
+            for which in rounds:
+                peak_memory_reset(device)
+                rounds[which].append(time_calls(calls[which], device, protocol["calls"]))
+                peak = peak_memory_bytes(device)
+                if peak is not None:
+                    peaks_seen[which] = max(peaks_seen[which] or 0, peak)
+        finally:
+            if stable and protocol["gc_off"]:
+                gc.enable()
+        if stable and r + 1 >= protocol["min_rounds"]:
+            width = stats.settled_width(rounds)
+            log(f"{tag}round {r + 1}: interval half-width "
+                f"{'n/a' if width is None else f'{width * 100:.2f} %'} (target {protocol['ci_half_width'] * 100} %)")
+            if width is not None and width <= protocol["ci_half_width"]:
+                reason = "settled"
+                break
+        else:
+            log(f"{tag}round {r + 1}/{limit} done")
+    else:
+        if stable:
+            reason = "cap"
+    rounds_run = len(next(iter(rounds.values()))) if rounds else 0
+    stopping = {"rounds_run": rounds_run, "reason": reason}
+    if stable:
+        stopping.update(half_width=width, target_half_width=protocol["ci_half_width"],
+                        measured_on="speedup" if len(rounds) == 2 else "each model's median")
+    return rounds, peaks_seen, stopping
 
 
 def roofline_entry(row, median_ms, microbench, environment):
@@ -47,22 +142,29 @@ def roofline_entry(row, median_ms, microbench, environment):
 def main(args):
     device = setup(args.device, args.threads)
     row = json.loads(args.row)
-    protocol = json.loads(args.protocol)[args.device]
+    name, protocol = resolve_protocol(json.loads(args.protocol), device.type)
     preflight = read_json(args.preflight)
     microbench = read_json(args.microbench)
-    result = header("timing", row, args.device)
-    result["protocol"] = dict(protocol, timer="cuda events per call" if device.type == "cuda"
-                              else "time.perf_counter per call", float32_matmul_precision="high")
+    result = header("timing", row, args.device, args)
+    result["protocol"] = describe(name, protocol, device)
+    result["flops"] = roofline.flops(**row)
+    result["min_bytes"] = roofline.min_bytes(**row)
+    result["skips"] = {which: resource_skip_reason(preflight, which)
+                       for which in MODELS if not fits(preflight, which)}
+    for which, reason in result["skips"].items():
+        log(f"{row['id']}: {which} {reason}")
+    if "optimized" in result["skips"]:
+        # the row is a resource skip: build nothing, allocate no input
+        result.update(status="resource-skip", call=None, speedup=None, speedup_ci=None, noisy=None,
+                      contention={"checked": False, "other_processes": [], "contended": False,
+                                  "reason": "resource skip: nothing was timed"},
+                      roofline={"available": False, "reason": "resource skip: the optimized model does not fit"})
+        write_result(args.out, result)
+        return 0
+    run_reference = "reference" not in result["skips"]
     config = model_config(row)
     tokens = config.batch_size * config.seq_len
-    run_reference = fits(preflight, "reference")
-    run_optimized_model = fits(preflight, "optimized")
-    result["skips"] = {}
-    for which, ok in (("reference", run_reference), ("optimized", run_optimized_model)):
-        if not ok:
-            result["skips"][which] = (f"resource skip: estimated {preflight['models'][which]['estimate_bytes']} "
-                                      f"bytes > budget {preflight['budget_bytes']} bytes")
-            log(f"{row['id']}: {which} {result['skips'][which]}")
+    gpu = result["gpu"]
 
     set_precision(reference=False)
     if run_reference:
@@ -70,46 +172,54 @@ def main(args):
     else:
         reference, optimized = None, build_optimized(row, config, device)
     x, mask, _ = make_case(row, config, device, FIRST_TRIAL_SEED)
-    calls = {}
-    if run_optimized_model:
-        calls["optimized"] = lambda: run_optimized(optimized, x, mask, row)
+    result["call"] = call_of(mask)
+    calls = {"optimized": lambda: run_optimized(optimized, x, mask, row)}
     if run_reference:
         calls["reference"] = lambda: reference(x, mask)
 
-    measured = {}
+    result["cpu_affinity"] = pin_cpus(protocol["cpus"]) if name == "stable" else \
+        {"requested": None, "applied": False, "reason": "official protocol: cores left as they were"}
+    snapshots = [{"at": "before", "processes": compute_processes(gpu) if gpu else None}]
+    result["gpu_state"] = {"before": gpu_state(gpu)}
+    first = {}
+    warm_peak = {}
     with torch.inference_mode():
         for which, fn in calls.items():  # optimized first: its very first call is the one of the process
             peak_memory_reset(device)
-            first = first_call_ms(fn, device)
-            log(f"{row['id']}: first {which} call {first:.2f} ms; warm-up x{protocol['warmup']}")
+            first[which] = first_call_ms(fn, device)
+            log(f"{row['id']}: first {which} call {first[which]:.2f} ms; warm-up x{protocol['warmup']}")
             time_calls(fn, device, protocol["warmup"])
-            measured[which] = {"first_call_ms": first, "times_ms": [], "peak_memory_bytes": None}
-            measured[which]["_peak"] = peak_memory_bytes(device)
-        for r in range(protocol["rounds"]):
-            for which in ("reference", "optimized"):
-                if which not in calls:
-                    continue
-                peak_memory_reset(device)
-                measured[which]["times_ms"] += time_calls(calls[which], device, protocol["calls"])
-                peak = peak_memory_bytes(device)
-                if peak is not None:
-                    measured[which]["_peak"] = max(measured[which]["_peak"] or 0, peak)
-            log(f"{row['id']}: round {r + 1}/{protocol['rounds']} done")
-    if run_optimized_model:
-        result["route"], result["route_detail"] = route_of(optimized)
-    for which, m in measured.items():
-        stats = summarize(m["times_ms"])
-        stats["first_call_ms"] = m["first_call_ms"]
-        stats["peak_memory_bytes"] = m.pop("_peak")
-        stats["tokens_per_s"] = tokens / (stats["median_ms"] * 1e-3)
-        stats["times_ms"] = m["times_ms"]
-        result[which] = stats
-        log(f"{row['id']}: {which} median {stats['median_ms']:.4f} ms, p90 {stats['p90_ms']:.4f} ms")
-    ref_ms = result.get("reference", {}).get("median_ms")
-    opt_ms = result.get("optimized", {}).get("median_ms")
-    result["speedup"] = ref_ms / opt_ms if ref_ms and opt_ms else None
-    result["roofline"] = roofline_entry(row, opt_ms, microbench, result["environment"])
-    result["flops"] = roofline.flops(**row)
-    result["min_bytes"] = roofline.min_bytes(**row)
+            warm_peak[which] = peak_memory_bytes(device)
+        t0 = time.perf_counter()
+        rounds, round_peak, stopping = run_rounds(calls, device, name, protocol, tag=f"{row['id']}: ")
+        stopping["seconds"] = round(time.perf_counter() - t0, 3)
+    result["gpu_state"]["after"] = gpu_state(gpu)
+    snapshots.append({"at": "after", "processes": compute_processes(gpu) if gpu else None})
+    result["contention"] = contention(gpu, snapshots)
+    if result["contention"]["contended"]:
+        log(f"{row['id']}: WARNING other processes on the GPU: {result['contention']['other_processes']}")
+    result["stopping"] = stopping
+    result["route"], result["route_detail"] = route_of(optimized)
+
+    summary = stats.summarize(rounds)
+    for which, model_rounds in rounds.items():
+        times = [t for r in model_rounds for t in r]
+        entry = summarize(times)
+        entry.update(summary[which])  # median_ms (the same median), round_medians_ms, median_ci_ms, rel_spread
+        entry["first_call_ms"] = first[which]
+        peaks_known = [p for p in (warm_peak[which], round_peak[which]) if p is not None]
+        entry["peak_memory_bytes"] = max(peaks_known) if peaks_known else None
+        entry["tokens_per_s"] = tokens / (entry["median_ms"] * 1e-3)
+        entry["times_ms"] = times
+        result[which] = entry
+        ci = entry["median_ci_ms"]
+        log(f"{row['id']}: {which} median {entry['median_ms']:.4f} ms "
+            f"(95 % CI {'n/a' if ci is None else f'{ci[0]:.4f}-{ci[1]:.4f}'}), p90 {entry['p90_ms']:.4f} ms, "
+            f"{len(model_rounds)} rounds, spread {entry['rel_spread'] * 100:.1f} %")
+    result["speedup"] = summary["speedup"]
+    result["speedup_ci"] = summary["speedup_ci"]
+    result["noisy"] = summary["noisy"]
+    result["status"] = "ok"
+    result["roofline"] = roofline_entry(row, result["optimized"]["median_ms"], microbench, result["environment"])
     write_result(args.out, result)
     return 0
