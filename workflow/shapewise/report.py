@@ -1,48 +1,43 @@
 """The report job: summary.csv, figures, report.md/.html, provenance.json.
 
-Results are grouped by the machine that produced them (GPU or CPU model plus
-a digest of the software, see shapewise.fingerprint.machine_key): each group
-gets its own table and geomean, and timings of different machines are never
-mixed into one number.
+    python -m shapewise.report --inputs INPUTS.json --outdir results/report
+
+INPUTS.json is written by the report rule (workflow/rules/report.smk): the rows of the run and their result files,
+as the DAG knows them (report_data.load checks each result's identity against its row). Results are grouped by
+the machine that produced them (GPU or CPU model plus a digest of the software, see
+shapewise.fingerprint.machine_key): each group gets its own table and geomean, and timings of different machines
+are never mixed into one number.
+
+A report that cannot be built leaves the previous one as it was: everything is rendered into a temporary
+directory beside the output, then moved into place.
 """
 
 from __future__ import annotations
 
-import csv
+import argparse
 import json
-import math
+import os
 import shutil
-from collections import OrderedDict
+import sys
+import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
 import jinja2
 
-from shapewise import provenance
-from shapewise.manifest import load_manifests
+from shapewise import paths, provenance, report_data, report_figures
+from shapewise.report_data import ReportInputError
 
-TEMPLATES = Path("reports/templates")  # relative: the report job runs in the checkout's root
 SOURCE_DIRS = ("model", "kernels", "workflow")
 SOURCE_SUFFIXES = (".py", ".smk", ".yaml", ".yml", ".json", ".j2", ".csv", ".toml")
-SUMMARY_COLUMNS = ["id", "status", "route", "failed_elements", "total_elements", "max_abs_error",
-                   "reference_median_ms", "optimized_median_ms", "speedup"]
-
-
-def read_json(path):
-    with open(path) as fh:
-        return json.load(fh)
-
-
-def geomean(values):
-    values = [v for v in values if v and v > 0]
-    if not values:
-        return None
-    return math.exp(sum(math.log(v) for v in values) / len(values))
+ROUTES_ANCHOR = "routes"
 
 
 def fmt(value, digits=3):
-    if value is None:
+    if value is None or (isinstance(value, float) and value != value):
         return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
     if isinstance(value, float):
         if value == 0:
             return "0"
@@ -52,277 +47,218 @@ def fmt(value, digits=3):
     return str(value)
 
 
-def source_inputs():
+def pct(value):
+    return "n/a" if value is None or value != value else f"{value * 100:.1f} %"
+
+
+def signed_pct(value):
+    return "n/a" if value is None or value != value else f"{value * 100:+.1f} %"
+
+
+def mib(value):
+    return "n/a" if value is None or value != value else f"{value / 2**20:.1f} MiB"
+
+
+def source_inputs(root):
+    root = Path(root)
     files = ["Snakefile", "pyproject.toml", "config/config.yaml"]
     for name in SOURCE_DIRS:
-        files += [p.as_posix() for p in sorted(Path(name).rglob("*"))
+        files += [p.relative_to(root).as_posix() for p in sorted((root / name).rglob("*"))
                   if p.is_file() and p.suffix in SOURCE_SUFFIXES and "__pycache__" not in p.parts]
-    files += [p.as_posix() for p in sorted(TEMPLATES.glob("*"))]
-    return [f for f in files if Path(f).is_file()]
+    return [f for f in files if (root / f).is_file()]
 
 
-def load_shape(shape):
-    paths = {
-        "preflight": Path(f"results/preflight/{shape}.json"),
-        "accuracy": Path(f"results/accuracy/{shape}.json"),
-        "timing": Path(f"results/timing/{shape}.json"),
-        "profile": Path(f"results/profile/{shape}/kernels.json"),
-        "ablation": Path(f"results/ablation/{shape}.json"),
-    }
-    data = {step: read_json(path) for step, path in paths.items()}
-    data["paths"] = paths
-    data["profile_csv"] = Path(f"results/profile/{shape}/kernels.csv")
-    data["profile_trace"] = Path(f"results/profile/{shape}/trace.json")
-    return data
-
-
-def summary_row(shape, data):
-    acc, tim = data["accuracy"], data["timing"]
-    official = acc.get("aggregate", {}).get("official", {})
-    ref = tim.get("reference") or {}
-    opt = tim.get("optimized") or {}
-    return OrderedDict(
-        id=shape,
-        status=acc["status"],
-        route=acc.get("route") or tim.get("route") or "",
-        failed_elements=official.get("failed_elements"),
-        total_elements=official.get("total_elements"),
-        max_abs_error=official.get("max_abs_error"),
-        reference_median_ms=ref.get("median_ms"),
-        optimized_median_ms=opt.get("median_ms"),
-        speedup=tim.get("speedup"),
-    )
-
-
-def machine_of(data):
-    env = data["timing"]["environment"]
-    return env["machine_key"], env
-
-
-def chunked_notes(rows):
+def chunked_notes(items):
     notes = []
-    for row in rows:
-        acc = row["data"]["accuracy"]
+    for item in items:
+        acc = item["data"]["accuracy"]
         if acc.get("check_method") != "chunked":
             continue
         checked = acc["trials"][0]["checked"]
-        notes.append({
-            "id": row["id"],
-            "trials": len(acc["trials"]),
-            "batch_indices": checked["batch_indices"],
-            "query_ranges": checked["query_ranges"],
-            "elements_compared": checked["elements_compared"],
-            "elements_total": checked["elements_total"],
-            "reference": checked["reference"],
-            "batch_size": row["data"]["accuracy"]["row"]["batch_size"],
-        })
+        notes.append({"id": item["id"], "trials": len(acc["trials"]), "batch_indices": checked["batch_indices"],
+                      "query_ranges": checked["query_ranges"], "elements_compared": checked["elements_compared"],
+                      "elements_total": checked["elements_total"], "reference": checked["reference"],
+                      "batch_size": item["row"]["batch_size"]})
     return notes
 
 
-# ------------------------------------------------------------------ figures
-
-
-def figures(groups, outdir):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    made = {}
-    fig_dir = outdir / "figures"
-    fig_dir.mkdir(parents=True, exist_ok=True)
-
-    timed = [(g, r) for g in groups for r in g["rows"] if r["summary"]["speedup"]]
-    if timed:
-        fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(timed) + 2), 4))
-        labels = [r["id"] + ("" if len(groups) == 1 else f" [{g['index']}]") for g, r in timed]
-        colors = ["tab:green" if r["summary"]["speedup"] >= 1 else "tab:red" for _, r in timed]
-        ax.bar(range(len(timed)), [r["summary"]["speedup"] for _, r in timed], color=colors)
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_yscale("log")
-        ax.set_xticks(range(len(timed)), labels, rotation=60, ha="right", fontsize=8)
-        ax.set_ylabel("speedup (reference median / optimized median)")
-        ax.set_title("Speedup per shape")
-        fig.tight_layout()
-        fig.savefig(fig_dir / "speedup.png", dpi=120)
-        plt.close(fig)
-        made["speedup"] = "figures/speedup.png"
-
-    roof = [(g, r) for g in groups for r in g["rows"]
-            if r["data"]["timing"].get("roofline", {}).get("available") and r["summary"]["optimized_median_ms"]]
-    if roof:
-        fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(roof) + 2), 4))
-        xs = range(len(roof))
-        ax.bar([x - 0.2 for x in xs], [r["summary"]["optimized_median_ms"] for _, r in roof], width=0.4,
-               label="optimized median")
-        ax.bar([x + 0.2 for x in xs], [r["data"]["timing"]["roofline"]["floor_ms"] for _, r in roof], width=0.4,
-               label="roofline floor")
-        ax.set_yscale("log")
-        ax.set_xticks(list(xs), [r["id"] for _, r in roof], rotation=60, ha="right", fontsize=8)
-        ax.set_ylabel("ms per forward")
-        ax.set_title("Latency against the roofline floor")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(fig_dir / "roofline.png", dpi=120)
-        plt.close(fig)
-        made["roofline"] = "figures/roofline.png"
-
-    abl_rows = [r for g in groups for r in g["rows"] if r["data"]["ablation"].get("status") == "ok"]
-    switches = abl_rows[0]["data"]["ablation"]["switches"] if abl_rows else []
-    if abl_rows and switches:
-        matrix, labels = [], []
-        for r in abl_rows:
-            by_name = {v["variant"]: v for v in r["data"]["ablation"]["variants"]}
-            matrix.append([by_name.get(s, {}).get("slowdown_vs_all_on", float("nan")) for s in switches])
-            labels.append(["n/a" if by_name.get(s, {}).get("skipped") == "not-applicable" else
-                           "skip" if by_name.get(s, {}).get("skipped") else "err" for s in switches])
-        fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(switches) + 3), max(3, 0.35 * len(abl_rows) + 1.5)))
-        image = ax.imshow(matrix, aspect="auto", cmap="viridis")
-        ax.set_xticks(range(len(switches)), switches, rotation=45, ha="right", fontsize=8)
-        ax.set_yticks(range(len(abl_rows)), [r["id"] for r in abl_rows], fontsize=8)
-        for i, line in enumerate(matrix):
-            for j, value in enumerate(line):
-                text = labels[i][j] if value != value else f"{value:.2f}"
-                ax.text(j, i, text, ha="center", va="center", fontsize=7, color="white")
-        fig.colorbar(image, ax=ax, label="time with the switch off / all on")
-        ax.set_title("Ablation: slowdown when one optimization is off")
-        fig.tight_layout()
-        fig.savefig(fig_dir / "ablation.png", dpi=120)
-        plt.close(fig)
-        made["ablation"] = "figures/ablation.png"
-    return made
-
-
-# ------------------------------------------------------------------ main
+def protocols(items):
+    """The timing and ablation protocol most rows ran, and the rows that ran another one (heavy rows)."""
+    out, exceptions = [], []
+    for step in ("timing", "ablation"):
+        seen = [json.dumps(i["data"][step].get("protocol"), sort_keys=True) for i in items
+                if i["data"][step].get("protocol")]
+        usual = max(set(seen), key=seen.count) if seen else None
+        out.append(json.loads(usual) if usual else None)
+        for i in items:
+            p = i["data"][step].get("protocol")
+            if p and json.dumps(p, sort_keys=True) != usual:
+                exceptions.append({"id": i["id"], "step": step, "protocol": p})
+    return out[0], out[1], exceptions
 
 
 def copy_into(src, outdir, rel):
-    dst = outdir / rel
+    dst = Path(outdir) / rel
     dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src, dst)
     return rel
 
 
-def main(args):
-    outdir = Path(args.outdir)
-    for stale in ("data", "figures"):
-        shutil.rmtree(outdir / stale, ignore_errors=True)
-    outdir.mkdir(parents=True, exist_ok=True)
-    shapes = [s for s in args.shapes.split(",") if s]
-    manifests = [m for m in args.manifests.split(",") if m]
-    manifest_rows = {r["id"]: r for r in load_manifests(manifests)}
+def baseline_section(baseline, outdir):
+    """compare_rows of the baseline report against this one (read back from the summary.csv just written)."""
+    from shapewise.compare import CompareError, compare_rows, load_rows
+
+    try:
+        old = load_rows(baseline)
+    except CompareError as exc:
+        raise ReportInputError([f"baseline (config baseline={baseline}): {exc}"]) from None
+    result = compare_rows(old, load_rows(outdir))
+    result["path"] = str(baseline)
+    result["added"] = [r for r in result["rows"] if r["status"] == "added"]
+    result["removed"] = [r for r in result["rows"] if r["status"] == "removed"]
+    result["route_changes"] = [r for r in result["rows"] if r["route_changed"]]
+    return result
+
+
+def build(inputs, loaded, outdir):
+    """Write the whole report into outdir (an empty directory)."""
+    from shapewise.model.compare import TOLERANCES
+    from shapewise.stats import NOISY_HALF_WIDTH
+
+    outdir = Path(outdir)
+    root = inputs.get("root", ".")
     artifacts = []
-
-    env_fp = read_json("results/fingerprint/environment.json")
-    impl_fp = read_json("results/fingerprint/implementation.json")
-    microbench = read_json("results/microbench/microbench.json")
-    for src, rel in (("results/fingerprint/environment.json", "data/fingerprint/environment.json"),
-                     ("results/fingerprint/implementation.json", "data/fingerprint/implementation.json"),
-                     ("results/microbench/microbench.json", "data/microbench/microbench.json")):
+    fp = inputs["fingerprints"]
+    for src, rel in ((fp["env"], "data/fingerprint/environment.json"),
+                     (fp["impl"], "data/fingerprint/implementation.json"),
+                     (inputs["microbench"], "data/microbench/microbench.json")):
         artifacts.append(copy_into(src, outdir, rel))
+    items = loaded["rows"]
+    for item in items:
+        for step, path in item["paths"].items():
+            rel = f"data/profile/{item['id']}/kernels.json" if step == "profile" else f"data/{step}/{item['id']}.json"
+            artifacts.append(copy_into(path, outdir, rel))
+        if Path(item["profile_csv"]).is_file():
+            artifacts.append(copy_into(item["profile_csv"], outdir, f"data/profile/{item['id']}/kernels.csv"))
 
-    groups = OrderedDict()
-    for shape in shapes:
-        data = load_shape(shape)
-        for step, path in data["paths"].items():
-            name = f"data/{step}/{shape}.json" if step != "profile" else f"data/profile/{shape}/kernels.json"
-            artifacts.append(copy_into(path, outdir, name))
-        artifacts.append(copy_into(data["profile_csv"], outdir, f"data/profile/{shape}/kernels.csv"))
-        key, env = machine_of(data)
-        group = groups.setdefault(key, {"key": key, "environment": env, "rows": [], "hosts": set()})
-        group["hosts"].add(env.get("host"))
-        group["rows"].append({"id": shape, "row": manifest_rows[shape], "data": data,
-                              "summary": summary_row(shape, data)})
-
-    group_list = []
-    for index, group in enumerate(groups.values(), 1):
-        rows = group["rows"]
-        statuses = [r["summary"]["status"] for r in rows]
-        speedups = [r["summary"]["speedup"] for r in rows if r["summary"]["speedup"]]
-        group.update(
-            index=index,
-            hosts=sorted(h for h in group["hosts"] if h),
-            is_cpu=group["environment"].get("gpu_name") is None,
-            geomean_speedup=geomean(speedups),
-            timed_rows=len(speedups),
-            passed=statuses.count("pass"),
-            failed=statuses.count("fail"),
-            skipped=statuses.count("resource-skip"),
-            elements=sum(r["summary"]["total_elements"] or 0 for r in rows),
-            failed_elements=sum(r["summary"]["failed_elements"] or 0 for r in rows),
-        )
-        group_list.append(group)
-
-    all_rows = [r for g in group_list for r in g["rows"]]
-    with open(outdir / "summary.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=SUMMARY_COLUMNS)
-        writer.writeheader()
-        for r in all_rows:
-            writer.writerow(r["summary"])
+    frame = report_data.table(loaded)
+    groups = report_data.machine_groups(frame, loaded)
+    index_of = {g["key"]: g["index"] for g in groups}
+    frame["machine_index"] = frame["machine"].map(index_of)
+    report_data.write_summary(frame, outdir / "summary.csv")
     artifacts.append("summary.csv")
 
-    made = figures(group_list, outdir)
+    switches = next((i["data"]["ablation"]["switches"] for i in items if i["data"]["ablation"].get("switches")), [])
+    made = report_figures.make_all(frame, items, switches, outdir)
     artifacts += list(made.values())
 
-    ablation_switches = []
-    for r in all_rows:
-        if r["data"]["ablation"].get("switches"):
-            ablation_switches = r["data"]["ablation"]["switches"]
-            break
+    records = frame.to_dict("records")
+    rows = []
+    for item, rec in zip(items, records):
+        rec = {k: (None if isinstance(v, float) and v != v else v) for k, v in rec.items()}
+        rows.append({"id": item["id"], "row": item["row"], "data": item["data"], "r": rec,
+                     "trace": item["profile_trace"]})
+    for g in groups:
+        g["rows"] = [r for r in rows if r["r"]["machine"] == g["key"]]
 
-    inputs = sorted(set(manifests + source_inputs()))
-    timing_protocol, ablation_protocol, protocol_exceptions = protocols(all_rows)
+    baseline = baseline_section(inputs["baseline"], outdir) if inputs.get("baseline") else None
+    timing_protocol, ablation_protocol, protocol_exceptions = protocols(items)
+    manifests = inputs["manifests"]
+    source_files = sorted(set(manifests + source_inputs(root)))
     context = {
         "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "cpu_run": any(g["is_cpu"] for g in group_list),
-        "groups": group_list,
-        "mixed_machines": len(group_list) > 1,
-        "rows": all_rows,
-        "counts": {s: sum(r["summary"]["status"] == s for r in all_rows) for s in ("pass", "fail", "resource-skip")},
-        "elements": sum(g["elements"] for g in group_list),
-        "failed_elements": sum(g["failed_elements"] for g in group_list),
+        "cpu_run": any(g["is_cpu"] for g in groups),
+        "groups": groups,
+        "mixed_machines": len(groups) > 1,
+        "rows": rows,
+        "counts": {s: int((frame["status"] == s).sum()) for s in report_data.STATUSES},
+        "elements": sum(g["elements"] for g in groups),
+        "failed_elements": sum(g["failed_elements"] for g in groups),
+        "tolerances": TOLERANCES,
+        "noisy_half_width": NOISY_HALF_WIDTH,
         "manifests": manifests,
         "figures": made,
-        "microbench": microbench,
-        "environment_fingerprint": env_fp,
-        "implementation": impl_fp,
-        "chunked": chunked_notes(all_rows),
-        "ablation_switches": ablation_switches,
+        "microbench": loaded["microbench"],
+        "environment_fingerprint": loaded["environment_fingerprint"],
+        "implementation": loaded["implementation"],
+        "chunked": chunked_notes(items),
+        "ablation_switches": switches,
         "timing_protocol": timing_protocol,
         "ablation_protocol": ablation_protocol,
         "protocol_exceptions": protocol_exceptions,
-        "profile_kernels": {r["id"]: r["data"]["profile"].get("triton_kernels_ran", []) for r in all_rows},
-        "traces": {r["id"]: r["data"]["profile_trace"].as_posix() for r in all_rows},
-        "inputs": [provenance._entry(p, ".") for p in inputs],
-        "artifacts_listed": [provenance._entry(p, outdir) for p in sorted(set(artifacts))],
-        "fmt": fmt,
+        "profile_kernels": {i["id"]: i["data"]["profile"].get("triton_kernels_ran", []) for i in items},
+        "pass_env": inputs.get("pass_env") or {},
+        "baseline": baseline,
+        "routes_anchor": ROUTES_ANCHOR,
     }
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(paths.TEMPLATES)), undefined=jinja2.StrictUndefined,
                              autoescape=jinja2.select_autoescape(["html"]), trim_blocks=True, lstrip_blocks=True)
-    env.filters["fmt"] = fmt
+    env.filters.update(fmt=fmt, pct=pct, signed_pct=signed_pct, mib=mib)
+    # The provenance appendix lists the artifacts above (the report files themselves are in provenance.json).
+    context["inputs"] = [provenance._entry(p, root) for p in source_files]
+    context["artifacts_listed"] = [provenance._entry(p, outdir) for p in sorted(set(artifacts))]
     (outdir / "report.md").write_text(env.get_template("report.md.j2").render(**context))
     (outdir / "report.html").write_text(env.get_template("report.html.j2").render(**context))
     artifacts += ["report.md", "report.html"]
-    provenance.write(outdir, inputs, artifacts, root=".")
-    print(f"report: {len(all_rows)} shapes in {len(group_list)} machine group(s); "
-          f"pass {context['counts']['pass']}, fail {context['counts']['fail']}, "
-          f"resource-skip {context['counts']['resource-skip']}")
+    provenance.write(outdir, source_files, artifacts, root=root)
+    return context
+
+
+def replace_into(staged, outdir):
+    """Move every entry of `staged` into `outdir` (directories replaced whole), then drop entries of an earlier
+    report that this one no longer has (a figure no row produced any more)."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    produced = {p.name for p in staged.iterdir()}
+    for src in staged.iterdir():
+        dst = outdir / src.name
+        if dst.is_dir() and not dst.is_symlink():
+            shutil.rmtree(dst)
+        os.replace(src, dst)
+    for old in outdir.iterdir():
+        if old.name not in produced and old.name in REPORT_ENTRIES:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+REPORT_ENTRIES = ("data", "figures", "report.md", "report.html", "summary.csv", "provenance.json")
+
+
+def render(inputs, outdir):
+    """Check the inputs, render into a temporary directory beside `outdir`, then move the files into place.
+    Raises ReportInputError (naming every bad file) before anything in `outdir` changes."""
+    outdir = Path(outdir)
+    loaded = report_data.load(inputs)
+    outdir.parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.tmp-", dir=outdir.parent))
+    try:
+        context = build(inputs, loaded, staged)
+        replace_into(staged, outdir)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    return context
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m shapewise.report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--inputs", required=True, help="the JSON file of inputs the report rule writes")
+    parser.add_argument("--outdir", required=True)
+    args = parser.parse_args(argv)
+    try:
+        inputs = json.loads(Path(args.inputs).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"report: cannot read the inputs file {args.inputs}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        context = render(inputs, args.outdir)
+    except ReportInputError as exc:
+        print(f"report: {exc}\nThe previous report in {args.outdir} is unchanged.", file=sys.stderr)
+        return 1
+    counts = context["counts"]
+    print(f"report: {len(context['rows'])} rows in {len(context['groups'])} machine group(s); "
+          f"pass {counts['pass']}, fail {counts['fail']}, resource-skip {counts['resource-skip']}; "
+          f"written to {args.outdir}")
     return 0
 
 
-def protocols(rows):
-    """The timing and ablation protocol most rows ran, and the rows that ran another one (heavy rows)."""
-    def common(step):
-        seen = [json.dumps(r["data"][step].get("protocol"), sort_keys=True) for r in rows
-                if r["data"][step].get("protocol")]
-        return max(set(seen), key=seen.count) if seen else None
-
-    out, exceptions = [], []
-    for step in ("timing", "ablation"):
-        usual = common(step)
-        out.append(json.loads(usual) if usual else None)
-        for r in rows:
-            p = r["data"][step].get("protocol")
-            if p and json.dumps(p, sort_keys=True) != usual:
-                exceptions.append({"id": r["id"], "step": step, "protocol": p})
-    return out[0], out[1], exceptions
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,341 @@
+"""The report built from hand-made result files (no Snakemake, no models): identity checks, damaged files, the
+previous report kept on failure, a resource-skip row, summary.csv's columns, the baseline section.
+
+`make_run` is also used by tests/test_browser.py."""
+
+import copy
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from shapewise import identity, paths, report, report_data
+
+IMPL = "a" * 64
+ENV = "e" * 64
+MACHINE = "NVIDIA H200 | software 7e5f54b6e272"
+
+
+def _row(rid, batch, seq, d, target=None, pass_mask=True):
+    row = {"id": rid, "batch_size": batch, "seq_len": seq, "d_model": d, "num_heads": 4, "ffn_dim": 4 * d,
+           "num_layers": 2, "causal": True, "dtype": "float32", "padding_ratio": 0.0, "input_scale": 1.0,
+           "trials": 2, "route": "auto", "mask": "none", "pass_mask": pass_mask}
+    if target is not None:
+        row["target_ms"] = target
+    return row
+
+
+ENVIRONMENT = {"machine_key": MACHINE, "gpu_name": "NVIDIA H200", "gpu_count": 2, "host": "node1",
+               "cpu": "Intel(R) Xeon(R) Processor", "cpu_count": 16, "driver": "580.1", "cuda_runtime": "13.0",
+               "torch_full": "2.11.0+cu130", "triton": "3.6.0", "python": "3.12.3", "package_count": 244,
+               "packages_sha256": "1" * 64}
+ROUTE = {"name": "fused", "precision": "fp16", "reason": "short, narrow, launch-bound shape: one kernel per layer "
+         "(tokens*d = 2097152), which is a long sentence that must not widen the table", "forced": False,
+         "attention": "triton", "launch": [32, 4, 2], "kv_precompute": True, "chunk": None}
+ROUTE_STR = ("fused/fp16 launch=(32, 4, 2) kv=precomputed (auto: short, narrow, launch-bound shape: one kernel per "
+             "layer (tokens*d = 2097152), which is a long sentence that must not widen the table)")
+SWITCHES = ["fused_layer", "cuda_graph", "kv_precompute"]
+
+
+def _header(step, row):
+    return {"step": step, "shape": row["id"] if row else None, "row": row, "device": "cuda",
+            "environment": ENVIRONMENT, "started": "2026-11-30T10:00:00+00:00",
+            "finished": "2026-11-30T10:00:05+00:00", "identity": identity.identity(row, IMPL, ENV)}
+
+
+def _model(median, spread=0.01, peak=None, with_ci=True):
+    rounds = [median * (1 - spread / 2), median, median * (1 + spread / 2)]
+    out = {"median_ms": median, "p90_ms": median * 1.02, "min_ms": median * 0.98, "first_call_ms": 900.0,
+           "peak_memory_bytes": peak, "tokens_per_s": 1e7, "times_ms": rounds}
+    if with_ci:
+        out.update(round_medians_ms=rounds, median_ci_ms=[rounds[0], rounds[2]], rel_spread=rounds[2] / rounds[0] - 1)
+    return out
+
+
+def _results(row, kind):
+    """{step: result} of one row: kind 'timed' (every new field), 'old-timing' (no interval/gpu/contention fields:
+    an older timing job, identity present) or 'skip' (nothing fits)."""
+    io = 2 * row["batch_size"] * row["seq_len"] * row["d_model"] * 4
+    pre = _header("preflight", row)
+    fits = kind != "skip"
+    pre.update(budget_bytes=10**9, models={m: {"dtype": "float32", "estimate_bytes": 10**6 if fits else 10**15,
+                                              "fits": fits} for m in ("reference", "optimized")})
+    acc = _header("accuracy", row)
+    tim = _header("timing", row)
+    tim.update(protocol={"name": "official", "warmup": 20, "rounds": 3, "calls": 100, "timer": "cuda events per call",
+                         "float32_matmul_precision": "high"}, skips={}, call="model(x, mask)")
+    prof = _header("profile", row)
+    abl = _header("ablation", row)
+    if kind == "skip":
+        reason = "optimized model needs ~1000000000000000 bytes, budget 1000000000 bytes"
+        acc.update(status="resource-skip", skip_reason=reason)
+        tim["skips"] = {m: f"resource skip: estimated 1000000000000000 bytes > budget 1000000000 bytes"
+                        for m in ("reference", "optimized")}
+        tim.update(speedup=None, roofline={"available": False, "reason": "not timed"}, gpu=None)
+        prof.update(status="resource-skip", triton_kernels_ran=[])
+        abl.update(status="resource-skip")
+        return {"preflight": pre, "accuracy": acc, "timing": tim, "profile": prof, "ablation": abl}
+    comparison = {"failed_elements": 0, "max_abs_error": 0.0012, "max_rel_error": 3.0, "passed": True,
+                  "total_elements": row["batch_size"] * row["seq_len"] * row["d_model"] * 2, "trials_passed": 2}
+    acc.update(status="pass", check_method="full", route=ROUTE_STR, route_detail=ROUTE,
+               aggregate={"official": comparison, "strict": dict(comparison, failed_elements=3, passed=False)})
+    ref_ms, opt_ms = (2.2, 0.23) if row["id"].endswith("1") else (1.4, 0.6)
+    tim.update(route=ROUTE_STR, route_detail=ROUTE, reference=_model(ref_ms, peak=3 * io, with_ci=kind == "timed"),
+               optimized=_model(opt_ms, spread=0.2, peak=int(1.6 * io), with_ci=kind == "timed"),
+               speedup=ref_ms / opt_ms,
+               roofline={"available": True, "floor_ms": 0.02, "fraction_of_floor": 0.02 / opt_ms})
+    if kind == "timed":
+        tim.update(speedup_ci={"low": ref_ms / opt_ms * 0.9, "high": ref_ms / opt_ms * 1.12, "level": 0.95,
+                               "method": "bootstrap"}, noisy=True,
+                   gpu={"index": 1, "uuid": "GPU-0123456789abcdef", "name": "NVIDIA H200", "slot": 1,
+                        "slot_source": "lock", "cuda_visible_devices": "1"},
+                   contention={"checked": True, "contended": True,
+                               "other_processes": [{"pid": 4242, "name": "python", "used_memory_bytes": 2**30}]})
+    prof.update(status="ok", triton_kernels_ran=["_fused_layer_fwd"])
+    variants = [{"variant": "all-on", "disable": [], "median_ms": opt_ms, "slowdown_vs_all_on": 1.0, "passed": True}]
+    variants += [{"variant": s, "disable": [s], "median_ms": opt_ms * 1.5, "slowdown_vs_all_on": 1.5, "passed": True}
+                 for s in SWITCHES[:2]]
+    variants.append({"variant": SWITCHES[2], "disable": [SWITCHES[2]], "skipped": "not-applicable", "reason": "x"})
+    abl.update(status="ok", switches=SWITCHES, variants=variants,
+               protocol={"warmup": 5, "rounds": 1, "calls": 30})
+    return {"preflight": pre, "accuracy": acc, "timing": tim, "profile": prof, "ablation": abl}
+
+
+def write_json(path, data):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+
+
+ROWS = [(_row("t-01", 128, 128, 128, target=0.06), "timed"),
+        (_row("t-02", 8, 512, 256, target=0.4), "old-timing"),
+        (_row("t-03", 100_000_000, 1024, 1024), "skip")]
+
+
+def make_run(root, rows=ROWS):
+    """Write a results tree under root (the working directory of the report) and return the inputs dict the
+    report rule would write. Paths are relative to root, as in a pipeline run."""
+    root = Path(root)
+    write_json(root / paths.FINGERPRINTS["env"], dict(_header("fingerprint", None), kind="environment",
+                                                      dag_digest=ENV, digest="f" * 64))
+    write_json(root / paths.FINGERPRINTS["impl"], {"step": "fingerprint", "kind": "implementation", "digest": IMPL,
+                                                   "files": {}})
+    micro = _header("microbench", None)
+    micro.update({"copy": {"gb_per_s": 4183.0, "counting": "bytes read + bytes written"},
+                  "gemm": {"fp16": {"tflop_per_s": 752.3, "n": 8192}},
+                  "launch": {"eager_us_per_launch": 7.5, "graph_us_per_kernel": 0.95}})
+    write_json(root / paths.MICROBENCH, micro)
+    entries = []
+    for row, kind in rows:
+        for step, data in _results(row, kind).items():
+            write_json(root / paths.result(step, row["id"]), data)
+        extra = paths.profile_extra(row["id"])
+        (root / extra["csv"]).write_text("kernel,calls\n_fused_layer_fwd,2\n")
+        entries.append({"row": row, "results": paths.per_shape(row["id"]), "profile_csv": extra["csv"],
+                        "profile_trace": extra["trace"]})
+    (root / "shapes").mkdir(exist_ok=True)
+    (root / "shapes" / "test.yaml").write_text("# the rows are in the inputs\n")
+    return {"rows": entries, "manifests": ["shapes/test.yaml"], "fingerprints": dict(paths.FINGERPRINTS),
+            "microbench": paths.MICROBENCH, "environment_digest": ENV, "baseline": None, "pass_env": {},
+            "root": "."}
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return make_run(tmp_path)
+
+
+def _refused(inputs, outdir="results/report"):
+    with pytest.raises(report_data.ReportInputError) as info:
+        report.render(inputs, outdir)
+    return str(info.value)
+
+
+def test_report_renders_every_row_and_summary_columns(run):
+    context = report.render(run, "results/report")
+    out = Path("results/report")
+    for name in ("report.md", "report.html", "summary.csv", "provenance.json", "figures/speedup.png",
+                 "figures/latency.png", "figures/ablation.png", "data/timing/t-01.json"):
+        assert (out / name).is_file(), name
+    with open(out / "summary.csv", newline="") as fh:
+        reader = csv.DictReader(fh)
+        assert reader.fieldnames == report_data.SUMMARY_COLUMNS
+        rows = {r["id"]: r for r in reader}
+    assert list(rows) == ["t-01", "t-02", "t-03"]
+    t1, t2, t3 = rows["t-01"], rows["t-02"], rows["t-03"]
+    assert t1["machine"] == MACHINE and t1["status"] == "pass" and t1["call"] == "model(x, mask)"
+    assert t1["route"] == "fused(32,4,2)+kv"
+    assert float(t1["speedup_ci_low"]) < float(t1["speedup"]) < float(t1["speedup_ci_high"])
+    assert t1["noisy"] == "true" and t1["target_met"] == "false"
+    assert int(t1["io_bytes"]) == 2 * 128 * 128 * 128 * 4 and int(t1["strict_failed_elements"]) == 3
+    assert t2["speedup_ci_low"] == "" and t2["noisy"] == "" and t2["reference_ci_low_ms"] == ""
+    assert t3["status"] == "resource-skip" and t3["optimized_median_ms"] == "" and t3["route"] == ""
+    assert t3["target_met"] == ""
+    assert context["counts"] == {"pass": 2, "fail": 0, "resource-skip": 1}
+
+    html = (out / "report.html").read_text()
+    md = (out / "report.md").read_text()
+    assert "resource-skip" in html and "t-03" in html
+    # short labels in the tables, the full sentence one hover away
+    assert ">fused(32,4,2)+kv</a>" in html and f'title="{ROUTE_STR}"' in html
+    assert "model(x, mask)" in html and "contended" in html and "GPU 1 (slot 1, lock)" in html
+    assert "noisy" in html and "missed" in html
+    for text in (html, md):
+        # tolerances come from the code, not from typed numbers
+        from shapewise.model.compare import TOLERANCES
+
+        assert f"atol {TOLERANCES['official']['atol']}" in text
+        assert "n/a" in text  # t-02 has no interval
+
+
+def test_tolerances_are_not_typed_into_the_templates():
+    from shapewise.model.compare import TOLERANCES
+
+    for template in paths.TEMPLATES.glob("*.j2"):
+        text = template.read_text()
+        for tol in TOLERANCES.values():
+            for value in tol.values():
+                assert f"{value:g}" not in text.replace("2·B·S·d", ""), (template, value)
+
+
+def test_route_label():
+    assert report_data.route_label(ROUTE) == "fused(32,4,2)+kv"
+    assert report_data.route_label({"name": "graph", "launch": [], "attention": "triton"}) == "graph"
+    assert report_data.route_label({"name": "triton", "attention": "sdpa", "new_field": 3}) == "triton+sdpa"
+    assert report_data.route_label({"name": "reference", "forced": True}) == "reference (forced)"
+    assert report_data.route_label(None, "graph/fp16 (auto: launch-bound)") == "graph"
+    assert report_data.route_label(None, None) is None
+
+
+def test_foreign_result_is_refused_by_file_name(run):
+    # another row's valid timing copied into t-01's place
+    shutil.copyfile(paths.result("timing", "t-02"), paths.result("timing", "t-01"))
+    message = _refused(run)
+    assert paths.result("timing", "t-01") in message
+    assert "row_id is 't-02', expected 't-01'" in message
+    assert "--forcerun $(shapewise targets t-01)" in message
+    assert not Path("results/report").exists()
+
+
+def test_result_of_another_implementation_is_refused(run):
+    path = paths.result("accuracy", "t-02")
+    data = json.loads(Path(path).read_text())
+    data["identity"]["implementation_digest"] = "b" * 64
+    write_json(path, data)
+    message = _refused(run)
+    assert path in message and "implementation_digest" in message
+
+
+def test_row_changed_since_the_result_is_refused(run):
+    changed = copy.deepcopy(run)
+    changed["rows"][0]["row"]["seq_len"] = 256
+    message = _refused(changed)
+    assert "row_digest" in message and paths.result("preflight", "t-01") in message
+
+
+def test_result_without_identity_is_refused_as_predating_it(run):
+    path = paths.result("profile", "t-01")
+    data = json.loads(Path(path).read_text())
+    del data["identity"]
+    write_json(path, data)
+    message = _refused(run)
+    assert path in message and "predates" in message and "shapewise targets t-01" in message
+
+
+def test_truncated_result_is_named_with_the_command(run):
+    path = Path(paths.result("timing", "t-01"))
+    path.write_text(path.read_text()[:200])
+    message = _refused(run)
+    assert str(path) in message and "not valid JSON" in message
+    assert "snakemake --cores all --forcerun $(shapewise targets t-01)" in message
+    assert "JSONDecodeError" not in message
+
+
+def test_missing_result_is_named(run):
+    Path(paths.result("ablation", "t-02")).unlink()
+    message = _refused(run)
+    assert paths.result("ablation", "t-02") in message and "missing" in message
+
+
+def test_every_bad_file_is_named_at_once(run):
+    Path(paths.result("ablation", "t-02")).unlink()
+    Path(paths.result("timing", "t-01")).write_text("{")
+    message = _refused(run)
+    assert paths.result("ablation", "t-02") in message and paths.result("timing", "t-01") in message
+
+
+def test_failed_report_keeps_the_previous_one(run, capsys):
+    report.render(run, "results/report")
+    out = Path("results/report")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    Path(paths.result("timing", "t-01")).write_text('{"truncated": ')
+    Path("inputs.json").write_text(json.dumps(run))
+    assert report.main(["--inputs", "inputs.json", "--outdir", "results/report"]) == 1
+    err = capsys.readouterr().err
+    assert paths.result("timing", "t-01") in err and "previous report" in err
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before
+    assert [p.name for p in Path("results").iterdir() if p.name.startswith(".report")] == []
+
+
+def test_failure_while_rendering_keeps_the_previous_one(run, monkeypatch):
+    report.render(run, "results/report")
+    before = Path("results/report/report.html").read_bytes()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("figure failed")
+
+    monkeypatch.setattr(report.report_figures, "make_all", broken)
+    with pytest.raises(RuntimeError):
+        report.render(run, "results/report")
+    assert Path("results/report/report.html").read_bytes() == before
+    assert Path("results/report/figures/speedup.png").is_file()
+    assert [p.name for p in Path("results").iterdir() if p.name.startswith(".report")] == []
+
+
+def test_only_resource_skip_rows_still_render(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    inputs = make_run(tmp_path, rows=[(_row("huge", 100_000_000, 1024, 1024), "skip")])
+    context = report.render(inputs, "results/report")
+    assert context["counts"]["resource-skip"] == 1
+    html = Path("results/report/report.html").read_text()
+    assert "huge" in html and "resource skip" in html and "No figures" in html
+
+
+def test_provenance_verifies(run):
+    from shapewise.provenance import verify
+
+    report.render(run, "results/report")
+    assert verify("results/report", artifacts_only=True, out=lambda *_: None) == 0
+
+
+def test_baseline_section(run):
+    report.render(run, "results/report")
+    shutil.copytree("results/report", "baseline")
+    # the baseline: t-01's optimized model much faster (so this run is a regression), t-02 routed differently,
+    # a row this run does not have
+    with open("baseline/summary.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    rows[0]["optimized_median_ms"] = "0.1"
+    rows[0]["optimized_ci_low_ms"], rows[0]["optimized_ci_high_ms"] = "0.099", "0.101"
+    rows[1]["route"] = "graph"
+    gone = dict(rows[1], id="t-gone")
+    with open("baseline/summary.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=report_data.SUMMARY_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows + [gone])
+    context = report.render(dict(run, baseline="baseline"), "results/report")
+    base = context["baseline"]
+    assert base["regressions"] == ["t-01"]
+    assert [r["id"] for r in base["removed"]] == ["t-gone"]
+    assert [r["id"] for r in base["route_changes"]] == ["t-02"]
+    html = Path("results/report/report.html").read_text()
+    assert 'id="baseline"' in html and "t-gone" in html and "graph → fused(32,4,2)+kv" in html
+
+
+def test_bad_baseline_is_named(run):
+    message = _refused(dict(run, baseline="nowhere"))
+    assert "nowhere" in message and "baseline" in message

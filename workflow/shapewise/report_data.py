@@ -1,0 +1,299 @@
+"""The report's data: the inputs the DAG hands it, checked, and the per-row table built from them.
+
+The report rule writes one JSON file of inputs (see workflow/rules/report.smk): the rows of the run with their
+manifest fields, each row's result files (from shapewise.paths), the fingerprints, the microbenchmark, the
+environment digest of the run and, optionally, a baseline report directory. Nothing here re-reads a manifest.
+
+Every result is checked before it is used: it must parse, and its `identity` (shapewise.identity) must name the
+row, the row digest, the implementation digest and the environment digest of this run. A result that does not is
+refused by file name with the command that regenerates it; all problems are collected first and raised together
+(ReportInputError), so one report run names every bad file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from shapewise import identity, paths, roofline
+
+# The columns of summary.csv, in this order (CONTRACT.md; shapewise.compare reads them).
+SUMMARY_COLUMNS = [
+    "id", "machine", "status", "call", "route", "failed_elements", "total_elements", "max_abs_error",
+    "strict_failed_elements", "reference_median_ms", "reference_ci_low_ms", "reference_ci_high_ms",
+    "optimized_median_ms", "optimized_ci_low_ms", "optimized_ci_high_ms", "speedup", "speedup_ci_low",
+    "speedup_ci_high", "noisy", "target_ms", "target_met", "optimized_peak_memory_bytes", "io_bytes",
+]
+STATUSES = ("pass", "fail", "resource-skip")
+
+
+class ReportInputError(RuntimeError):
+    """Results the report refuses; `problems` holds one line per bad file."""
+
+    def __init__(self, problems):
+        self.problems = list(problems)
+        super().__init__("the report refuses these results:\n  " + "\n  ".join(self.problems))
+
+
+def regenerate_row(row_id):
+    return f"snakemake --cores all --forcerun $(shapewise targets {row_id})"
+
+
+def regenerate_file(path):
+    return f"snakemake --cores all --forcerun {path}"
+
+
+def read_result(path, regenerate, problems):
+    """The parsed JSON of `path`, or None after appending a problem that names the file and the fix."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        problems.append(f"{path}: missing; regenerate it with: {regenerate}")
+        return None
+    except OSError as exc:
+        problems.append(f"{path}: cannot be read ({exc.strerror}); regenerate it with: {regenerate}")
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        problems.append(f"{path}: damaged, not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
+                        f"regenerate it with: {regenerate}")
+        return None
+    if not isinstance(data, dict):
+        problems.append(f"{path}: damaged, a JSON {type(data).__name__} instead of an object; "
+                        f"regenerate it with: {regenerate}")
+        return None
+    return data
+
+
+def check_identity(path, data, expected, regenerate, problems):
+    """Append a problem when the result's identity is absent or does not match `expected`."""
+    if data is None:
+        return
+    if "identity" not in data:
+        problems.append(f"{path}: has no identity: it predates result identities (written by an older shapewise), "
+                        f"so what it measured cannot be checked; regenerate it with: {regenerate}")
+        return
+    wrong = identity.mismatches(data, expected)
+    if wrong:
+        problems.append(f"{path}: does not belong to this run: {'; '.join(wrong)}; regenerate it with: {regenerate}")
+
+
+def load(inputs):
+    """Read and check every result the inputs name. Returns {"rows": [...], "fingerprints", "microbench", ...};
+    raises ReportInputError naming every bad file."""
+    problems = []
+    fp_paths = inputs["fingerprints"]
+    env_fp = read_result(fp_paths["env"], regenerate_file(fp_paths["env"]), problems)
+    impl_fp = read_result(fp_paths["impl"], regenerate_file(fp_paths["impl"]), problems)
+    if impl_fp is not None and "digest" not in impl_fp:
+        problems.append(f"{fp_paths['impl']}: has no field 'digest'; regenerate it with: "
+                        f"{regenerate_file(fp_paths['impl'])}")
+        impl_fp = None
+    if problems:  # without the digests nothing else can be checked
+        raise ReportInputError(problems)
+    digests = {"implementation_digest": impl_fp["digest"], "environment_digest": inputs["environment_digest"]}
+
+    microbench = read_result(inputs["microbench"], regenerate_file(inputs["microbench"]), problems)
+    check_identity(inputs["microbench"], microbench, digests, regenerate_file(inputs["microbench"]), problems)
+
+    rows = []
+    for entry in inputs["rows"]:
+        row = entry["row"]
+        expected = dict(digests, row_id=row["id"], row_digest=identity.row_digest(row))
+        regenerate = regenerate_row(row["id"])
+        data = {}
+        for step in paths.SHAPE_STEPS:
+            path = entry["results"][step]
+            data[step] = read_result(path, regenerate, problems)
+            check_identity(path, data[step], expected, regenerate, problems)
+        rows.append({"id": row["id"], "row": row, "data": data, "paths": entry["results"],
+                     "profile_csv": entry["profile_csv"], "profile_trace": entry["profile_trace"]})
+    if problems:
+        raise ReportInputError(problems)
+    return {"rows": rows, "environment_fingerprint": env_fp, "implementation": impl_fp, "microbench": microbench}
+
+
+# ------------------------------------------------------------------ one row
+
+
+def route_label(detail, route=None):
+    """A short label of a route (`fused(32,4,2)+kv`, `graph`, `triton+sdpa`, `reference (forced)`).
+
+    `detail` is Route.as_dict() from a result (fields beyond name, launch, kv_precompute, attention and forced
+    are ignored); without it the route string's name (before the first '/') is used; None without either."""
+    if isinstance(detail, dict) and detail.get("name"):
+        label = str(detail["name"])
+        launch = detail.get("launch") or []
+        if launch:
+            label += "(" + ",".join(str(v) for v in launch) + ")"
+        if detail.get("kv_precompute"):
+            label += "+kv"
+        attention = detail.get("attention")
+        if attention and attention != "triton":
+            label += f"+{attention}"
+        if detail.get("forced"):
+            label += " (forced)"
+        return label
+    if route:
+        return str(route).split("/")[0].split(" ")[0]
+    return None
+
+
+def _num(value):
+    """A finite float, or None."""
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _ci(model):
+    ci = model.get("median_ci_ms") if isinstance(model, dict) else None
+    if isinstance(ci, (list, tuple)) and len(ci) == 2:
+        return _num(ci[0]), _num(ci[1])
+    return None, None
+
+
+def call_of_row(row):
+    """The call a row measures, from its pass_mask (the timing result's `call` is preferred where present)."""
+    return "model(x, mask)" if row.get("pass_mask", True) else "model(x)"
+
+
+def row_record(item):
+    """One row of the report's table: the summary.csv fields plus what the HTML/Markdown tables show."""
+    row, data = item["row"], item["data"]
+    acc, tim = data["accuracy"], data["timing"]
+    aggregate = acc.get("aggregate") or {}
+    official, strict = aggregate.get("official") or {}, aggregate.get("strict") or {}
+    ref, opt = tim.get("reference") or {}, tim.get("optimized") or {}
+    ref_lo, ref_hi = _ci(ref)
+    opt_lo, opt_hi = _ci(opt)
+    sci = tim.get("speedup_ci") or {}
+    detail = tim.get("route_detail") or acc.get("route_detail")
+    route = tim.get("route") or acc.get("route")
+    opt_ms = _num(opt.get("median_ms"))
+    target = _num(row.get("target_ms"))
+    gpu = tim.get("gpu") or {}
+    contention = tim.get("contention") or {}
+    env = tim.get("environment") or acc.get("environment") or {}
+    return {
+        "id": row["id"],
+        "machine": env.get("machine_key") or "unknown",
+        "status": acc.get("status"),
+        "call": tim.get("call") or call_of_row(row),
+        "route": route_label(detail, route),
+        "failed_elements": official.get("failed_elements"),
+        "total_elements": official.get("total_elements"),
+        "max_abs_error": _num(official.get("max_abs_error")),
+        "strict_failed_elements": strict.get("failed_elements"),
+        "reference_median_ms": _num(ref.get("median_ms")),
+        "reference_ci_low_ms": ref_lo,
+        "reference_ci_high_ms": ref_hi,
+        "optimized_median_ms": opt_ms,
+        "optimized_ci_low_ms": opt_lo,
+        "optimized_ci_high_ms": opt_hi,
+        "speedup": _num(tim.get("speedup")),
+        "speedup_ci_low": _num(sci.get("low")),
+        "speedup_ci_high": _num(sci.get("high")),
+        "noisy": tim.get("noisy") if isinstance(tim.get("noisy"), bool) else None,
+        "target_ms": target,
+        "target_met": (opt_ms <= target) if opt_ms is not None and target is not None else None,
+        "optimized_peak_memory_bytes": opt.get("peak_memory_bytes"),
+        "io_bytes": roofline.min_bytes(**row)["activations"],
+        # shown in the tables, not in summary.csv
+        "route_full": route,
+        "reference_rel_spread": _num(ref.get("rel_spread")),
+        "optimized_rel_spread": _num(opt.get("rel_spread")),
+        "reference_round_medians_ms": ref.get("round_medians_ms"),
+        "optimized_round_medians_ms": opt.get("round_medians_ms"),
+        "protocol_name": (tim.get("protocol") or {}).get("name"),
+        "gpu": gpu_label(gpu),
+        "contended": contention.get("contended") if contention.get("checked") else None,
+        "contention_detail": contention.get("other_processes") or [],
+        "optimized_p90_ms": _num(opt.get("p90_ms")),
+        "optimized_first_call_ms": _num(opt.get("first_call_ms")),
+        "optimized_tokens_per_s": _num(opt.get("tokens_per_s")),
+        "skips": tim.get("skips") or {},
+        "skip_reason": acc.get("skip_reason"),
+        "check_method": acc.get("check_method"),
+        "fraction_of_floor": _num((tim.get("roofline") or {}).get("fraction_of_floor")),
+        "floor_ms": _num((tim.get("roofline") or {}).get("floor_ms")),
+    }
+
+
+def gpu_label(gpu):
+    """`GPU 1 (slot 1, lock) GPU-abcd1234` from a timing result's `gpu`; None on a CPU or when absent."""
+    if not isinstance(gpu, dict) or not gpu:
+        return None
+    parts = [f"GPU {gpu.get('index')}" if gpu.get("index") is not None else "GPU ?"]
+    slot = gpu.get("slot")
+    source = gpu.get("slot_source")
+    if slot is not None or source:
+        parts.append(f"(slot {slot if slot is not None else '-'}" + (f", {source})" if source else ")"))
+    if gpu.get("uuid"):
+        parts.append(str(gpu["uuid"])[:12])
+    return " ".join(parts)
+
+
+# ------------------------------------------------------------------ the table
+
+
+def table(loaded):
+    """pandas DataFrame, one row per result row, in the order of the inputs."""
+    records = [row_record(item) for item in loaded["rows"]]
+    return pd.DataFrame.from_records(records, columns=list(records[0]) if records else SUMMARY_COLUMNS)
+
+
+def _geomean(series):
+    values = series.dropna()
+    values = values[values > 0]
+    if values.empty:
+        return None
+    return float(math.exp(values.map(math.log).mean()))
+
+
+def machine_groups(frame, loaded):
+    """One dict per machine (in order of first appearance): counts, geomean speedup, its rows."""
+    groups = []
+    items = {item["id"]: item for item in loaded["rows"]}
+    for index, (key, part) in enumerate(frame.groupby("machine", sort=False), 1):
+        counts = part["status"].value_counts()
+        envs = [(items[i]["data"]["timing"].get("environment") or {}) for i in part["id"]]
+        env = envs[0] if envs else {}
+        groups.append({
+            "index": index,
+            "key": key,
+            "environment": env,
+            "hosts": sorted({e.get("host") for e in envs if e.get("host")}),
+            "is_cpu": env.get("gpu_name") is None,
+            "ids": list(part["id"]),
+            "geomean_speedup": _geomean(part["speedup"]),
+            "timed_rows": int(part["speedup"].notna().sum()),
+            "passed": int(counts.get("pass", 0)),
+            "failed": int(counts.get("fail", 0)),
+            "skipped": int(counts.get("resource-skip", 0)),
+            "elements": int(part["total_elements"].fillna(0).sum()),
+            "failed_elements": int(part["failed_elements"].fillna(0).sum()),
+            "noisy_rows": int((part["noisy"] == True).sum()),  # noqa: E712 (a column of True/False/None)
+            "targets": int(part["target_met"].notna().sum()),
+            "targets_met": int((part["target_met"] == True).sum()),  # noqa: E712
+        })
+    return groups
+
+
+def write_summary(frame, path):
+    """summary.csv: exactly SUMMARY_COLUMNS, empty cells for missing values, booleans as true/false."""
+    out = frame[SUMMARY_COLUMNS].copy()
+    for column in ("noisy", "target_met"):
+        out[column] = out[column].map(lambda v: "" if v is None or v != v else ("true" if v else "false"))
+    for column in ("failed_elements", "total_elements", "strict_failed_elements", "optimized_peak_memory_bytes",
+                   "io_bytes"):
+        out[column] = out[column].astype("Int64")
+    out.to_csv(path, index=False, na_rep="", float_format="%.8g")

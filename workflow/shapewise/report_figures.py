@@ -1,0 +1,121 @@
+"""The report's figures (matplotlib, Agg): horizontal bars, one bar per row, sized by the number of rows, so that
+they stay readable with 30 rows and more."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+ROW_INCHES = 0.32  # height per bar
+MIN_HEIGHT = 2.6
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _height(n):
+    return max(MIN_HEIGHT, ROW_INCHES * n + 1.4)
+
+
+def _labels(frame, multi):
+    return [f"{i} [M{m}]" if multi else str(i) for i, m in zip(frame["id"], frame["machine_index"])]
+
+
+def speedup(frame, path, multi):
+    """Speedup per row with its interval (where known); rows without a speedup are left out."""
+    plt = _plt()
+    part = frame[frame["speedup"].notna()].iloc[::-1]
+    fig, ax = plt.subplots(figsize=(7.5, _height(len(part))))
+    ys = list(range(len(part)))
+    values = list(part["speedup"])
+    colors = ["tab:green" if v >= 1 else "tab:red" for v in values]
+    ax.barh(ys, values, color=colors, height=0.7)
+    low = [v - lo if lo == lo and lo is not None else 0 for v, lo in zip(values, part["speedup_ci_low"])]
+    high = [hi - v if hi == hi and hi is not None else 0 for v, hi in zip(values, part["speedup_ci_high"])]
+    ax.errorbar(values, ys, xerr=[low, high], fmt="none", ecolor="black", elinewidth=1, capsize=2)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    if max(values) / max(min(values), 1e-12) > 20:
+        ax.set_xscale("log")
+    ax.set_yticks(ys, _labels(part, multi), fontsize=8)
+    ax.set_xlabel("speedup = reference median / optimized median (bars: 95 % interval)")
+    ax.set_title("Speedup per row")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def latency(frame, path, multi):
+    """Optimized median against the row's target and the roofline floor (log scale)."""
+    plt = _plt()
+    part = frame[frame["optimized_median_ms"].notna()].iloc[::-1]
+    fig, ax = plt.subplots(figsize=(7.5, _height(len(part))))
+    ys = list(range(len(part)))
+    ax.barh(ys, list(part["optimized_median_ms"]), color="tab:blue", height=0.7, label="optimized median")
+    for column, marker, color, label in (("target_ms", "|", "tab:red", "target"),
+                                         ("floor_ms", "x", "black", "roofline floor")):
+        pts = [(v, y) for v, y in zip(part[column], ys) if v is not None and v == v]
+        if pts:
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, s=120, color=color, label=label,
+                       zorder=3)
+    ax.set_xscale("log")
+    ax.set_yticks(ys, _labels(part, multi), fontsize=8)
+    ax.set_xlabel("ms per forward (log scale)")
+    ax.set_title("Optimized latency against target and roofline floor")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def ablation(items, switches, path):
+    """Heat map: time with one switch off / all on, one line per row."""
+    plt = _plt()
+    matrix, notes = [], []
+    for item in items:
+        by_name = {v["variant"]: v for v in item["data"]["ablation"].get("variants", [])}
+        line, note = [], []
+        for s in switches:
+            v = by_name.get(s, {})
+            value = v.get("slowdown_vs_all_on")
+            line.append(float(value) if value is not None and "skipped" not in v and "error" not in v else math.nan)
+            note.append("n/a" if v.get("skipped") == "not-applicable" else "skip" if v.get("skipped") else "err")
+        matrix.append(line)
+        notes.append(note)
+    fig, ax = plt.subplots(figsize=(max(5.5, 0.9 * len(switches) + 3), _height(len(items))))
+    image = ax.imshow(matrix, aspect="auto", cmap="viridis")
+    ax.set_xticks(range(len(switches)), switches, rotation=40, ha="right", fontsize=8)
+    ax.set_yticks(range(len(items)), [i["id"] for i in items], fontsize=8)
+    for i, line in enumerate(matrix):
+        for j, value in enumerate(line):
+            ax.text(j, i, notes[i][j] if value != value else f"{value:.2f}", ha="center", va="center", fontsize=7,
+                    color="white")
+    fig.colorbar(image, ax=ax, label="time with the switch off / all on")
+    ax.set_title("Ablation: slowdown when one optimization is off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def make_all(frame, items, switches, outdir):
+    """Write the figures under outdir/figures; {name: relative path} of those made."""
+    fig_dir = Path(outdir) / "figures"
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    multi = frame["machine_index"].nunique() > 1
+    made = {}
+    if frame["speedup"].notna().any():
+        speedup(frame, fig_dir / "speedup.png", multi)
+        made["speedup"] = "figures/speedup.png"
+    if frame["optimized_median_ms"].notna().any():
+        latency(frame, fig_dir / "latency.png", multi)
+        made["latency"] = "figures/latency.png"
+    abl = [i for i in items if i["data"]["ablation"].get("status") == "ok"]
+    if abl and switches:
+        ablation(abl, switches, fig_dir / "ablation.png")
+        made["ablation"] = "figures/ablation.png"
+    return made
