@@ -40,6 +40,7 @@ validate(config, "workflow/schemas/config.schema.yaml")
 
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/gpus.smk"
 include: "workflow/rules/measure.smk"
 include: "workflow/rules/report.smk"
 

@@ -138,13 +138,16 @@ def job_environment_variables(passed):
 
 def run_job(args):
     job_environment_variables(getattr(args, "env", []))
-    # Triton reads TRITON_INTERPRET when it is imported: set it before any job
-    # module (the model, the kernels) is imported. torch itself does not
-    # import triton, so asking it whether there is a GPU is safe.
-    if getattr(args, "device", None) == "auto":
-        import torch
+    # A GPU job takes one GPU of the run's pool for its whole run (shapewise.gpuslots), before anything
+    # imports torch: CUDA_VISIBLE_DEVICES must be set before CUDA initializes. `auto` is resolved after
+    # that. The GPU jobs are those measure.smk gives gpu=1 (all device jobs but the implementation
+    # fingerprint). Triton reads TRITON_INTERPRET when it is imported: set it before any job module
+    # (the model, the kernels) is imported; torch itself does not import triton.
+    if getattr(args, "device", None) is not None:
+        from shapewise import gpuslots
 
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        needs_gpu = not (args.step == "fingerprint" and args.kind == "implementation")
+        args.device = gpuslots.enter_job(args.device, needs_gpu=needs_gpu, label=f"{args.step} {args.out}")
     if getattr(args, "device", None) == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if args.step == "report":

@@ -1,0 +1,362 @@
+"""GPU slots for local runs (shapewise.gpuslots, workflow/rules/gpus.smk), on the CPU with fake GPUs."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from shapewise import gpuslots
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKFLOW = ROOT / "workflow"
+FAKE2 = [{"index": "0", "uuid": "GPU-aaaa-0000", "name": "NVIDIA H200"},
+         {"index": "1", "uuid": "GPU-bbbb-1111", "name": "NVIDIA H200"}]
+
+
+@pytest.fixture(autouse=True)
+def _release_held():
+    yield
+    for slot in list(gpuslots._HELD):
+        slot.release()
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    for name in [n for n in env if n.startswith("SHAPEWISE_") or n in ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID")]:
+        del env[name]
+    env["PYTHONPATH"] = str(WORKFLOW)
+    env.update(extra)
+    return env
+
+
+# ---- the pool ---------------------------------------------------------------------------------------
+
+def test_nvidia_smi_lines_are_parsed(monkeypatch):
+    out = ("GPU 0: NVIDIA H200 (UUID: GPU-aaaa-0000)\n"
+           "GPU 1: NVIDIA H200 (UUID: GPU-bbbb-1111)\n"
+           "  MIG 1g.18gb     Device  0: (UUID: MIG-cccc)\n")
+    monkeypatch.setattr(gpuslots.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=out, stderr=""))
+    assert gpuslots.list_gpus({}) == FAKE2
+    assert gpuslots.list_gpus({gpuslots.FAKE_VAR: "3"})[2] == {"index": "2", "uuid": "GPU-fake-2",
+                                                               "name": "fake GPU"}
+
+
+def test_pool_follows_cuda_visible_devices_and_knob():
+    assert [g["index"] for g in gpuslots.resolve_pool("all", {}, FAKE2)] == ["0", "1"]
+    # the user's own token is what the job's CUDA_VISIBLE_DEVICES gets: index, UUID or UUID prefix
+    for cvd, token in (("1", "1"), ("GPU-bbbb-1111", "GPU-bbbb-1111"), ("GPU-bb", "GPU-bb")):
+        (gpu,) = gpuslots.resolve_pool("all", {"CUDA_VISIBLE_DEVICES": cvd}, FAKE2)
+        assert (gpu["index"], gpu["token"]) == ("1", token)
+    # no CUDA_VISIBLE_DEVICES: the UUID, which names the GPU whatever CUDA's device order
+    assert gpuslots.resolve_pool("all", {}, FAKE2)[0]["token"] == "GPU-aaaa-0000"
+    assert gpuslots.resolve_pool("all", {"CUDA_VISIBLE_DEVICES": ""}, FAKE2) == []
+    assert [g["index"] for g in gpuslots.resolve_pool("1,0", {}, FAKE2)] == ["1", "0"]
+    assert [g["index"] for g in gpuslots.resolve_pool([1], {}, FAKE2)] == ["1"]
+    assert [g["index"] for g in gpuslots.resolve_pool(1, {}, FAKE2)] == ["0"]
+    assert [g["index"] for g in gpuslots.resolve_pool("1", {"CUDA_VISIBLE_DEVICES": "1"}, FAKE2)] == ["1"]
+
+
+@pytest.mark.parametrize("spec, env, words", [
+    (0, {}, ["gpus=0", "0 GPUs"]),
+    ("0", {}, ["0 GPUs"]),
+    (3, {}, ["3 GPUs", "2 are visible"]),
+    ("two", {}, ["'two'", "must be all, a number"]),
+    (True, {}, ["True"]),
+    ([], {}, ["[]"]),
+    ("0,0", {}, ["'0,0'", "GPU 0 is listed twice"]),
+    ("0,5", {}, ["'5' names no GPU"]),
+    ("0,", {}, ["empty GPU id"]),
+    ([0, "GPU-zz"], {}, ["'GPU-zz' names no GPU"]),
+    ("0", {"CUDA_VISIBLE_DEVICES": "7"}, ["CUDA_VISIBLE_DEVICES=7", "'7' names no GPU"]),
+    ("all", {"CUDA_VISIBLE_DEVICES": "1,1"}, ["named twice"]),
+    ("0,1", {"CUDA_VISIBLE_DEVICES": "1"}, ["'0' names no GPU", "1 (GPU-bbbb-1111)"]),
+])
+def test_bad_knob_is_a_clear_error(spec, env, words):
+    with pytest.raises(gpuslots.GpuError) as info:
+        gpuslots.resolve_pool(spec, env, FAKE2)
+    message = str(info.value)
+    for word in words:
+        assert word in message
+    assert "GPU" in message
+
+
+# ---- slots held by processes --------------------------------------------------------------------------
+
+HOLDER = textwrap.dedent("""
+    import json, sys, time
+    from shapewise import gpuslots
+    lock_dir, start_at, hold_s, out = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+    pool = gpuslots.list_gpus()
+    time.sleep(max(0.0, start_at - time.time()))
+    asked = time.time()
+    slot = gpuslots.acquire(pool, lock_dir, label=out, poll_s=0.05)
+    got = time.time()
+    print("held", flush=True)
+    time.sleep(hold_s)
+    end = time.time()
+    json.dump({"slot": slot.gpu["index"], "asked": asked, "start": got, "end": end}, open(out, "w"))
+""")
+
+
+def test_concurrent_jobs_never_share_a_slot(tmp_path):
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER)
+    start_at = time.time() + 2.0  # every process asks at the same moment
+    procs = []
+    for i in range(5):
+        out = tmp_path / f"job{i}.json"
+        procs.append((out, subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / "locks"), str(start_at), "0.8", str(out)],
+            env=_env(**{gpuslots.FAKE_VAR: "2"}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+    logs = []
+    for out, proc in procs:
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0, stderr
+        logs.append(stderr)
+    jobs = [json.loads(out.read_text()) for out, _ in procs]
+    assert {j["slot"] for j in jobs} == {"0", "1"}
+    for slot in ("0", "1"):
+        held = sorted((j["start"], j["end"]) for j in jobs if j["slot"] == slot)
+        for (_, end), (start, _) in zip(held, held[1:]):
+            assert start >= end, f"slot {slot} held twice at once: {held}"
+    # 5 jobs, 2 slots: at least 3 waited, and said so in their log
+    assert sum(j["start"] - j["asked"] > 0.5 for j in jobs) >= 3
+    assert sum("waiting for a free GPU" in log for log in logs) >= 3
+
+
+def test_killed_job_frees_its_slot(tmp_path):
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER)
+    lock_dir = tmp_path / "locks"
+    proc = subprocess.Popen([sys.executable, str(script), str(lock_dir), "0", "600", str(tmp_path / "x.json")],
+                            env=_env(**{gpuslots.FAKE_VAR: "1"}), stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
+        # held: a waiting acquire does not get it
+        with pytest.raises(TimeoutError):
+            _acquire_within(pool, lock_dir, 1.0)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    lock_file = lock_dir / "gpu-0.lock"
+    assert json.loads(lock_file.read_text())["pid"] == proc.pid  # the dead holder's note stays behind
+    slot = _acquire_within(pool, lock_dir, 5.0)
+    assert slot.gpu["index"] == "0"
+    assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+
+
+def _acquire_within(pool, lock_dir, seconds):
+    deadline = time.monotonic() + seconds
+
+    def give_up(message):
+        if "waiting" in message and time.monotonic() > deadline:
+            raise TimeoutError(message)
+
+    return gpuslots.acquire(pool, lock_dir, poll_s=0.05, log_every_s=0.0, log=give_up)
+
+
+# ---- what a job process gets ------------------------------------------------------------------------
+
+def _job(tmp_path, device="cuda", cuda=True, **env):
+    environ = {gpuslots.FAKE_VAR: "2", **env}
+    device = gpuslots.enter_job(device, environ=environ, cuda_available=lambda: cuda, directory=tmp_path)
+    return device, environ
+
+
+def test_pipeline_jobs_lock_different_gpus(tmp_path):
+    _, first = _job(tmp_path, SHAPEWISE_PIPELINE_GPUS="0,1")
+    _, second = _job(tmp_path, SHAPEWISE_PIPELINE_GPUS="0,1")
+    assert (first["CUDA_VISIBLE_DEVICES"], first[gpuslots.SLOT_VAR]) == ("GPU-fake-0", "0")
+    assert (second["CUDA_VISIBLE_DEVICES"], second[gpuslots.SLOT_VAR]) == ("GPU-fake-1", "1")
+    assert first[gpuslots.SOURCE_VAR] == second[gpuslots.SOURCE_VAR] == "lock"
+
+
+def test_user_cuda_visible_devices_is_honoured(tmp_path):
+    # the run's pool is the user's GPU 1 (named by UUID): the job gets exactly that token
+    _, env = _job(tmp_path, SHAPEWISE_PIPELINE_GPUS="1", CUDA_VISIBLE_DEVICES="GPU-fake-1")
+    assert (env["CUDA_VISIBLE_DEVICES"], env[gpuslots.SLOT_VAR], env[gpuslots.SOURCE_VAR]) == (
+        "GPU-fake-1", "1", "lock")
+    _, env = _job(tmp_path, SHAPEWISE_PIPELINE_GPUS="0,1", CUDA_VISIBLE_DEVICES="1,0")
+    assert (env["CUDA_VISIBLE_DEVICES"], env[gpuslots.SLOT_VAR]) == ("0", "0")  # GPU 1 is held above
+    # a job run by hand, outside a pipeline, on the GPU the user chose: no locking
+    _, env = _job(tmp_path, CUDA_VISIBLE_DEVICES="1")
+    assert (env["CUDA_VISIBLE_DEVICES"], env[gpuslots.SLOT_VAR], env[gpuslots.SOURCE_VAR]) == ("1", "1", "user")
+
+
+def test_slurm_gpu_is_used_without_locking(tmp_path):
+    _, env = _job(tmp_path, SHAPEWISE_PIPELINE_GPUS="0,1", SHAPEWISE_PIPELINE_SLURM_JOB_ID="",
+                  SLURM_JOB_ID="4242", CUDA_VISIBLE_DEVICES="1")
+    assert (env["CUDA_VISIBLE_DEVICES"], env[gpuslots.SLOT_VAR], env[gpuslots.SOURCE_VAR]) == ("1", "1", "slurm")
+    assert not list(tmp_path.glob("gpu-*.lock"))
+    # Snakemake itself running inside the allocation (salloc): a local run, its jobs share the GPUs by slots
+    _, env = _job(tmp_path, SHAPEWISE_PIPELINE_GPUS="0,1", SHAPEWISE_PIPELINE_SLURM_JOB_ID="4242",
+                  SLURM_JOB_ID="4242")
+    assert (env[gpuslots.SLOT_VAR], env[gpuslots.SOURCE_VAR]) == ("0", "lock")
+
+
+def test_cpu_jobs_take_no_slot(tmp_path):
+    device, env = _job(tmp_path, device="cpu", SHAPEWISE_PIPELINE_GPUS="0,1")
+    assert (device, env[gpuslots.SOURCE_VAR], "CUDA_VISIBLE_DEVICES" in env) == ("cpu", "none", False)
+    device, env = _job(tmp_path, device="auto", cuda=False, SHAPEWISE_PIPELINE_GPUS="")
+    assert (device, env[gpuslots.SOURCE_VAR], gpuslots.SLOT_VAR in env) == ("cpu", "none", False)
+    # auto on a machine whose torch sees no GPU: the slot taken first is given back
+    device, env = _job(tmp_path, device="auto", cuda=False, SHAPEWISE_PIPELINE_GPUS="0")
+    assert (device, env[gpuslots.SOURCE_VAR]) == ("cpu", "none")
+    assert not gpuslots._HELD
+    device = gpuslots.enter_job("auto", needs_gpu=False, environ={gpuslots.FAKE_VAR: "2"},
+                                cuda_available=lambda: True, directory=tmp_path)
+    assert device == "cuda" and not gpuslots._HELD
+
+
+def test_cli_job_takes_its_slot_before_torch(tmp_path):
+    """`shapewise job` on a fake 1-GPU pool whose GPU is held: the job waits, before importing torch."""
+    pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
+    lock_dir = gpuslots.lock_dir()
+    held = gpuslots.acquire(pool, lock_dir)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "shapewise", "job", "fingerprint", "--kind", "environment",
+                                 "--device", "cuda", "--dag-digest", "x", "--root", str(ROOT),
+                                 "--out", str(tmp_path / "fp.json")],
+                                env=_env(**{gpuslots.FAKE_VAR: "1", gpuslots.POOL_VAR: "0"}),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+        try:
+            line = proc.stdout.readline()
+            assert "waiting for a free GPU" in line, line
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+    finally:
+        held.release()
+
+
+# ---- Snakemake: the gpu resource is the pool's size ----------------------------------------------------
+
+def _snakemake(*args, env=None, cwd=ROOT, timeout=300):
+    return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=cwd, env=env or _env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_dry_run_takes_the_gpu_count_from_the_pool():
+    env = _env(**{gpuslots.FAKE_VAR: "2"})
+    done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "GPU pool: 0,1; at most 2 GPU job(s) at once (gpu resource, from this machine's GPU pool)" in done.stderr
+    done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "--resources", "gpu=1", env=env)
+    assert "at most 1 GPU job(s) at once (gpu resource, from --resources)" in done.stderr
+    done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "gpus=0,3", env=env)
+    assert done.returncode != 0
+    assert ("config gpus='0,3': '3' names no GPU; the GPUs here are 0 (GPU-fake-0), 1 (GPU-fake-1)"
+            in done.stdout + done.stderr)
+
+
+MINI = """
+import sys
+sys.path.insert(0, {workflow!r})
+DEVICE_ARG = "auto"
+config.setdefault("gpus", "all")
+include: {gpus_smk!r}
+
+rule all:
+    input: expand("out/{{i}}.json", i=range(4))
+
+rule job:
+    output: "out/{{i}}.json"
+    log: "logs/{{i}}.log"
+    resources: gpu=1
+    shell: "PYTHONPATH={workflow} {python} {job} {{output}} locks > {{log}} 2>&1"
+"""
+
+MINI_JOB = """
+import json, os, sys, time
+from shapewise import gpuslots
+device = gpuslots.enter_job("cuda", directory=sys.argv[2])
+start = time.time()
+time.sleep(1.5)
+json.dump({"slot": os.environ[gpuslots.SLOT_VAR], "cvd": os.environ["CUDA_VISIBLE_DEVICES"],
+           "source": os.environ[gpuslots.SOURCE_VAR], "start": start, "end": time.time()}, open(sys.argv[1], "w"))
+"""
+
+
+def _mini_run(tmp_path, *args):
+    (tmp_path / "job.py").write_text(MINI_JOB)
+    (tmp_path / "Snakefile").write_text(MINI.format(workflow=str(WORKFLOW), python=sys.executable,
+                                                    gpus_smk=str(WORKFLOW / "rules" / "gpus.smk"),
+                                                    job=tmp_path / "job.py"))
+    done = _snakemake("--cores", "4", "--workflow-profile", "none", *args,
+                      env=_env(**{gpuslots.FAKE_VAR: "2"}), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    jobs = [json.loads((tmp_path / "out" / f"{i}.json").read_text()) for i in range(4)]
+    logs = [(tmp_path / "logs" / f"{i}.log").read_text() for i in range(4)]
+    overlaps = [(a, b) for i, a in enumerate(jobs) for b in jobs[i + 1:]
+                if a["start"] < b["end"] and b["start"] < a["end"]]
+    return jobs, logs, overlaps
+
+
+def test_snakemake_runs_one_job_per_fake_gpu(tmp_path):
+    jobs, logs, overlaps = _mini_run(tmp_path)
+    assert {j["slot"] for j in jobs} == {"0", "1"}
+    assert {j["source"] for j in jobs} == {"lock"}
+    assert overlaps, "two fake GPUs but no two jobs ran at once"
+    assert all(a["slot"] != b["slot"] for a, b in overlaps)
+    # Snakemake itself kept it to 2 at once: no job had to wait for a slot
+    assert not any("waiting for a free GPU" in log for log in logs)
+
+
+def test_resources_on_the_command_line_win(tmp_path):
+    jobs, logs, overlaps = _mini_run(tmp_path, "--resources", "gpu=1")
+    assert not overlaps
+
+
+# ---- evidence from result files ------------------------------------------------------------------------
+
+def _result(path, gpu, start, end, host="node1", block=True, source="lock"):
+    data = {"step": "timing", "device": "cuda", "started": f"2026-11-30T10:{start}+00:00",
+            "finished": f"2026-11-30T10:{end}+00:00",
+            "environment": {"host": host, "shapewise_variables": {gpuslots.SLOT_VAR: gpu,
+                                                                  gpuslots.SOURCE_VAR: source}}}
+    if block:
+        data["gpu"] = {"index": int(gpu), "uuid": f"GPU-{gpu}", "slot": gpu, "slot_source": source}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+
+
+def test_check_passes_two_gpus_overlapping(tmp_path, capsys):
+    _result(tmp_path / "timing" / "a.json", "0", "00:00", "01:00")
+    _result(tmp_path / "timing" / "b.json", "1", "00:30", "01:30")
+    _result(tmp_path / "accuracy" / "c.json", "0", "01:00", "02:00", block=False)  # starts as a ends
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "other.json").write_text("[1, 2]")
+    assert gpuslots.check_main(tmp_path) == 0
+    out = capsys.readouterr().out
+    # c.json names only its slot (0): the same GPU as a.json's GPU-0
+    assert "3 GPU job results" in out and "GPU GPU-0 (node1): 2 jobs" in out and "GPU GPU-1 (node1): 1 jobs" in out
+
+
+def test_check_fails_on_shared_gpu_or_one_gpu(tmp_path, capsys):
+    _result(tmp_path / "timing" / "a.json", "0", "00:00", "01:00")
+    _result(tmp_path / "timing" / "b.json", "0", "00:59", "01:30")
+    summary = gpuslots.check_intervals(gpuslots.job_intervals(tmp_path))
+    assert len(summary["shared"]) == 1 and "a.json" in summary["shared"][0] and "b.json" in summary["shared"][0]
+    assert any("fewer than 2" in p for p in summary["problems"])
+    assert gpuslots.check_main(tmp_path) == 1
+    # two GPUs, but one after the other: no evidence of running at once
+    other = tmp_path / "seq"
+    _result(other / "a.json", "0", "00:00", "01:00")
+    _result(other / "b.json", "1", "01:00", "02:00")
+    problems = gpuslots.check_intervals(gpuslots.job_intervals(other))["problems"]
+    assert problems == ["no two GPU jobs ran at overlapping times on different GPUs"]
+    # the same index on two hosts is two GPUs
+    hosts = tmp_path / "hosts"
+    _result(hosts / "a.json", "0", "00:00", "01:00", host="n1")
+    _result(hosts / "b.json", "0", "00:30", "01:30", host="n2", source="slurm")
+    summary = gpuslots.check_intervals(gpuslots.job_intervals(hosts))
+    assert summary["shared"] == [] and summary["concurrent_pairs"] == 1
+    assert summary["problems"] == ["jobs whose slot source is not 'lock': ['slurm']"]
