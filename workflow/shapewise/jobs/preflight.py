@@ -1,17 +1,27 @@
-"""Preflight: does each model of a shape fit in this device's free memory?
+"""Preflight: can each model of a shape run in this device's memory?
 
-Uses shapewise.model.memory.estimate_memory_bytes. A model that does not fit is a
-resource skip for that model in the later jobs, never a pass.
+- The reference: `shapewise.model.memory.estimate_memory_bytes(..., "reference")` (its `[B, H, S, S]` scores
+  decide) against the free memory times the pipeline's headroom (config `preflight.headroom`).
+- The optimized model: the very plan its forward would make (`UserOptimizedTransformer.memory_plan`, owned by
+  `shapewise.model.memory`), for the row's input before it exists. A row the model streams in batch chunks fits;
+  the plan (chunk size, number of chunks, estimate, budget, why) is recorded. It does not fit only when the input
+  and output (or those and one batch element's pass) exceed what the model may allocate: on a GPU the free and
+  cached memory under any per-process fraction and the user's cap; on a CPU the user's cap when set, else the
+  available RAM times the headroom against the unstreamed estimate (the model streams on a CPU only under a cap).
+
+A model that does not fit is a resource skip for that model in the later jobs, never a pass.
 """
 
 from __future__ import annotations
 
 import json
 
+import torch
+
 from shapewise.jobs.device import free_memory_bytes, setup
 from shapewise.jobs.inputs import DTYPES
 from shapewise.jobs.io import header, log, write_result
-from shapewise.jobs.models import model_config
+from shapewise.jobs.models import build_optimized, model_config
 
 
 def main(args):
@@ -29,18 +39,55 @@ def main(args):
     result["budget_bytes"] = budget
     result["memory_kind"] = "GPU free memory (torch.cuda.mem_get_info)" if device.type == "cuda" \
         else "available RAM (/proc/meminfo MemAvailable)"
-    models = {}
-    for which in ("reference", "optimized"):
-        # the reference of an accuracy check runs in float32 whatever the row's dtype
-        dtype = DTYPES["float32"] if which == "reference" else DTYPES[row["dtype"]]
-        estimate = int(estimate_memory_bytes(config, dtype, which))
-        fits = budget is not None and estimate <= budget
-        models[which] = {"estimate_bytes": estimate, "dtype": str(dtype).replace("torch.", ""), "fits": fits}
-        log(f"{row['id']}: {which} needs ~{estimate / 2**30:.2f} GiB of {budget / 2**30:.2f} GiB: "
-            f"{'fits' if fits else 'DOES NOT FIT (resource skip)'}")
+    # the reference of an accuracy check runs in float32 whatever the row's dtype
+    dtype = DTYPES["float32"]
+    estimate = int(estimate_memory_bytes(config, dtype, "reference"))
+    reference_fits = budget is not None and estimate <= budget
+    models = {"reference": {"estimate_bytes": estimate, "dtype": "float32", "fits": reference_fits}}
+    log(f"{row['id']}: reference needs ~{estimate / 2**30:.2f} GiB of {budget / 2**30:.2f} GiB: "
+        f"{'fits' if reference_fits else 'DOES NOT FIT (resource skip)'}")
+    models["optimized"] = optimized_fit(row, config, device, budget, args.headroom)
+    result["io_bytes"] = models["optimized"]["io_bytes"]
     result["models"] = models
     write_result(args.out, result)
     return 0
+
+
+def optimized_fit(row, config, device, ram_budget, headroom):
+    """{"estimate_bytes", "io_bytes", "dtype", "fits", "budget_bytes", "budget_source", "plan" or "reason"} of
+    the optimized model on this row: the plan its first forward would make, asked before the input exists."""
+    from shapewise.model.memory import MemoryBudgetError
+
+    dtype = DTYPES[row["dtype"]]
+    model = build_optimized(row, config, device)  # its weights are on the device, as in a job, when it plans
+    B, S, d = config.batch_size, config.seq_len, config.d_model
+    # stand-ins of the row's inputs with their shapes, dtypes and device and no memory: planning reads no values
+    x = torch.empty((), dtype=dtype, device=device).expand(B, S, d)
+    masked = row["padding_ratio"] > 0 or row.get("pass_mask", True)
+    mask = torch.ones((), dtype=torch.bool, device=device).expand(B, S) if masked else None
+    available = None
+    if device.type != "cuda" and model.memory_budget_bytes is None:
+        available = (None, "no memory budget on the CPU: one pass")  # the model does not stream: RAM decides
+    out = {"dtype": str(dtype).replace("torch.", "")}
+    try:
+        plan = model.memory_plan(x, mask, resident_input=False, available=available)
+    except MemoryBudgetError as exc:
+        unbounded = model.memory_plan(x, mask, resident_input=False, available=(None, "unbounded"))
+        out.update(estimate_bytes=unbounded.estimate_bytes, io_bytes=unbounded.input_bytes + unbounded.output_bytes,
+                   fits=False, budget_bytes=None, budget_source=None, reason=str(exc))
+        log(f"{row['id']}: optimized DOES NOT FIT (resource skip): {exc}")
+        return out
+    out.update(estimate_bytes=plan.estimate_bytes, io_bytes=plan.input_bytes + plan.output_bytes,
+               budget_bytes=plan.available_bytes, budget_source=plan.budget_source, plan=plan.as_dict())
+    if available is not None:  # CPU without a cap: the unstreamed forward against the available RAM
+        out.update(fits=ram_budget is not None and plan.estimate_bytes <= ram_budget, budget_bytes=ram_budget,
+                   budget_source=f"available RAM x headroom {headroom}")
+    else:
+        out["fits"] = True
+    how = plan.reason if out["fits"] else f"DOES NOT FIT (resource skip): needs more than {out['budget_bytes']} bytes"
+    log(f"{row['id']}: optimized needs ~{plan.estimate_bytes / 2**30:.2f} GiB "
+        f"(input + output {out['io_bytes'] / 2**30:.2f} GiB): {how}")
+    return out
 
 
 def fits(preflight, which):

@@ -1,0 +1,250 @@
+"""Memory-aware forwards (shapewise.model.memory, issue #16) on the CPU, with a simulated memory budget: streamed
+batch chunks give the one-pass result, the decision is taken once per input signature and cap, input + output
+that cannot fit is a clear error before any kernel runs, the budget reader honours the CUDA allocator's fraction
+and the user's cap, and the pipeline's preflight counts a streamable row as fitting."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from model_helpers import build_pair, cfg_of, make_inputs
+from shapewise.model import TransformerConfig
+from shapewise.model import memory
+from shapewise.model import optimized as optimized_module
+from shapewise.model.routing import Shape, select_route
+
+CFG = (5, 9, 32, 2, 48, 2)  # B=5: chunks of 2 give passes of 2, 2 and 1
+
+
+def budget_for_chunk(model, x, mask, chunk):
+    """A memory_budget_bytes under which `model` streams x in chunks of `chunk`: the full output plus one pass of
+    `chunk` elements (its working set and its own output), over the planner's reserve."""
+    whole = model.memory_plan(x, mask, available=(None, "unbounded"))
+    part = model.memory_plan(x[:chunk], None if mask is None else mask[:chunk], available=(None, "unbounded"))
+    return math.ceil((whole.output_bytes + part.estimate_bytes) / (1 - memory.RESERVE_FRACTION)) + 1
+
+
+@pytest.mark.parametrize("route", ["sdpa", "triton"])
+@pytest.mark.parametrize("mask_kind", ["none", "prefix", "holes", "one_empty"])
+def test_streamed_forward_matches_one_pass(route, mask_kind):
+    """Bit-identical on the CPU: every op of these routes computes a batch element from that element alone, and the
+    CPU GEMMs give the same rows for 2 as for 5 elements (on a GPU, cuBLAS may pick another kernel for another
+    batch size: experiments/h200_memory.py checks the tolerance there)."""
+    cfg = cfg_of(CFG)
+    _, one_pass = build_pair(cfg, route)
+    x, mask = make_inputs(cfg, mask_kind)
+    _, streamed = build_pair(cfg, route, memory_budget_bytes=budget_for_chunk(one_pass, x, mask, 2))
+    with torch.no_grad():
+        want = one_pass(x, mask)
+        got = streamed(x, mask)
+    plan = streamed.last_memory_plan
+    assert (plan.chunk_size, plan.num_chunks, plan.chunks()) == (2, 3, [(0, 2), (2, 4), (4, 5)])
+    assert one_pass.last_memory_plan.num_chunks == 1
+    assert streamed.last_route.name == route and "streamed in 3 chunks of 2" in streamed.last_route.reason
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal(got, want), f"route {route} mask {mask_kind}: max |diff| {(got - want).abs().max().item()}"
+
+
+def test_streamed_forward_records_each_chunk_route():
+    """A chunk whose size routes it elsewhere is run on its own route, and the record says so."""
+    cfg = cfg_of(CFG)
+    _, model = build_pair(cfg, "sdpa")
+    x, mask = make_inputs(cfg, "prefix")
+    model.memory_budget_bytes = budget_for_chunk(model, x, mask, 2)
+    real_select = model._select
+
+    def select(xb, mb):  # the last pass (one element) takes the reference route
+        route = real_select(xb, mb)
+        return route if xb.shape[0] > 1 else type(route)("reference", "fp32", "one element", forced=False)
+
+    model._select = select
+    _, plain = build_pair(cfg, "reference")
+    with torch.no_grad():
+        got = model(x, mask)
+        want_last = plain(x[4:], mask[4:])
+    assert model.last_memory_plan.routes[1].startswith("reference/fp32")
+    assert "chunks of 1: reference/fp32" in model.last_route.reason
+    assert torch.equal(got[4:], want_last)
+
+
+def test_decision_is_taken_once_per_signature_and_cap(monkeypatch):
+    """A changing free-memory reading never re-decides; a new signature, cap or memory fraction does."""
+    cfg = cfg_of(CFG)
+    _, model = build_pair(cfg, "sdpa")
+    x, mask = make_inputs(cfg, "prefix")
+    calls = []
+
+    def reader(device, cap):
+        calls.append(cap)
+        return 10**9 - 1000 * len(calls), "simulated"  # less free memory on every reading
+
+    monkeypatch.setattr(optimized_module, "available_bytes", reader)
+    with torch.no_grad():
+        for _ in range(3):
+            model(x, mask)
+        assert len(calls) == 1
+        model(x[:3], mask[:3])  # another signature
+        assert len(calls) == 2
+        model(x, mask)
+        assert len(calls) == 2
+        model.memory_budget_bytes = 10**8  # the user's cap moved
+        model(x, mask)
+        assert calls[-1] == 10**8 and len(calls) == 3
+        monkeypatch.setattr(optimized_module, "memory_fraction", lambda device: 0.5)  # the allocator's cap moved
+        model(x, mask)
+        assert len(calls) == 4
+
+
+@pytest.mark.parametrize("what", ["output", "one_element"])
+def test_input_and_output_that_cannot_fit_is_a_clear_error_before_any_kernel(what):
+    cfg = cfg_of(CFG)
+    _, probe = build_pair(cfg, "triton")
+    x, mask = make_inputs(cfg, "holes")
+    out_bytes = x.numel() * x.element_size()
+    if what == "output":
+        cap = out_bytes  # less the reserve: not even the output fits
+    else:
+        cap = budget_for_chunk(probe, x, mask, 1) - 2000  # the output fits, one element's pass beside it does not
+    _, model = build_pair(cfg, "triton", memory_budget_bytes=cap)
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("a kernel ran before the memory check")
+
+    model._forward_kernels = model._forward_sdpa = no_kernel
+    with pytest.raises(memory.MemoryBudgetError) as info:
+        model(x, mask)
+    assert isinstance(info.value, MemoryError)
+    message = str(info.value)
+    usable = int(cap * (1 - memory.RESERVE_FRACTION))
+    assert "x [5, 9, 32] float32" in message and f"only {usable} bytes are available" in message
+    assert f"its output needs {out_bytes} bytes" in message
+    assert f"memory budget {cap} bytes" in message
+    if what == "one_element":
+        assert "a pass over one batch element" in message
+    assert model.last_route is None
+
+
+def test_no_budget_on_the_cpu_means_one_pass(monkeypatch):
+    monkeypatch.delenv(memory.BUDGET_ENV, raising=False)
+    cfg = cfg_of(CFG)
+    _, model = build_pair(cfg, "sdpa")
+    x, mask = make_inputs(cfg, "none")
+    model(x)
+    plan = model.last_memory_plan
+    assert plan.num_chunks == 1 and plan.available_bytes is None and memory.BUDGET_ENV in plan.reason
+
+
+def test_user_budget_from_argument_or_environment(monkeypatch):
+    monkeypatch.setenv(memory.BUDGET_ENV, "40")
+    assert memory.user_budget_bytes() == 40 * 10**9
+    assert memory.user_budget_bytes(123) == 123  # the argument wins
+    cfg = cfg_of(CFG)
+    assert build_pair(cfg, "sdpa")[1].memory_budget_bytes == 40 * 10**9  # read once, at construction
+    monkeypatch.setenv(memory.BUDGET_ENV, "lots")
+    with pytest.raises(ValueError, match="SHAPEWISE_MEMORY_BUDGET_GB='lots'"):
+        memory.user_budget_bytes()
+    with pytest.raises(ValueError, match="memory_budget_bytes"):
+        memory.user_budget_bytes(-1)
+
+
+def test_available_bytes_on_cuda_honours_the_fraction_and_the_cap(monkeypatch):
+    """The CUDA reader, with torch.cuda's readings simulated: free + cached, bounded by total * fraction - allocated
+    and by cap - allocated."""
+    GB = 10**9
+    state = {"fraction": 1.0}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (10 * GB, 80 * GB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index: 3 * GB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda index: 1 * GB)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index: state["fraction"])
+    device = torch.device("cuda", 0)
+    assert memory.available_bytes(device)[0] == 12 * GB  # 10 free + 2 cached
+    state["fraction"] = 0.1  # an 8 GB process limit, 1 GB of it allocated
+    value, source = memory.available_bytes(device)
+    assert value == 7 * GB and "fraction 0.1" in source
+    assert memory.available_bytes(device, user_cap=5 * GB)[0] == 4 * GB
+    assert memory.memory_fraction(device) == 0.1 and memory.memory_fraction("cpu") is None
+    assert memory.available_bytes("cpu")[0] is None and memory.available_bytes("cpu", 7)[0] == 7
+
+
+def _cuda_plan(B, S, d, H, f, L, available, masked=True):
+    """The plan for an official shape on a CUDA device, routes from select_route (no GPU needed)."""
+    def working_set(b):
+        shape = Shape(b, S, d, H, f, L, True)
+        route = select_route(shape, torch.float32, "cuda", "general" if masked else "none")
+        captured = route.name in ("graph", "fused")
+        return memory.working_set_bytes(shape, torch.float32, route, captured=captured), str(route)
+
+    inp, out = memory.io_bytes(TransformerConfig(B, S, d, H, f, L), torch.float32)
+    return memory.plan_chunks((B, S, d), torch.float32, inp, out, working_set, available, "simulated")
+
+
+def test_official_rows_14_and_6_plans_on_an_h200_and_under_caps():
+    """Issue #16's targets, as planned: row 14 peaks at most input + output + 8 GB with the H200's memory free, and
+    plans under a 40 GB cap; row 6 runs in one pass under 24 GB."""
+    GB = 10**9
+    row14 = (32, 100000, 1024, 16, 1024, 2)
+    io14 = 2 * 32 * 100000 * 1024 * 4
+    plan = _cuda_plan(*row14, available=143 * GB - io14 // 2)  # an H200 with the input on it
+    assert plan.streamed and plan.estimate_bytes - io14 // 2 + io14 <= io14 + 8 * GB
+    capped = _cuda_plan(*row14, available=40 * GB - io14 // 2)
+    assert capped.streamed and capped.estimate_bytes <= capped.available_bytes
+    row6 = _cuda_plan(10000, 128, 128, 4, 128, 4, available=24 * GB - 10000 * 128 * 128 * 4)
+    assert not row6.streamed
+    with pytest.raises(memory.MemoryBudgetError, match=r"x \[32, 100000, 1024\] float32"):
+        _cuda_plan(*row14, available=20 * GB - io14 // 2)  # a 20 GB GPU: the output alone does not fit
+
+
+def _row(**kw):
+    from shapewise.manifest import normalize_row
+
+    base = {"id": "mem-row", "batch_size": 5, "seq_len": 9, "d_model": 32, "num_heads": 2, "ffn_dim": 48,
+            "num_layers": 2, "trials": 1, "route": "sdpa"}
+    return normalize_row(dict(base, **kw))
+
+
+def test_preflight_counts_a_streamable_row_as_fitting(monkeypatch):
+    from shapewise.jobs.models import model_config
+    from shapewise.jobs.preflight import optimized_fit
+
+    row = _row()
+    config = model_config(row)
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(memory.BUDGET_ENV, raising=False)
+    unbounded = optimized_fit(row, config, cpu, ram_budget=10**9, headroom=0.85)
+    assert unbounded["fits"] and unbounded["plan"]["num_chunks"] == 1
+    # a cap under which the model streams 2 elements per pass (computed as the model computes it)
+    from shapewise.jobs.models import build_optimized
+
+    probe = build_optimized(row, config, cpu)
+    x = torch.zeros(5, 9, 32)
+    mask = torch.ones(5, 9, dtype=torch.bool)
+    # the preflight's input is not yet resident: it counts too (16 bytes over: the GB string rounds)
+    cap = budget_for_chunk(probe, x, mask, 2) + math.ceil(x.numel() * 4 / (1 - memory.RESERVE_FRACTION)) + 16
+    monkeypatch.setenv(memory.BUDGET_ENV, str(cap / 1e9))
+    streamed = optimized_fit(row, config, cpu, ram_budget=10**9, headroom=0.85)
+    assert streamed["fits"], streamed
+    assert streamed["plan"]["num_chunks"] == 3 and streamed["plan"]["chunk_size"] == 2
+    assert streamed["io_bytes"] == 2 * x.numel() * 4 and streamed["budget_bytes"] == streamed["plan"]["available_bytes"]
+    json.dumps(streamed)  # JSON-ready
+    monkeypatch.setenv(memory.BUDGET_ENV, str(x.numel() * 4 / 1e9))  # the input alone
+    skipped = optimized_fit(row, config, cpu, ram_budget=10**9, headroom=0.85)
+    assert not skipped["fits"] and "its input and output need" in skipped["reason"]
+    assert skipped["estimate_bytes"] == unbounded["estimate_bytes"]
+
+
+def test_preflight_job_records_the_plan(tmp_path, monkeypatch):
+    """The job's result: the reference as before, the optimized model with its plan and io_bytes."""
+    from shapewise.jobs import preflight
+    from shapewise.manifest import row_json
+
+    monkeypatch.delenv(memory.BUDGET_ENV, raising=False)
+    out = tmp_path / "pre.json"
+    args = SimpleNamespace(device="cpu", row=row_json(_row()), headroom=0.85, out=str(out))
+    assert preflight.main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["models"]["reference"]["fits"] and preflight.fits(result, "optimized")
+    assert result["io_bytes"] == 2 * 5 * 9 * 32 * 4
+    assert result["models"]["optimized"]["plan"]["routes"][0].startswith("sdpa/fp32")
