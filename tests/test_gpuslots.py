@@ -251,6 +251,9 @@ def test_dry_run_takes_the_gpu_count_from_the_pool():
     assert "GPU pool: 0,1; at most 2 GPU job(s) at once (gpu resource, from this machine's GPU pool)" in done.stderr
     done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "--resources", "gpu=1", env=env)
     assert "at most 1 GPU job(s) at once (gpu resource, from --resources)" in done.stderr
+    # device cpu: no pool, the device jobs one at a time as before
+    done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "device=cpu", env=env)
+    assert "GPU pool: none; at most 1 GPU job(s) at once" in done.stderr
     done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "gpus=0,3", env=env)
     assert done.returncode != 0
     assert ("config gpus='0,3': '3' names no GPU; the GPUs here are 0 (GPU-fake-0), 1 (GPU-fake-1)"
@@ -323,7 +326,8 @@ def _result(path, gpu, start, end, host="node1", block=True, source="lock"):
             "environment": {"host": host, "shapewise_variables": {gpuslots.SLOT_VAR: gpu,
                                                                   gpuslots.SOURCE_VAR: source}}}
     if block:
-        data["gpu"] = {"index": int(gpu), "uuid": f"GPU-{gpu}", "slot": gpu, "slot_source": source}
+        data["gpu"] = {"index": 0, "uuid": f"GPU-{gpu}", "slot": gpu, "slot_source": source,
+                       "cuda_visible_devices": f"GPU-{gpu}"}  # index: torch's, among the visible GPUs
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data))
 
@@ -360,3 +364,13 @@ def test_check_fails_on_shared_gpu_or_one_gpu(tmp_path, capsys):
     summary = gpuslots.check_intervals(gpuslots.job_intervals(hosts))
     assert summary["shared"] == [] and summary["concurrent_pairs"] == 1
     assert summary["problems"] == ["jobs whose slot source is not 'lock': ['slurm']"]
+
+
+def test_gpus_check_command(tmp_path, capsys):
+    from shapewise.cli import main
+
+    _result(tmp_path / "timing" / "a.json", "0", "00:00", "01:00")
+    _result(tmp_path / "timing" / "b.json", "1", "00:30", "01:30")
+    assert main(["gpus", "check", str(tmp_path)]) == 0
+    assert main(["gpus", "check", str(tmp_path), "--min-gpus", "3"]) == 1
+    assert "FAIL: GPU jobs ran on 2 GPU(s), fewer than 3" in capsys.readouterr().out

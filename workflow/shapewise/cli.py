@@ -5,6 +5,7 @@
   shapewise validate FILE...    check shape manifests, print their rows
   shapewise targets ID...       the per-shape result files of rows (for --forcerun)
   shapewise tune SWEEP [POLICY] write the fused kernel's launch policy from a sweep file
+  shapewise gpus list|check     the GPU pool a run would use here; check results/ for one job per GPU at a time
   shapewise job STEP ...        one pipeline job (run by Snakemake)
 """
 
@@ -75,6 +76,15 @@ def build_parser():
     tune = sub.add_parser("tune", help="write the fused launch policy (routing_policy.json) from a sweep file")
     tune.add_argument("sweep")
     tune.add_argument("policy", nargs="?", default=None, help="policy file to rewrite (default: the model's own)")
+    gpus = sub.add_parser("gpus", help="the GPU pool of a run (list), or check from result files that jobs "
+                                       "ran on several GPUs at once and never two on one (check)")
+    gpus_sub = gpus.add_subparsers(dest="gpus_command", required=True)
+    gpus_list = gpus_sub.add_parser("list", help="the GPUs a run here would use, one job each")
+    gpus_list.add_argument("--gpus", default="all", help="as config gpus: all, a number or GPU ids such as 0,2")
+    gpus_check = gpus_sub.add_parser("check", help="exit 1 unless jobs ran on >= --min-gpus GPUs at overlapping "
+                                                   "times and never two on one GPU")
+    gpus_check.add_argument("results", nargs="?", default="results")
+    gpus_check.add_argument("--min-gpus", type=int, default=2)
     _job_parser(sub)
     return parser
 
@@ -114,6 +124,12 @@ def main(argv=None):
 
         print(" ".join(path for i in args.ids for path in paths.per_shape(i).values()))
         return 0
+    if args.command == "gpus":
+        from shapewise import gpuslots
+
+        if args.gpus_command == "list":
+            return gpuslots.list_main(args.gpus)
+        return gpuslots.check_main(args.results, args.min_gpus)
     return run_job(args)
 
 

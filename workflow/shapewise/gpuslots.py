@@ -297,9 +297,9 @@ def _parse_time(text):
 
 def job_intervals(results_dir):
     """One record per GPU job result under `results_dir`: {"file", "host", "gpu", "source", "start", "end"}.
-    The GPU is the UUID of the result's `gpu` block or, for a result without one, the slot its environment
-    recorded (SHAPEWISE_PIPELINE_GPU_SLOT, a GPU index), turned into a UUID where another result of the
-    same host names that index's UUID. Results that ran on no GPU are left out."""
+    The GPU is the UUID of the result's `gpu` block or, for a result without one, the slot it held (the
+    block's `slot` or the environment's SHAPEWISE_PIPELINE_GPU_SLOT, a GPU index), turned into a UUID where
+    another result of the same host names that slot's UUID. Results that ran on no GPU are left out."""
     records, uuids = [], {}
     for path in sorted(Path(results_dir).rglob("*.json")):
         try:
@@ -311,7 +311,7 @@ def job_intervals(results_dir):
         env = data.get("environment") or {}
         variables = env.get("shapewise_variables") or {}
         gpu_block = data.get("gpu") or {}
-        index = gpu_block.get("index", variables.get(SLOT_VAR))
+        index = gpu_block.get("slot") or variables.get(SLOT_VAR)  # the block's "index" is torch's (0 in a slot)
         gpu = gpu_block.get("uuid") or index
         source = gpu_block.get("slot_source") or variables.get(SOURCE_VAR)
         if gpu is None or data.get("device") == "cpu":
