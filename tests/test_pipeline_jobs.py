@@ -390,8 +390,28 @@ def test_contention_lists_other_processes_on_this_gpu_only(monkeypatch):
     ns = dev.contention(fake_gpu(), [{"at": "before", "processes": foreign_me}])
     assert not ns["contended"] and "namespace" in ns["note"]
     monkeypatch.setattr(dev, "nvidia_smi", lambda args: None)
-    none = dev.contention(fake_gpu(), [{"at": "before", "processes": dev.compute_processes(fake_gpu())}])
+    none = dev.contention(fake_gpu(), [{"at": "before", "processes": dev.compute_processes(fake_gpu()),
+                                        "memory_used_bytes": dev.gpu_memory_used_bytes(fake_gpu())}])
     assert none["checked"] is False and none["contended"] is False
+
+
+def test_contention_by_memory_when_no_process_is_listed_not_even_ours(monkeypatch):
+    """In a container nvidia-smi lists no process (H200 machine, 2026-11-30): the GPU's used memory beyond this
+    job's own reservation decides."""
+    from shapewise.jobs import device as dev
+
+    monkeypatch.setattr(dev, "nvidia_smi", lambda args: "30000\n")  # memory.used, MiB
+    assert dev.gpu_memory_used_bytes(fake_gpu()) == 30000 * 2**20
+    gib = 2**30
+    busy = dev.contention(fake_gpu(), [{"at": "before", "processes": [], "memory_used_bytes": 2 * gib,
+                                        "own_reserved_bytes": gib},
+                                       {"at": "after", "processes": [], "memory_used_bytes": 30 * gib,
+                                        "own_reserved_bytes": gib}])
+    assert busy["checked"] and busy["method"] == "memory" and busy["contended"]
+    assert busy["memory_beyond_own_bytes"] == {"before": gib, "after": 29 * gib}
+    quiet = dev.contention(fake_gpu(), [{"at": "before", "processes": [], "memory_used_bytes": 2 * gib,
+                                         "own_reserved_bytes": gib}])
+    assert quiet["checked"] and not quiet["contended"] and "pid namespace" in quiet["note"]
 
 
 def test_cpu_pinning_per_slot_inherit_and_explicit(monkeypatch):

@@ -175,31 +175,59 @@ def compute_processes(gpu):
     return listed
 
 
-def contention(gpu, snapshots, own_pid=None):
-    """The contract's `contention` from snapshots {"at": label, "processes": compute_processes(...)}.
+# GPU memory in use beyond this job's own reservation that a contention check attributes to another process
+# when nvidia-smi cannot list processes by pid: generous enough for this job's CUDA context and loaded modules.
+FOREIGN_MEMORY_BYTES = 4 * 2**30
 
-    Our own process is left out by pid. Inside a container nvidia-smi may list host pids: when our pid is never
-    listed, one listed process per snapshot is taken to be this job (said in `note`)."""
+
+def gpu_memory_used_bytes(gpu):
+    out = nvidia_smi([f"--id={gpu['uuid']}", "--query-gpu=memory.used", "--format=csv,noheader,nounits"])
+    lines = [line.strip() for line in (out or "").splitlines() if line.strip()]
+    value = _number(lines[0]) if len(lines) == 1 else None
+    return int(value * 2**20) if value is not None else None
+
+
+def snapshot(gpu, at):
+    """What a contention check looks at, now: the GPU's compute processes, its used memory, this job's own."""
+    return {"at": at, "processes": compute_processes(gpu), "memory_used_bytes": gpu_memory_used_bytes(gpu),
+            "own_reserved_bytes": int(torch.cuda.memory_reserved())}
+
+
+def contention(gpu, snapshots, own_pid=None):
+    """The contract's `contention` from snapshots (see `snapshot`).
+
+    By pid when nvidia-smi lists this job's own process: every other listed process is contention. Inside a
+    container nvidia-smi often lists no process at all, ours included (another pid namespace): then by memory,
+    contended when the GPU's used memory exceeds this job's reserved memory by more than FOREIGN_MEMORY_BYTES.
+    `method` says which; `checked` is false when neither could be read."""
     if gpu is None:
         return {"checked": False, "other_processes": [], "contended": False, "reason": "CPU job: no GPU"}
     own_pid = os.getpid() if own_pid is None else own_pid
     taken = [s for s in snapshots if s["processes"] is not None]
-    if not taken:
-        return {"checked": False, "other_processes": [], "contended": False,
-                "reason": "nvidia-smi could not list the GPU's compute processes"}
     own_listed = any(p["pid"] == own_pid for s in taken for p in s["processes"])
-    others, contended = {}, False
-    for snap in taken:
-        rest = [p for p in snap["processes"] if p["pid"] != own_pid]
-        contended = contended or len(rest) > (0 if own_listed else 1)
-        for p in rest:
-            others.setdefault(p["pid"], dict(p, seen=[]))["seen"].append(snap["at"])
-    result = {"checked": True, "other_processes": list(others.values()), "contended": contended,
-              "checks": [s["at"] for s in taken], "own_pid": own_pid, "own_pid_listed": own_listed}
-    if not own_listed and others:
-        result["note"] = ("this job's pid is not among the listed ones (another pid namespace): one listed "
-                          "process per check is taken to be this job")
-    return result
+    base = {"checks": [s["at"] for s in snapshots], "own_pid": own_pid, "own_pid_listed": own_listed}
+    if own_listed or any(s["processes"] for s in taken):
+        others, contended = {}, False
+        for snap in taken:
+            rest = [p for p in snap["processes"] if p["pid"] != own_pid]
+            contended = contended or len(rest) > (0 if own_listed else 1)
+            for p in rest:
+                others.setdefault(p["pid"], dict(p, seen=[]))["seen"].append(snap["at"])
+        result = dict(base, checked=True, method="pid", other_processes=list(others.values()), contended=contended)
+        if not own_listed:
+            result["note"] = ("this job's pid is not among the listed ones (another pid namespace): one listed "
+                              "process per check is taken to be this job")
+        return result
+    readings = [s for s in snapshots if s.get("memory_used_bytes") is not None]
+    if not readings:
+        return dict(base, checked=False, other_processes=[], contended=False,
+                    reason="nvidia-smi could read neither the GPU's processes nor its used memory")
+    foreign = {s["at"]: s["memory_used_bytes"] - s["own_reserved_bytes"] for s in readings}
+    return dict(base, checked=True, method="memory", other_processes=[],
+                contended=any(v > FOREIGN_MEMORY_BYTES for v in foreign.values()),
+                memory_beyond_own_bytes=foreign, threshold_bytes=FOREIGN_MEMORY_BYTES,
+                note="nvidia-smi lists no process on this GPU, not even this job (another pid namespace): "
+                     "judged by the GPU's used memory beyond this job's reserved memory")
 
 
 def pin_cpus(spec):

@@ -27,8 +27,8 @@ import time
 import torch
 
 from shapewise import roofline, stats
-from shapewise.jobs.device import (compute_processes, contention, first_call_ms, gpu_state, peak_memory_bytes,
-                                   peak_memory_reset, pin_cpus, setup, summarize, time_calls)
+from shapewise.jobs.device import (contention, first_call_ms, gpu_state, peak_memory_bytes,
+                                   peak_memory_reset, pin_cpus, setup, snapshot, summarize, time_calls)
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
 from shapewise.jobs.io import header, log, read_json, resource_skip_reason, write_result
 from shapewise.jobs.models import (build_models, build_optimized, call_of, model_config, route_of, run_optimized,
@@ -179,7 +179,7 @@ def main(args):
 
     result["cpu_affinity"] = pin_cpus(protocol["cpus"]) if name == "stable" else \
         {"requested": None, "applied": False, "reason": "official protocol: cores left as they were"}
-    snapshots = [{"at": "before", "processes": compute_processes(gpu) if gpu else None}]
+    snapshots = [snapshot(gpu, "before")] if gpu else []
     result["gpu_state"] = {"before": gpu_state(gpu)}
     first = {}
     warm_peak = {}
@@ -194,7 +194,8 @@ def main(args):
         rounds, round_peak, stopping = run_rounds(calls, device, name, protocol, tag=f"{row['id']}: ")
         stopping["seconds"] = round(time.perf_counter() - t0, 3)
     result["gpu_state"]["after"] = gpu_state(gpu)
-    snapshots.append({"at": "after", "processes": compute_processes(gpu) if gpu else None})
+    if gpu:
+        snapshots.append(snapshot(gpu, "after"))
     result["contention"] = contention(gpu, snapshots)
     if result["contention"]["contended"]:
         log(f"{row['id']}: WARNING other processes on the GPU: {result['contention']['other_processes']}")
