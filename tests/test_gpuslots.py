@@ -1,5 +1,6 @@
 """GPU slots for local runs (shapewise.gpuslots, workflow/rules/gpus.smk), on the CPU with fake GPUs."""
 
+import itertools
 import json
 import os
 import signal
@@ -10,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from shapewise import gpuslots
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,14 +117,14 @@ def test_concurrent_jobs_never_share_a_slot(tmp_path):
             env=_env(**{gpuslots.FAKE_VAR: "2"}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
     logs = []
     for out, proc in procs:
-        stdout, stderr = proc.communicate(timeout=60)
+        _, stderr = proc.communicate(timeout=60)
         assert proc.returncode == 0, stderr
         logs.append(stderr)
     jobs = [json.loads(out.read_text()) for out, _ in procs]
     assert {j["slot"] for j in jobs} == {"0", "1"}
     for slot in ("0", "1"):
         held = sorted((j["start"], j["end"]) for j in jobs if j["slot"] == slot)
-        for (_, end), (start, _) in zip(held, held[1:]):
+        for (_, end), (start, _) in itertools.pairwise(held):
             assert start >= end, f"slot {slot} held twice at once: {held}"
     # 5 jobs, 2 slots: at least 3 waited, and said so in their log
     assert sum(j["start"] - j["asked"] > 0.5 for j in jobs) >= 3
@@ -241,7 +241,7 @@ def test_cli_job_takes_its_slot_before_torch(tmp_path):
 
 def _snakemake(*args, env=None, cwd=ROOT, timeout=300):
     return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=cwd, env=env or _env(),
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def test_dry_run_takes_the_gpu_count_from_the_pool():
@@ -314,7 +314,7 @@ def test_snakemake_runs_one_job_per_fake_gpu(tmp_path):
 
 
 def test_resources_on_the_command_line_win(tmp_path):
-    jobs, logs, overlaps = _mini_run(tmp_path, "--resources", "gpu=1")
+    _, _, overlaps = _mini_run(tmp_path, "--resources", "gpu=1")
     assert not overlaps
 
 
