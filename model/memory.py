@@ -139,13 +139,19 @@ def user_budget_bytes(value=None):
     return int(gb * 1e9)
 
 
+_get_fraction = getattr(torch._C, "_cuda_getMemoryFraction", None)  # the public reader's C call, without its checks
+
+
 def memory_fraction(device):
     """The fraction set by torch.cuda.set_per_process_memory_fraction on a CUDA `device` (1.0 when unset), None
-    on any other device."""
-    device = torch.device(device)
+    on any other device. Read on every forward (it keys the model's cached plans): one C call."""
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
+    if _get_fraction is not None:
+        return _get_fraction(index)
     return float(torch.cuda.get_per_process_memory_fraction(index))
 
 

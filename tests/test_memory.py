@@ -159,6 +159,7 @@ def test_available_bytes_on_cuda_honours_the_fraction_and_the_cap(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index: 3 * GB)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda index: 1 * GB)
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index: state["fraction"])
+    monkeypatch.setattr(memory, "_get_fraction", None)  # a CUDA build reads the fraction through torch._C
     device = torch.device("cuda", 0)
     assert memory.available_bytes(device)[0] == 12 * GB  # 10 free + 2 cached
     state["fraction"] = 0.1  # an 8 GB process limit, 1 GB of it allocated
@@ -248,3 +249,31 @@ def test_preflight_job_records_the_plan(tmp_path, monkeypatch):
     assert result["models"]["reference"]["fits"] and preflight.fits(result, "optimized")
     assert result["io_bytes"] == 2 * 5 * 9 * 32 * 4
     assert result["models"]["optimized"]["plan"]["routes"][0].startswith("sdpa/fp32")
+
+
+def test_h200_memory_script_runs_on_tiny_shapes(tmp_path):
+    """experiments/h200_memory.py as the lead runs it (`python -m`), on tiny stand-ins of row 14 on the CPU: the
+    capped run streams and passes the official tolerance against the chunked reference."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root / "workflow"))
+    env.pop(memory.BUDGET_ENV, None)
+    out = tmp_path / "mem.json"
+    done = subprocess.run([sys.executable, "-m", "experiments.h200_memory", str(out), "--tiny",
+                           "--runs", "row14,row14-cap40GB"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = {r["run"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"row14", "row14-cap40GB"}
+    assert runs["row14"]["plan"]["num_chunks"] == 1 and runs["row14-cap40GB"]["plan"]["num_chunks"] == 2
+    for r in runs.values():
+        assert r["status"] == "ran" and r["targets"]["passes"], r
+        assert r["accuracy"]["method"] == "chunked_reference_forward" and r["accuracy"]["batch_indices"] == [0, 3]
+    assert "row14-cap40GB" in done.stdout and "failed/compared" in done.stdout  # the table
+    bad = subprocess.run([sys.executable, "-m", "experiments.h200_memory", str(out), "--device", "cpu"], cwd=root,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--device must be cuda" in bad.stderr
