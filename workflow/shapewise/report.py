@@ -56,7 +56,13 @@ def signed_pct(value):
 
 
 def mib(value):
-    return "n/a" if value is None or value != value else f"{value / 2**20:.1f} MiB"
+    """Bytes in MiB, GiB or TiB."""
+    if value is None or value != value:
+        return "n/a"
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30)):
+        if value >= scale:
+            return f"{value / scale:.1f} {unit}"
+    return f"{value / 2**20:.1f} MiB"
 
 
 def source_inputs(root):
@@ -156,6 +162,9 @@ def build(inputs, loaded, outdir):
     rows = []
     for item, rec in zip(items, records):
         rec = {k: (None if isinstance(v, float) and v != v else v) for k, v in rec.items()}
+        for column in report_data.INTEGER_COLUMNS:  # pandas keeps a column with gaps as float
+            if rec[column] is not None:
+                rec[column] = int(rec[column])
         rows.append({"id": item["id"], "row": item["row"], "data": item["data"], "r": rec,
                      "trace": item["profile_trace"]})
     for g in groups:

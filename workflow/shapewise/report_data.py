@@ -28,6 +28,8 @@ SUMMARY_COLUMNS = [
     "speedup_ci_high", "noisy", "target_ms", "target_met", "optimized_peak_memory_bytes", "io_bytes",
 ]
 STATUSES = ("pass", "fail", "resource-skip")
+INTEGER_COLUMNS = ("failed_elements", "total_elements", "strict_failed_elements", "optimized_peak_memory_bytes",
+                   "io_bytes")
 
 
 class ReportInputError(RuntimeError):
@@ -215,6 +217,7 @@ def row_record(item):
         "optimized_round_medians_ms": opt.get("round_medians_ms"),
         "protocol_name": (tim.get("protocol") or {}).get("name"),
         "gpu": gpu_label(gpu),
+        "gpu_uuid": gpu.get("uuid") if isinstance(gpu, dict) else None,
         "contended": contention.get("contended") if contention.get("checked") else None,
         "contention_detail": contention.get("other_processes") or [],
         "optimized_p90_ms": _num(opt.get("p90_ms")),
@@ -229,7 +232,7 @@ def row_record(item):
 
 
 def gpu_label(gpu):
-    """`GPU 1 (slot 1, lock) GPU-abcd1234` from a timing result's `gpu`; None on a CPU or when absent."""
+    """`GPU 1 (slot 1, lock)` from a timing result's `gpu` (its UUID is `gpu_uuid`); None on a CPU or absent."""
     if not isinstance(gpu, dict) or not gpu:
         return None
     parts = [f"GPU {gpu.get('index')}" if gpu.get("index") is not None else "GPU ?"]
@@ -237,8 +240,6 @@ def gpu_label(gpu):
     source = gpu.get("slot_source")
     if slot is not None or source:
         parts.append(f"(slot {slot if slot is not None else '-'}" + (f", {source})" if source else ")"))
-    if gpu.get("uuid"):
-        parts.append(str(gpu["uuid"])[:12])
     return " ".join(parts)
 
 
@@ -293,7 +294,6 @@ def write_summary(frame, path):
     out = frame[SUMMARY_COLUMNS].copy()
     for column in ("noisy", "target_met"):
         out[column] = out[column].map(lambda v: "" if v is None or v != v else ("true" if v else "false"))
-    for column in ("failed_elements", "total_elements", "strict_failed_elements", "optimized_peak_memory_bytes",
-                   "io_bytes"):
+    for column in INTEGER_COLUMNS:
         out[column] = out[column].astype("Int64")
     out.to_csv(path, index=False, na_rep="", float_format="%.8g")

@@ -36,9 +36,12 @@ def speedup(frame, path, multi):
     values = list(part["speedup"])
     colors = ["tab:green" if v >= 1 else "tab:red" for v in values]
     ax.barh(ys, values, color=colors, height=0.7)
-    low = [v - lo if lo == lo and lo is not None else 0 for v, lo in zip(values, part["speedup_ci_low"])]
-    high = [hi - v if hi == hi and hi is not None else 0 for v, hi in zip(values, part["speedup_ci_high"])]
-    ax.errorbar(values, ys, xerr=[low, high], fmt="none", ecolor="black", elinewidth=1, capsize=2)
+    with_ci = [(v, y, lo, hi) for v, y, lo, hi in zip(values, ys, part["speedup_ci_low"], part["speedup_ci_high"])
+               if lo is not None and hi is not None and lo == lo and hi == hi]
+    if with_ci:
+        ax.errorbar([c[0] for c in with_ci], [c[1] for c in with_ci],
+                    xerr=[[c[0] - c[2] for c in with_ci], [c[3] - c[0] for c in with_ci]],
+                    fmt="none", ecolor="black", elinewidth=1, capsize=3)
     ax.axvline(1.0, color="black", linewidth=0.8)
     if max(values) / max(min(values), 1e-12) > 20:
         ax.set_xscale("log")
