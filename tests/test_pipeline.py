@@ -31,8 +31,8 @@ SHAPE_STEPS = {"preflight", "accuracy", "timing", "profile", "ablation"}
 pytestmark = pytest.mark.slow
 
 
-def snakemake(workdir, *args, check=True):
-    env = dict(os.environ, SHAPEWISE_DEVICE="cpu")
+def snakemake(workdir, *args, check=True, env=None):
+    env = dict(os.environ if env is None else env, SHAPEWISE_DEVICE="cpu")
     done = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", *args], cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=900)
     if check and done.returncode != 0:
@@ -40,9 +40,9 @@ def snakemake(workdir, *args, check=True):
     return done
 
 
-def planned_jobs(workdir, *args):
+def planned_jobs(workdir, *args, env=None):
     """{(rule, shape or None)} that a dry run would execute."""
-    done = snakemake(workdir, "-n", *args)
+    done = snakemake(workdir, "-n", *args, env=env)
     text = done.stdout + done.stderr
     jobs = set()
     for block in re.split(r"\n\s*\n", text):
@@ -84,8 +84,11 @@ def test_report_summary_and_provenance(workdir):
     with open(report / "summary.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert [r["id"] for r in rows] == ["tiny-triton", "tiny-holes"]
-    assert list(rows[0]) == ["id", "status", "route", "failed_elements", "total_elements", "max_abs_error",
-                             "reference_median_ms", "optimized_median_ms", "speedup"]
+    assert list(rows[0]) == [  # CONTRACT.md "summary.csv columns"
+        "id", "machine", "status", "call", "route", "failed_elements", "total_elements", "max_abs_error",
+        "strict_failed_elements", "reference_median_ms", "reference_ci_low_ms", "reference_ci_high_ms",
+        "optimized_median_ms", "optimized_ci_low_ms", "optimized_ci_high_ms", "speedup", "speedup_ci_low",
+        "speedup_ci_high", "noisy", "target_ms", "target_met", "optimized_peak_memory_bytes", "io_bytes"]
     for r in rows:
         assert r["status"] == "pass", r
         assert int(r["failed_elements"]) == 0 and int(r["total_elements"]) > 0
@@ -114,11 +117,34 @@ def test_results_record_what_ran(workdir):
 
     assert [v["variant"] for v in ablation["variants"]] == ["all-on", *OPTIMIZATIONS]
     timing = json.loads((workdir / "results/timing/tiny-triton.json").read_text())
-    assert len(timing["optimized"]["times_ms"]) == 3 * 5  # the cpu protocol of config/config.yaml
+    # every timed call of every round is kept, as the protocol the job recorded says
+    rounds = len(timing["optimized"]["round_medians_ms"])
+    assert rounds >= 1 and len(timing["optimized"]["times_ms"]) == rounds * timing["protocol"]["calls"], timing["protocol"]
 
 
 def test_second_run_has_nothing_to_do(workdir):
     assert planned_jobs(workdir, "--config", "shapes=tiny") == set()
+
+
+def test_a_copied_checkout_reruns_nothing(workdir, tmp_path_factory):
+    """The cache is relocatable: no params value, input or shell command of a rule holds the checkout's path."""
+    copy = tmp_path_factory.mktemp("moved") / "checkout"
+    shutil.copytree(workdir, copy, symlinks=True)  # file times kept, as `cp -a` or a moved directory keeps them
+    try:
+        assert planned_jobs(copy, "--config", "shapes=tiny") == set()
+    finally:
+        shutil.rmtree(copy)
+
+
+def test_shapewise_variables_of_the_shell_change_nothing_unless_passed(workdir):
+    """SHAPEWISE_ROUTE left in the shell reaches no job (nothing reruns); named in pass_env, it is a
+    params value of every measuring job, so they all rerun."""
+    env = dict(os.environ, SHAPEWISE_ROUTE="reference", SHAPEWISE_DISABLE="fused_layer")
+    assert planned_jobs(workdir, "--config", "shapes=tiny", env=env) == set()
+    jobs = planned_jobs(workdir, "--config", "shapes=tiny", "pass_env=SHAPEWISE_ROUTE", env=env)
+    for shape in ("tiny-triton", "tiny-holes"):
+        assert {(step, shape) for step in SHAPE_STEPS} <= jobs, jobs
+    assert ("microbench", None) in jobs and ("fingerprint", None) not in jobs, jobs
 
 
 def test_editing_one_row_reruns_only_that_row(workdir):
@@ -186,11 +212,18 @@ def test_verify_passes_then_names_tampered_and_deleted_files(workdir):
 
 def test_bad_manifest_stops_before_any_job(workdir):
     (workdir / "shapes" / "bad.yaml").write_text(
-        "- {id: bad-row, batch_size: 2, seq_len: 8, d_model: 30, num_heads: 4, ffn_dim: 8, num_layers: 1}\n")
+        "- {id: bad-row, batch_size: 2, seq_len: 8, d_model: 30, num_heads: 4, ffn_dim: 8, num_layers: 1}\n"
+        "- {id: bad-route, batch_size: 2, seq_len: 8, d_model: 32, num_heads: 4, ffn_dim: 8, num_layers: 1, "
+        "route: fuzed}\n"
+        "- {id: bad-numbers, batch_size: 2.0, seq_len: 8, d_model: 32, num_heads: 4, ffn_dim: 8, num_layers: 1, "
+        "input_scale: .nan}\n")
     done = snakemake(workdir, "-n", "--config", "shapes=bad", check=False)
     text = done.stdout + done.stderr
     assert done.returncode != 0
-    assert "shapes/bad.yaml" in text and "bad-row" in text and "d_model" in text, text
+    for row, field in (("bad-row", "d_model"), ("bad-route", "route"), ("bad-numbers", "batch_size"),
+                       ("bad-numbers", "input_scale")):
+        assert f"shapes/bad.yaml: row '{row}': field {field}:" in text, (row, field, text)
+    assert "rule preflight" not in text
     assert not (workdir / "results" / "preflight" / "bad-row.json").exists()
 
 
