@@ -35,12 +35,12 @@ try:
 except ImportError:  # run from a checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 
-from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case  # noqa: E402
-from shapewise.jobs.models import build_models, model_config, set_precision  # noqa: E402
-from shapewise.manifest import normalize_row, official_rows  # noqa: E402
-from shapewise.model import TOLERANCES, compare_outputs  # noqa: E402
-from shapewise.model.chunked import chunked_reference_forward  # noqa: E402
-from shapewise.model.memory import RESERVE_FRACTION  # noqa: E402
+from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
+from shapewise.jobs.models import build_models, model_config, set_precision
+from shapewise.manifest import normalize_row, official_rows
+from shapewise.model import TOLERANCES, compare_outputs
+from shapewise.model.chunked import chunked_reference_forward
+from shapewise.model.memory import RESERVE_FRACTION
 
 GB = 10**9
 PEAK_TARGET_OVER_IO = 8 * GB  # issue #16: row 14 uncapped peaks at most input + output + 8 GB
@@ -53,8 +53,8 @@ RUNS = (
     ("row6-cap24GB", 6, 24, 20, "row6"),
 )
 TINY_ROWS = {  # small stand-ins of rows 14 and 6 (B, S, d, H, ffn, L), fast on a CPU
-    14: dict(batch_size=4, seq_len=48, d_model=32, num_heads=2, ffn_dim=32, num_layers=2),
-    6: dict(batch_size=6, seq_len=16, d_model=32, num_heads=2, ffn_dim=32, num_layers=2),
+    14: {"batch_size": 4, "seq_len": 48, "d_model": 32, "num_heads": 2, "ffn_dim": 32, "num_layers": 2},
+    6: {"batch_size": 6, "seq_len": 16, "d_model": 32, "num_heads": 2, "ffn_dim": 32, "num_layers": 2},
 }
 CHECK_ELEMENTS = {14: 1, 6: 4}  # batch elements checked at each end of the batch
 
@@ -185,7 +185,7 @@ def run(name, number, cap_gb, calls, device, tiny):
             result["peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
             result["peak_over_io_bytes"] = result["peak_bytes"] - io_bytes
         result["status"] = "ran"
-    except Exception as exc:  # an out-of-memory under the cap is a result of this experiment, recorded
+    except Exception as exc:  # noqa: BLE001 (an out-of-memory under the cap is a result of this experiment, recorded)
         result["status"] = "failed"
         result["error"] = f"{type(exc).__name__}: {exc}"
         set_cap(device, None)
@@ -194,9 +194,7 @@ def run(name, number, cap_gb, calls, device, tiny):
     del out
     set_cap(device, None)  # the reference check is the measuring tool, not the model under the cap
     result["accuracy"] = check(number, model, reference, x, mask, keep, device, tiny)
-    del keep, x, mask, model, reference
-    release(device)
-    return result
+    return result  # the next run releases this one's tensors
 
 
 def verdicts(results):
@@ -216,8 +214,9 @@ def verdicts(results):
 
 
 def table(results):
-    lines = [f"{'run':<15} {'status':<7} {'chunks':>11} {'median ms':>10} {'peak GB':>8} {'io GB':>7} "
-             f"{'failed/compared':>18} targets"]
+    header = (f"{'run':<15} {'status':<7} {'chunks':>11} {'median ms':>10} {'peak GB':>8} {'io GB':>7} "
+              f"{'failed/compared':>18} targets")
+    lines = [header]
     for r in results:
         plan = r.get("plan") or {}
         chunks = f"{plan.get('num_chunks', '-')}x{plan.get('chunk_size', '-')}"

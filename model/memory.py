@@ -260,8 +260,8 @@ def plan_chunks(shape, dtype, input_bytes: int, output_bytes: int, working_set, 
         return seen[b]
 
     whole, whole_route = pass_bytes(B)
-    common = dict(shape=tuple(shape), batch_size=B, input_bytes=input_bytes, output_bytes=output_bytes,
-                  available_bytes=available, budget_source=budget_source, unchunked_bytes=fixed + whole)
+    common = {"shape": tuple(shape), "batch_size": B, "input_bytes": input_bytes, "output_bytes": output_bytes,
+              "available_bytes": available, "budget_source": budget_source, "unchunked_bytes": fixed + whole}
     if available is None:
         return MemoryPlan(chunk_size=B, num_chunks=1, estimate_bytes=fixed + whole, routes=(whole_route,),
                           reason=budget_source, **common)

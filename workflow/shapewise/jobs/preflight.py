@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 
 import torch
-
 from shapewise.jobs.device import free_memory_bytes, setup
 from shapewise.jobs.inputs import DTYPES
 from shapewise.jobs.io import header, log, write_result
