@@ -73,7 +73,10 @@ def _results(row, kind):
         acc.update(status="resource-skip", skip_reason=reason)
         tim["skips"] = {m: f"resource skip: estimated 1000000000000000 bytes > budget 1000000000 bytes"
                         for m in ("reference", "optimized")}
-        tim.update(speedup=None, roofline={"available": False, "reason": "not timed"}, gpu=None)
+        # as the timing job writes a resource skip: nothing built, nothing timed
+        tim.update(status="resource-skip", call=None, speedup=None, speedup_ci=None, noisy=None, gpu=None,
+                   contention={"checked": False, "other_processes": [], "contended": False, "reason": "skip"},
+                   roofline={"available": False, "reason": "resource skip: the optimized model does not fit"})
         prof.update(status="resource-skip", triton_kernels_ran=[])
         abl.update(status="resource-skip")
         return {"preflight": pre, "accuracy": acc, "timing": tim, "profile": prof, "ablation": abl}
@@ -87,6 +90,10 @@ def _results(row, kind):
                speedup=ref_ms / opt_ms,
                roofline={"available": True, "floor_ms": 0.02, "fraction_of_floor": 0.02 / opt_ms})
     if kind == "timed":
+        tim["protocol"] = {"name": "stable", "warmup": 20, "calls": 50, "rounds": None, "min_rounds": 6,
+                           "max_rounds": 30, "ci_half_width": 0.02, "timer": "cuda events per call",
+                           "float32_matmul_precision": "high"}
+        tim["stopping"] = {"rounds_run": 9, "reason": "settled"}
         tim.update(speedup_ci={"low": ref_ms / opt_ms * 0.9, "high": ref_ms / opt_ms * 1.12, "level": 0.95,
                                "method": "bootstrap"}, noisy=True,
                    gpu={"index": 1, "uuid": "GPU-0123456789abcdef", "name": "NVIDIA H200", "slot": 1,
@@ -183,6 +190,8 @@ def test_report_renders_every_row_and_summary_columns(run):
     assert ">fused(32,4,2)+kv</a>" in html and f'title="{ROUTE_STR}"' in html
     assert "model(x, mask)" in html and "contended" in html and "GPU 1 (slot 1, lock)" in html
     assert "noisy" in html and "missed" in html
+    assert "stable, 9 rounds (settled)" in html and "stable, 9 rounds (settled)" in md
+    assert "between 6 and 30" in html or "6–30" in html
     for text in (html, md):
         # tolerances come from the code, not from typed numbers
         from shapewise.model.compare import TOLERANCES

@@ -162,7 +162,7 @@ def build(inputs, loaded, outdir):
     rows = []
     for item, rec in zip(items, records):
         rec = {k: (None if isinstance(v, float) and v != v else v) for k, v in rec.items()}
-        for column in report_data.INTEGER_COLUMNS:  # pandas keeps a column with gaps as float
+        for column in report_data.INTEGER_COLUMNS + ("rounds_run",):  # pandas keeps a column with gaps as float
             if rec[column] is not None:
                 rec[column] = int(rec[column])
         rows.append({"id": item["id"], "row": item["row"], "data": item["data"], "r": rec,

@@ -216,6 +216,8 @@ def row_record(item):
         "reference_round_medians_ms": ref.get("round_medians_ms"),
         "optimized_round_medians_ms": opt.get("round_medians_ms"),
         "protocol_name": (tim.get("protocol") or {}).get("name"),
+        "rounds_run": (tim.get("stopping") or {}).get("rounds_run"),
+        "stopping_reason": (tim.get("stopping") or {}).get("reason"),
         "gpu": gpu_label(gpu),
         "gpu_uuid": gpu.get("uuid") if isinstance(gpu, dict) else None,
         "contended": contention.get("contended") if contention.get("checked") else None,
