@@ -4,7 +4,14 @@ Without a GPU, set TRITON_INTERPRET=1 before importing this package to run the k
 """
 import os
 
+import torch
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # kernels run in Triton's CPU interpreter
+
+# Operand precisions of the kernels' matmuls and the dtype their operands are held in ("fp32" = exact fp32 dots,
+# "tf32" = fp32 operands on TF32 tensor cores): the one list of them. Accumulation is fp32 always.
+OPERAND_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+PRECISIONS = tuple(OPERAND_DTYPES)
 
 
 def _fix_interpreter_scalar_index():

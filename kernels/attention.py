@@ -6,6 +6,11 @@ the output is written `[B, S, H, D]` contiguous, so the out-projection reads it 
 
 Masks follow self-attention semantics: the key mask of batch element b also marks its invalid queries,
 whose output rows are written as zeros. A query that sees no valid key gets 0, never NaN.
+
+A key mask may come with its per-batch prefix lengths (kernels/mask.py: the length where the row is a prefix,
+-1 where it is not). Batch elements whose mask is a prefix then run as fast as an unmasked call: whole key blocks
+below the length and the diagonal need no mask, and query blocks past the length do no work. The choice is made
+per program on the device, so an all-True or prefix mask costs no host synchronization.
 """
 from __future__ import annotations
 
@@ -14,8 +19,10 @@ import triton
 import triton.language as tl
 
 from . import INTERPRET as _INTERPRET
+from . import PRECISIONS
+from .mask import prefix_lengths
 
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+MAX_HEAD_DIM = 256  # largest head_dim served (register and shared-memory budget of one tile)
 _PRECISION_CODE = {"fp32": 0, "tf32": 1, "fp16": 2, "bf16": 3}
 # Triton 3.6's interpreter computes garbage for bf16 dots; there, bf16 operands are rounded to bf16 and
 # multiplied in fp32, which gives the same products as the tensor cores (exact products, fp32 sums).
@@ -128,7 +135,8 @@ def _attention_block(
 def _attention_fwd(
     Q, K, V,  # pointers to the [B, S, H, D] query/key/value views (unit stride along D)
     O,  # pointer to the [B, S, H, D] output
-    KeyLen,  # int32 [B]: number of valid (prefix) keys per batch element; read when HAS_KEY_LEN
+    KeyLen,  # int32 [B]: number of valid (prefix) keys per batch element; read when HAS_KEY_LEN. With HAS_KEY_MASK
+    # too: the prefix length where that batch element's mask is a prefix, -1 where it is not
     KeyMask,  # int8 [B, S]: 1 = valid key/query; read when HAS_KEY_MASK
     stride_qb, stride_qs, stride_qh,  # q strides (elements) for batch, sequence, head
     stride_kb, stride_ks, stride_kh,  # k strides
@@ -161,6 +169,9 @@ def _attention_fwd(
     key_len = seq_len
     if HAS_KEY_LEN:
         key_len = tl.load(KeyLen + b)
+        if HAS_KEY_MASK:  # a prefix length, or -1: this batch element's mask is no prefix
+            is_prefix = key_len >= 0
+            key_len = tl.where(is_prefix, key_len, seq_len)
     m_ok = offs_m < seq_len
     o_ptrs = o_base + offs_m[:, None] * stride_os + offs_d[None, :]
 
@@ -179,12 +190,16 @@ def _attention_fwd(
         q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
         q = _operand(q, PRECISION)
         # Stage 1: key blocks that are whole, valid and at or below every query's diagonal need no mask.
-        full_hi = 0
-        if not HAS_KEY_MASK:
-            full_hi = key_len
-            if IS_CAUSAL:
-                full_hi = tl.minimum(full_hi, start_m + 1)
-            full_hi = (full_hi // BLOCK_N) * BLOCK_N
+        # (With a mask and prefix lengths: where the mask is a prefix, keys below its length are all valid.)
+        full_hi = key_len
+        if IS_CAUSAL:
+            full_hi = tl.minimum(full_hi, start_m + 1)
+        full_hi = (full_hi // BLOCK_N) * BLOCK_N
+        if HAS_KEY_MASK:
+            if HAS_KEY_LEN:
+                full_hi = tl.where(is_prefix, full_hi, 0)
+            else:
+                full_hi = 0
         for start_n in range(0, full_hi, BLOCK_N):
             acc, m_i, l_i = _attention_block(
                 acc, m_i, l_i, q, k_base, v_base, mask_base, stride_ks, stride_vs,
@@ -253,7 +268,7 @@ _attention_fwd_tuned = triton.autotune(
 # ----------------------------------------------------------------------------------------------
 # Launcher and public function
 # ----------------------------------------------------------------------------------------------
-def _check(q, k, v, key_lengths, key_mask, precision):
+def _check(q, k, v, key_lengths, key_mask, precision, mask_prefix_lengths=None):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"flash_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -269,12 +284,20 @@ def _check(q, k, v, key_lengths, key_mask, precision):
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"flash_attention: q, k, v on different devices: {q.device}, {k.device}, {v.device}")
     B, S, H, D = q.shape
-    if not 1 <= D <= 256:
-        raise ValueError(f"flash_attention: head_dim must be in [1, 256], got {D}")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"flash_attention: head_dim must be in [1, {MAX_HEAD_DIM}], got {D}")
     if precision not in _PRECISION_CODE:
         raise ValueError(f"flash_attention: precision must be one of {PRECISIONS}, got {precision!r}")
     if key_lengths is not None and key_mask is not None:
         raise ValueError("flash_attention: give key_lengths (prefix masks) or key_mask (any mask), not both")
+    if mask_prefix_lengths is not None:
+        if key_mask is None:
+            raise ValueError("flash_attention: mask_prefix_lengths describes a key_mask; give key_mask too")
+        if (mask_prefix_lengths.shape != (B,) or mask_prefix_lengths.dtype != torch.int32
+                or mask_prefix_lengths.device != q.device):
+            raise ValueError(f"flash_attention: mask_prefix_lengths must be int32 [B]={B} on {q.device}, got "
+                             f"{mask_prefix_lengths.dtype} {tuple(mask_prefix_lengths.shape)} on "
+                             f"{mask_prefix_lengths.device}")
     if key_lengths is not None:
         if key_lengths.shape != (B,) or key_lengths.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"flash_attention: key_lengths must be an int32/int64 [B]={B} tensor, got "
@@ -291,25 +314,33 @@ def _check(q, k, v, key_lengths, key_mask, precision):
 
 
 def flash_attention(q, k, v, *, causal: bool, key_lengths=None, key_mask=None, precision: str = "fp16",
-                    out=None, config=None):
+                    out=None, config=None, mask_prefix_lengths=None):
     """Attention over `[B, S, H, D]` views; returns `[B, S, H, D]` (contiguous, dtype of q, or `out`).
 
     causal: mask keys j > i.
     key_lengths: int32/int64 `[B]`, valid prefix length per batch element (fast path: no mask loads,
         query blocks wholly past the length are written as zeros without work).
     key_mask: bool `[B, S]`, any pattern (left padding, holes); also marks invalid queries.
+    mask_prefix_lengths: int32 `[B]` for key_mask, from `kernels.mask.prefix_lengths(key_mask)` (computed here when
+        not given): batch elements whose mask is a prefix take the unmasked fast path. Pass it to reuse one
+        summary across layers; it must describe key_mask (the kernel trusts it).
     precision: operand precision of both matmuls: "fp32" (exact), "tf32", "fp16", "bf16";
         accumulation and softmax statistics are fp32 always.
     config: optional dict with BLOCK_M, BLOCK_N, num_warps, num_stages to bypass autotuning.
     """
-    _check(q, k, v, key_lengths, key_mask, precision)
+    _check(q, k, v, key_lengths, key_mask, precision, mask_prefix_lengths)
     B, S, H, D = q.shape
+    if key_mask is not None and mask_prefix_lengths is None:
+        mask_prefix_lengths = prefix_lengths(key_mask)
     if out is None:
         out = torch.empty((B, S, H, D), dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or not out.is_contiguous():
         raise ValueError(f"flash_attention: out must be a contiguous {tuple(q.shape)} tensor")
     dummy = torch.empty(1, dtype=torch.int32, device=q.device)
-    lengths = key_lengths.to(torch.int32).contiguous() if key_lengths is not None else dummy
+    if mask_prefix_lengths is not None:
+        lengths = mask_prefix_lengths
+    else:
+        lengths = key_lengths.to(torch.int32).contiguous() if key_lengths is not None else dummy
     mask = key_mask.contiguous().view(torch.int8) if key_mask is not None else dummy.view(torch.int8)
     block_d = max(16, triton.next_power_of_2(D))
     s_bucket = triton.next_power_of_2(S)
@@ -320,7 +351,8 @@ def flash_attention(q, k, v, *, causal: bool, key_lengths=None, key_mask=None, p
             out.stride(0), out.stride(1), out.stride(2),
             mask.stride(0) if key_mask is not None else 0,
             H, S, D**-0.5 * 1.4426950408889634, s_bucket)
-    consts = dict(HEAD_DIM=D, BLOCK_D=block_d, IS_CAUSAL=bool(causal), HAS_KEY_LEN=key_lengths is not None,
+    consts = dict(HEAD_DIM=D, BLOCK_D=block_d, IS_CAUSAL=bool(causal),
+                  HAS_KEY_LEN=key_lengths is not None or mask_prefix_lengths is not None,
                   HAS_KEY_MASK=key_mask is not None, PRECISION=_PRECISION_CODE[precision])
     if config is not None:
         bm, bn = config["BLOCK_M"], config["BLOCK_N"]

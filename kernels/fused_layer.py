@@ -240,9 +240,22 @@ def _ln_kv_fwd(
 # ----------------------------------------------------------------------------------------------
 # Launcher and public function
 # ----------------------------------------------------------------------------------------------
+MIN_D_MODEL = 16  # the smallest tile Triton's dot takes
+
+
+def why_unsupported(seq_len: int, d_model: int, num_heads: int) -> str | None:
+    """Why `fused_layer` cannot serve this shape, or None when it can: the one statement of its limits."""
+    if not (seq_len <= MAX_SEQ and MIN_D_MODEL <= d_model <= MAX_D_MODEL):
+        return (f"the fused layer serves seq_len <= {MAX_SEQ} and {MIN_D_MODEL} <= d_model <= {MAX_D_MODEL}, "
+                f"got seq_len={seq_len}, d_model={d_model}")
+    if d_model % num_heads != 0:
+        return f"the fused layer needs d_model % num_heads == 0, got {d_model} % {num_heads}"
+    return None
+
+
 def supports(seq_len: int, d_model: int, num_heads: int) -> bool:
     """Whether `fused_layer` serves this shape."""
-    return seq_len <= MAX_SEQ and d_model <= MAX_D_MODEL and d_model % num_heads == 0 and d_model >= 16
+    return why_unsupported(seq_len, d_model, num_heads) is None
 
 
 def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=None, out=None, block_m=None,
@@ -258,9 +271,9 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
     (S / block_m times per sequence). Same math up to accumulation order; two launches per layer.
     """
     B, S, d = x.shape
-    if not supports(S, d, num_heads):
-        raise ValueError(f"fused_layer: serves seq_len <= {MAX_SEQ} and 16 <= d_model <= {MAX_D_MODEL}, "
-                         f"got seq_len={S}, d_model={d}")
+    why = why_unsupported(S, d, num_heads)
+    if why:
+        raise ValueError(f"fused_layer: {why}")
     if x.stride(-1) != 1:
         raise ValueError(f"fused_layer: x must have unit stride along d_model, got strides {x.stride()}")
     op = w["qkv_w"].dtype

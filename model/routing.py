@@ -24,7 +24,6 @@ from .config import TransformerConfig
 ROUTES = ("reference", "sdpa", "triton", "graph", "fused")
 CPU_ROUTES = ("reference", "sdpa", "triton", "fused")  # triton and fused only under TRITON_INTERPRET=1
 MASK_KINDS = ("none", "prefix", "general")
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 POLICY_PATH = Path(__file__).with_name("routing_policy.json")
 POLICY = json.loads(POLICY_PATH.read_text())
 
@@ -124,14 +123,20 @@ def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool) -> 
         return None
     if dt not in ("float32", "float16", "bfloat16"):
         return f"route {name!r} serves float32/float16/bfloat16, not {dt}"
-    if shape.head_dim > 256:
-        return f"route {name!r} serves head_dim <= 256, got {shape.head_dim}"
+    from shapewise.kernels.attention import MAX_HEAD_DIM  # the kernels own their limits (imported here: triton)
+
+    if shape.head_dim > MAX_HEAD_DIM:
+        return f"route {name!r} serves head_dim <= {MAX_HEAD_DIM}, got {shape.head_dim}"
     if name == "graph" and dev != "cuda":
         return f"route 'graph' needs a CUDA device, got {dev}"
     if name in ("triton", "fused") and dev != "cuda" and not (dev == "cpu" and interpret):
         return f"route {name!r} needs a CUDA device, or TRITON_INTERPRET=1 on the CPU (device {dev})"
-    if name == "fused" and not (shape.seq_len <= 128 and 16 <= shape.d_model <= 128):
-        return f"route 'fused' serves seq_len <= 128 and 16 <= d_model <= 128, got {shape.seq_len}, {shape.d_model}"
+    if name == "fused":
+        from shapewise.kernels.fused_layer import why_unsupported
+
+        why = why_unsupported(shape.seq_len, shape.d_model, shape.num_heads)
+        if why:
+            return f"route 'fused': {why}"
     return None
 
 
@@ -172,6 +177,7 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
     route = Route("triton", _precision_for("triton", dt, shape),
                   f"compute/memory-bound (tokens*d = {shape.tokens * shape.d_model})")
     sdpa_from = POLICY["attention"]["sdpa_from_seq_len"]
-    if sdpa_from is not None and shape.seq_len >= sdpa_from and mask_kind == "none":
-        route = replace(route, attention="sdpa", reason=route.reason + f"; SDPA attention from seq_len {sdpa_from}")
+    if sdpa_from is not None and shape.seq_len >= sdpa_from:
+        how = "" if mask_kind == "none" else " (causal prefix masks; other masks: our kernel, decided per call)"
+        route = replace(route, attention="sdpa", reason=route.reason + f"; SDPA attention from seq_len {sdpa_from}{how}")
     return route

@@ -8,10 +8,15 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-from shapewise.model import (TOLERANCES, BaselineTransformer, TransformerConfig, UserOptimizedTransformer, compare_outputs,
-                   generate_random_case)
-from shapewise.model import routing
+from shapewise.model import (
+    TOLERANCES,
+    BaselineTransformer,
+    TransformerConfig,
+    UserOptimizedTransformer,
+    compare_outputs,
+    generate_random_case,
+    routing,
+)
 
 OFFICIAL = TOLERANCES["official"]
 MASK_KINDS = ("none", "all_true", "prefix", "left", "holes", "one_empty")

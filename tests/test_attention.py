@@ -342,3 +342,39 @@ def test_autotune_candidates_are_pruned_by_shape_and_precision():
     assert kept(100_000, 64, 3) == [(128, 128), (128, 64), (64, 64), (64, 32)]
     assert kept(1024, 32, 0) == [(64, 32), (32, 32)]
     assert kept(8, 32, 0) == [(16, 32)], "nothing fits: the last candidate is kept"
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_all_true_mask_is_the_unmasked_call(causal):
+    """The official harness passes an all-True mask: the kernel takes the unmasked path for it (the per-batch
+    prefix summary says so), so the output is the unmasked call's, bit for bit."""
+    _, q, k, v = make_qkv(2, 37, 2, 16, torch.float16)
+    plain = flash_attention(q, k, v, causal=causal, precision="fp16")
+    masked = flash_attention(q, k, v, causal=causal, precision="fp16",
+                             key_mask=torch.ones(2, 37, dtype=torch.bool, device=DEVICE))
+    assert torch.equal(plain, masked)
+
+
+def test_prefix_summary_given_or_computed_agree():
+    from shapewise.kernels.mask import prefix_lengths
+
+    _, q, k, v = make_qkv(3, 40, 2, 32, torch.float32)
+    mask = torch.ones(3, 40, dtype=torch.bool, device=DEVICE)
+    mask[0, 25:] = False  # prefix
+    mask[1, 5] = False  # hole
+    for causal in (True, False):
+        a = flash_attention(q, k, v, causal=causal, key_mask=mask, precision="fp32")
+        b = flash_attention(q, k, v, causal=causal, key_mask=mask, precision="fp32",
+                            mask_prefix_lengths=prefix_lengths(mask))
+        assert torch.equal(a, b)
+        ref = reference_attention(q, k, v, causal, mask.cpu())
+        torch.testing.assert_close(a.cpu().double(), ref.cpu().double(), atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_summary_needs_its_mask():
+    _, q, k, v = make_qkv(2, 8, 1, 16, torch.float32)
+    with pytest.raises(ValueError, match="mask_prefix_lengths describes a key_mask"):
+        flash_attention(q, k, v, causal=True, mask_prefix_lengths=torch.zeros(2, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="mask_prefix_lengths must be int32"):
+        flash_attention(q, k, v, causal=True, key_mask=torch.ones(2, 8, dtype=torch.bool, device=DEVICE),
+                        mask_prefix_lengths=torch.zeros(3, dtype=torch.int32, device=DEVICE))

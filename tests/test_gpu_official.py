@@ -158,7 +158,7 @@ MASKED_CFGS = {
 
 
 @pytest.mark.parametrize("route", _all_routes())
-@pytest.mark.parametrize("mask_kind", ["prefix", "holes", "left", "one_empty", "holes_transposed"])
+@pytest.mark.parametrize("mask_kind", ["all_true", "prefix", "holes", "left", "one_empty", "holes_transposed"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("shape", sorted(MASKED_CFGS))
 @torch.no_grad()
@@ -181,6 +181,9 @@ def test_masked_inputs_every_route(shape, route, mask_kind, causal, no_tf32):
     opt.load_state_dict(ref.state_dict(), strict=True)
     if mask_kind == "prefix":
         x, mask = generate_random_case(cfg, dev, torch.float32, 99, padding_ratio=0.5)
+    elif mask_kind == "all_true":  # the official harness's call without padding
+        x, _ = generate_random_case(cfg, dev, torch.float32, 99)
+        mask = torch.ones(B, S, dtype=torch.bool, device=dev)
     else:
         x, _ = generate_random_case(cfg, dev, torch.float32, 99)
         mask = _masks(mask_kind.replace("_transposed", ""), B, S, dev)
@@ -188,13 +191,14 @@ def test_masked_inputs_every_route(shape, route, mask_kind, causal, no_tf32):
             mask = mask.t().contiguous().t()
     r = ref(x, mask)
     y = opt(x, mask)
-    y_again = opt(x, mask)  # a second call (graph replay) gives the same numbers
+    y_again = opt(x, mask)  # a second call (graph replay; the same addresses: a graph reading them in place)
+    y_third = opt(x, mask)  # ... replayed
     tol = TOLERANCES["official"]
     cmp = compare_outputs(r, y, rtol=tol["rtol"], atol=tol["atol"])
     print(f"[masked  ] route={route:<9} took={opt.last_route.name}/{opt.last_route.precision} mask={mask_kind:<16} "
           f"causal={causal} failed={cmp.failed_elements}/{cmp.total_elements} max_abs={cmp.max_abs_error:.3e}")
     assert cmp.failed_elements == 0, f"{cmp.failed_elements} failed, worst {cmp.worst_index}"
-    assert torch.equal(y, y_again)
+    assert torch.equal(y, y_again) and torch.equal(y, y_third)
     if (~mask).any():
         assert y[~mask].abs().max().item() == 0.0, "invalid rows are not exactly zero"
 
@@ -252,3 +256,39 @@ def test_one_kernel_per_layer_across_batch_sizes(batch, no_tf32):
               f"max_abs={cmp.max_abs_error:.3e} worst={tuple(cmp.worst_index)}")
         results.append((disable, cmp.failed_elements))
     assert all(n == 0 for _, n in results), results
+
+
+@pytest.mark.parametrize("route", ["graph", "fused"])
+@torch.no_grad()
+def test_graph_reads_repeated_inputs_in_place(route, no_tf32):
+    """Once the same x and mask come twice, the graph reads them where they are (no copy in). It must follow
+    in-place edits of the caller's tensors, serve other tensors correctly, and equal the model without the switch."""
+    from shapewise.model import TOLERANCES, BaselineTransformer, TransformerConfig, UserOptimizedTransformer
+    from shapewise.model import compare_outputs
+
+    dev = torch.device("cuda")
+    cfg = TransformerConfig(8, 100, 96, 3, 160, 2, True)
+    torch.manual_seed(7)
+    ref = BaselineTransformer(cfg).to(dev).eval()
+    opt = UserOptimizedTransformer(cfg, route=route).to(dev).eval()
+    off = UserOptimizedTransformer(cfg, route=route, disable=("direct_input",)).to(dev).eval()
+    opt.load_state_dict(ref.state_dict(), strict=True)
+    off.load_state_dict(ref.state_dict(), strict=True)
+    x = torch.randn(8, 100, 96, device=dev)
+    mask = torch.ones(8, 100, dtype=torch.bool, device=dev)
+    tol = TOLERANCES["official"]
+
+    def check(y, what):
+        cmp = compare_outputs(ref(x, mask), y, rtol=tol["rtol"], atol=tol["atol"])
+        assert cmp.failed_elements == 0, f"{what}: {cmp.failed_elements} failed"
+
+    first, second = opt(x, mask), opt(x, mask)  # the second call captures the in-place graph
+    assert torch.equal(first, second)
+    x.mul_(0.5)  # the caller edits its tensors in place: same addresses, new values
+    mask[0, 60:] = False
+    mask[3, 10] = False
+    y = opt(x, mask)
+    check(y, "after in-place edits")
+    assert not torch.equal(y, first)
+    assert torch.equal(y, off(x, mask)), "the in-place graph and the copying one disagree"
+    assert torch.equal(opt(x.clone(), mask.clone()), y), "other tensors with the same values"

@@ -4,10 +4,8 @@ import math
 
 import pytest
 import torch
-
-from shapewise.model import (TOLERANCES, compare_outputs,
-                   generate_random_case)
 from model_helpers import cfg_of
+from shapewise.model import TOLERANCES, compare_outputs, generate_random_case
 
 
 def test_generate_random_case_reproducible_and_padded():

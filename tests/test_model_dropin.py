@@ -6,11 +6,22 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
+from model_helpers import (
+    CFG_SEQ7,
+    OFFICIAL,
+    build_pair,
+    cfg_of,
+    check_official,
+    make_inputs,
+)
 from shapewise import model
-from shapewise.model import (BaselineTransformer, TransformerConfig, UserOptimizedTransformer, compare_outputs)
-from shapewise.model import routing
-from model_helpers import CFG_SEQ7, OFFICIAL, build_pair, cfg_of, check_official, make_inputs
+from shapewise.model import (
+    BaselineTransformer,
+    TransformerConfig,
+    UserOptimizedTransformer,
+    compare_outputs,
+    routing,
+)
 
 
 @dataclasses.dataclass

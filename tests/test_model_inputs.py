@@ -5,9 +5,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from shapewise.model import (BaselineTransformer, TransformerConfig, UserOptimizedTransformer)
-from model_helpers import CFG_MAIN, CFG_SEQ7, CPU_ROUTES, OFFICIAL, build_pair, cfg_of, make_inputs
+from model_helpers import (
+    CFG_MAIN,
+    CFG_SEQ7,
+    CPU_ROUTES,
+    OFFICIAL,
+    build_pair,
+    cfg_of,
+    make_inputs,
+)
+from shapewise.model import (
+    BaselineTransformer,
+    TransformerConfig,
+    UserOptimizedTransformer,
+)
 
 
 def _bad_input_cases(cfg):

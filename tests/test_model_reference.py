@@ -3,8 +3,14 @@
 
 import pytest
 import torch
-
-from model_helpers import CFG_MAIN, MASK_KINDS, build_pair, cfg_of, fp64_forward, make_inputs
+from model_helpers import (
+    CFG_MAIN,
+    MASK_KINDS,
+    build_pair,
+    cfg_of,
+    fp64_forward,
+    make_inputs,
+)
 
 
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)

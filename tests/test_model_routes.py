@@ -4,10 +4,19 @@ non-contiguous inputs, low-precision inputs."""
 
 import pytest
 import torch
-
-from shapewise.model import (BaselineTransformer, generate_random_case)
-from shapewise.model import routing
-from model_helpers import CFG_HD8, CFG_MAIN, CFG_SEQ1, CFG_SEQ7, CPU_ROUTES, MASK_KINDS, build_pair, cfg_of, check_official, make_inputs
+from model_helpers import (
+    CFG_HD8,
+    CFG_MAIN,
+    CFG_SEQ1,
+    CFG_SEQ7,
+    CPU_ROUTES,
+    MASK_KINDS,
+    build_pair,
+    cfg_of,
+    check_official,
+    make_inputs,
+)
+from shapewise.model import BaselineTransformer, generate_random_case, routing
 
 
 def test_some_cpu_route_exists():
@@ -104,3 +113,27 @@ def test_low_precision_inputs(route, dtype, shape, assert_close):
     err_opt = (y.float() - truth).abs().mean().item()
     err_ref = (r.float() - truth).abs().mean().item()
     assert err_opt <= 2 * err_ref + 1e-5, f"mean error {err_opt:.2e} vs the {dtype} reference's {err_ref:.2e}"
+
+
+@pytest.mark.parametrize("mask_kind, causal, attention", [
+    ("all_true", True, "sdpa"), ("prefix", True, "sdpa"), ("one_empty", True, "sdpa"),
+    ("holes", True, "triton"), ("left", True, "triton"), ("prefix", False, "triton"), ("all_true", False, "triton")])
+def test_long_row_sdpa_attention_with_masks(mask_kind, causal, attention, monkeypatch):
+    """The triton route with SDPA attention (the policy's choice for long rows, official row 14) under the official
+    call: a causal prefix mask (all-True included) runs SDPA unmasked, any other mask our kernel, per call; the
+    output matches the reference either way and last_route says which attention ran."""
+    from dataclasses import replace
+
+    if "triton" not in CPU_ROUTES:
+        pytest.skip("the triton route needs TRITON_INTERPRET=1 on a CPU")
+    cfg = cfg_of(CFG_MAIN, causal)
+    ref, opt = build_pair(cfg, "triton")
+    pick = opt._select
+    monkeypatch.setattr(opt, "_select", lambda x, m: replace(pick(x, m), attention="sdpa"))
+    x, mask = make_inputs(cfg, mask_kind)
+    with torch.no_grad():
+        r = ref(x, mask)
+        y = opt(x, mask)
+    assert opt.last_route.attention == attention, str(opt.last_route)
+    check_official(r, y, f"sdpa-attention route, mask={mask_kind} causal={causal}")
+    assert torch.equal(y[~mask], torch.zeros_like(y[~mask])), "invalid rows are not exactly zero"

@@ -4,11 +4,17 @@ each switch off alone."""
 
 import pytest
 import torch
-
-from shapewise.model import (UserOptimizedTransformer)
-from shapewise.model import routing
-from model_helpers import CFG_MAIN, CFG_SEQ7, CPU_ROUTES, build_pair, cfg_of, check_official, make_inputs
-
+from model_helpers import (
+    CFG_MAIN,
+    CFG_SEQ7,
+    CPU_ROUTES,
+    build_pair,
+    cfg_of,
+    check_official,
+    make_inputs,
+)
+from shapewise.kernels import PRECISIONS
+from shapewise.model import UserOptimizedTransformer, routing
 
 GPU_ONLY = [n for n in routing.ROUTES if n not in CPU_ROUTES]
 
@@ -75,7 +81,7 @@ def test_last_route_names_the_route():
     r = opt.last_route
     assert isinstance(r, routing.Route)
     assert r.name in str(r) and r.name in routing.ROUTES and r.name in CPU_ROUTES
-    assert r.precision in routing.PRECISIONS and r.reason
+    assert r.precision in PRECISIONS and r.reason
     d = r.as_dict()
     assert d["name"] == r.name and "precision" in d and "reason" in d
     import json
@@ -143,10 +149,11 @@ def test_switches_used_per_route():
 
     f32 = torch.float32
     assert switches_used(Route("sdpa", "fp32", "r"), f32, "cuda") == ()
-    assert switches_used(Route("fused", "fp16", "r"), f32, "cuda") == ("fused_layer", "cuda_graph", "reduced_precision")
+    assert switches_used(Route("fused", "fp16", "r"), f32, "cuda") == (
+        "fused_layer", "cuda_graph", "reduced_precision", "direct_input")
     assert switches_used(Route("fused", "fp16", "r"), torch.float16, "cpu") == ("fused_layer",)
     assert switches_used(Route("graph", "fp16", "r"), f32, "cuda") == (
-        "cuda_graph", "reduced_precision", "flash_attention", "fused_layernorm", "packed_qkv")
+        "cuda_graph", "reduced_precision", "flash_attention", "fused_layernorm", "packed_qkv", "direct_input")
     assert switches_used(Route("triton", "fp16", "r", attention="sdpa"), f32, "cuda") == (
         "reduced_precision", "fused_layernorm", "packed_qkv")
 

@@ -4,9 +4,16 @@ global flags."""
 
 import pytest
 import torch
-
-from shapewise.model import (BaselineTransformer, UserOptimizedTransformer)
-from model_helpers import CFG_MAIN, CFG_SEQ7, CPU_ROUTES, build_pair, cfg_of, check_official, make_inputs
+from model_helpers import (
+    CFG_MAIN,
+    CFG_SEQ7,
+    CPU_ROUTES,
+    build_pair,
+    cfg_of,
+    check_official,
+    make_inputs,
+)
+from shapewise.model import BaselineTransformer, UserOptimizedTransformer
 
 
 def expected_param_names(L):

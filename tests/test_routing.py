@@ -6,6 +6,7 @@ import itertools
 import pytest
 import torch
 
+from shapewise.kernels import PRECISIONS
 from shapewise.model import routing
 from shapewise.model.routing import ROUTES, Route, RouteUnavailable, Shape, select_route
 
@@ -152,7 +153,7 @@ def test_unknown_forced_route_is_value_error():
 def test_route_explains_itself(device, dtype):
     r = select_route(SHAPES[2], dtype, device, "prefix", interpret=False)
     assert r.name in ROUTES
-    assert r.precision in routing.PRECISIONS
+    assert r.precision in PRECISIONS
     assert isinstance(r.reason, str) and r.reason.strip()
     d = r.as_dict()
     assert d["name"] == r.name and d["precision"] == r.precision and d["reason"] == r.reason
@@ -177,15 +178,17 @@ def test_reference_route_is_exact_fp32():
     assert r.precision == "fp32"
 
 
-def test_policy_can_send_long_unmasked_attention_to_sdpa(monkeypatch):
-    """The policy knob attention.sdpa_from_seq_len: long, unmasked rows on the triton route use SDPA attention;
-    masked ones keep our kernel; null never switches."""
+def test_policy_can_send_long_attention_to_sdpa(monkeypatch):
+    """The policy knob attention.sdpa_from_seq_len: long rows on the triton route use SDPA attention, masked ones
+    too (the model runs SDPA unmasked under a causal prefix mask and our kernel for other masks, per call, and says
+    so); null never switches."""
     from shapewise.model import routing
 
     long_row = Shape(2, 100_000, 1024, 16, 1024, 2, True)
     monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": 4096})
     assert select_route(long_row, torch.float32, "cuda").attention == "sdpa"
-    assert select_route(long_row, torch.float32, "cuda", "general").attention == "triton"
+    masked = select_route(long_row, torch.float32, "cuda", "general")
+    assert masked.attention == "sdpa" and "other masks: our kernel" in masked.reason
     monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": None})
     assert select_route(long_row, torch.float32, "cuda").attention == "triton"
 

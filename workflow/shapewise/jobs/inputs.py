@@ -28,8 +28,9 @@ def make_case(row, config, device, seed):
     use the same length rule (lengths in [max(1, round(S(1-p))), S]) from a
     generator seeded with seed + MASK_SEED_OFFSET: left puts the padding
     first, holes scatters it over random positions. Padded rows of x are
-    zeroed in every case. Returns (x, mask or None, mask_kind) with
-    mask_kind in none/prefix/general for model.routing.
+    zeroed in every case. Without padding the row's `pass_mask` decides the call: true (the default, the
+    official harness's call) passes an all-True bool mask, false passes none. Returns (x, mask or None,
+    mask_kind) with mask_kind in none/all-true/prefix/general.
     """
     from shapewise.model import generate_random_case, padding_lengths
 
@@ -38,7 +39,11 @@ def make_case(row, config, device, seed):
     ratio = row["padding_ratio"] if kind == "prefix" else 0.0
     x, mask = generate_random_case(config, device, dtype, seed, padding_ratio=ratio,
                                    input_scale=row["input_scale"], generator_device=input_generator(config, device))
-    if kind in ("none", "prefix"):
+    if kind == "none":
+        if row.get("pass_mask", True):  # the official harness's call: an all-True bool mask, always passed
+            return x, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device), "all-true"
+        return x, None, "none"
+    if kind == "prefix":
         return x, mask, kind
     B, S = config.batch_size, config.seq_len
     gen = torch.Generator(device="cpu").manual_seed(int(seed) + MASK_SEED_OFFSET)

@@ -1,0 +1,149 @@
+"""What the official harness's call costs: `model(x, all-True mask)` against `model(x)`, per official row, one process.
+
+Usage (CUDA machine): python -m experiments.h200_mask_cost OUT.json [--rows 1,2,...] [--row14] [--sdpa]
+
+Per row 1-13: the optimized model on the reference's weights (seed 0), x from generate_random_case (seed 1234);
+20 warm-up calls of each call kind, then 5 rounds alternating the two kinds, 100 calls each, every call timed by
+its own CUDA event pair (the official protocol's timer); median per kind and the ratio. The outputs of the two
+calls are compared (they must agree: an all-True mask changes nothing), and the route each call took is recorded.
+--row14: official row 14 (batch 32) with the all-True mask: the first call (wall clock, synchronized) and 2 timed
+calls, then 1 timed call without mask. --sdpa: PyTorch SDPA backends on row 14's attention (batch 4 of 32).
+Reads shapes/official.yaml with plain YAML (no pipeline code), writes OUT.json after every row.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from shapewise.model import BaselineTransformer, TransformerConfig, UserOptimizedTransformer, generate_random_case
+
+FIELDS = ("batch_size", "seq_len", "d_model", "num_heads", "ffn_dim", "num_layers")
+
+
+def official():
+    rows = yaml.safe_load((Path(__file__).resolve().parent.parent / "shapes" / "official.yaml").read_text())
+    return {int(r["id"].rsplit("-", 1)[1]): r for r in rows}
+
+
+def build(row):
+    cfg = TransformerConfig(**{f: row[f] for f in FIELDS}, causal=row.get("causal", True))
+    torch.manual_seed(0)
+    ref = BaselineTransformer(cfg)
+    opt = UserOptimizedTransformer(cfg)
+    opt.load_state_dict(ref.state_dict(), strict=True)
+    return cfg, opt.to("cuda").eval()
+
+
+def timed(fn, n):
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def row_cost(n, row):
+    cfg, opt = build(row)
+    x, _ = generate_random_case(cfg, "cuda", torch.float32, 1234)
+    mask = torch.ones(x.shape[:2], dtype=torch.bool, device="cuda")
+    calls = {"nomask": lambda: opt(x), "mask": lambda: opt(x, mask)}
+    out = {}
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        y_mask = calls["mask"]()
+        torch.cuda.synchronize()
+        out["first_call_mask_s"] = time.perf_counter() - t0
+        out["route_mask"] = str(opt.last_route)
+        y_plain = calls["nomask"]()
+        out["route_nomask"] = str(opt.last_route)
+        out["max_abs_diff"] = float((y_mask.float() - y_plain.float()).abs().max())
+        for fn in calls.values():
+            timed(fn, 20)
+        times = {k: [] for k in calls}
+        for _ in range(5):
+            for k, fn in calls.items():
+                times[k] += timed(fn, 100)
+    for k, v in times.items():
+        out[f"{k}_median_ms"] = statistics.median(v)
+        out[f"{k}_round_medians_ms"] = [statistics.median(v[i:i + 100]) for i in range(0, len(v), 100)]
+    out["mask_over_nomask"] = out["mask_median_ms"] / out["nomask_median_ms"]
+    return out
+
+
+def row14(row):
+    cfg, opt = build(row)
+    x, _ = generate_random_case(cfg, "cuda", torch.float32, 1234, generator_device="device")
+    mask = torch.ones(x.shape[:2], dtype=torch.bool, device="cuda")
+    out = {}
+    with torch.inference_mode():
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        opt(x, mask)
+        torch.cuda.synchronize()
+        out["first_call_mask_s"] = time.perf_counter() - t0
+        out["route_mask"] = str(opt.last_route)
+        out["mask_ms"] = timed(lambda: opt(x, mask), 2)
+        out["nomask_ms"] = timed(lambda: opt(x), 1)
+        out["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+    return out
+
+
+def sdpa_backends(row, batch=4):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    H, S, D = row["num_heads"], row["seq_len"], row["d_model"] // row["num_heads"]
+    q, k, v = (torch.randn(batch, H, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
+    flop = 4 * batch * H * S * S * D / 2
+    out = {}
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+                fn()
+                ms = statistics.median(timed(fn, 3))
+            out[name] = {"ms": ms, "tflop_per_s": flop / ms / 1e9}
+        except Exception as exc:  # noqa: BLE001 - a backend that refuses is recorded
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        print(name, out[name], flush=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--rows", default=",".join(map(str, range(1, 14))))
+    ap.add_argument("--row14", action="store_true")
+    ap.add_argument("--sdpa", action="store_true")
+    args = ap.parse_args()
+    torch.set_float32_matmul_precision("high")
+    rows = official()
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": {}}
+    save = lambda: Path(args.out).write_text(json.dumps(result, indent=1))  # noqa: E731
+    if args.sdpa:
+        result["sdpa_row14_attention"] = sdpa_backends(rows[14])
+        save()
+    for n in (int(r) for r in args.rows.split(",") if r):
+        result["rows"][n] = row_cost(n, rows[n])
+        r = result["rows"][n]
+        print(f"row {n:2d}: nomask {r['nomask_median_ms']:.4f} ms, mask {r['mask_median_ms']:.4f} ms, "
+              f"ratio {r['mask_over_nomask']:.3f}, diff {r['max_abs_diff']:.2e}, first {r['first_call_mask_s']:.1f} s, "
+              f"{r['route_mask'][:60]}", flush=True)
+        save()
+    if args.row14:
+        result["row14"] = row14(rows[14])
+        print("row 14:", json.dumps(result["row14"]), flush=True)
+        save()
+
+
+if __name__ == "__main__":
+    main()
