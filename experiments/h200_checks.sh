@@ -2,18 +2,18 @@
 # One device call: the kernels' launch-configuration sweep, the policy it would tune, then the whole GPU
 # test suite on the committed policy.
 #
-# Device call: carry [".whl"] (see scripts/h200_pipeline.sh: the pipeline tests import snakemake), command
-# `bash scripts/h200_checks.sh`.
+# Device call: carry [".whl"] (see experiments/h200_pipeline.sh: the pipeline tests import snakemake), command
+# `bash experiments/h200_checks.sh`.
 # Brings back $OUT/sweep.json, $OUT/tune.log, $OUT/routing_policy.json (the policy tuned from this sweep:
 # review it, commit it as model/routing_policy.json, and measure it in the next call) and $OUT/gpu_tests.log.
 # The tests run the committed policy: what a test log says always matches a commit.
 set -uo pipefail
 [ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD/workflow PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 nvidia-smi -L
-timeout 150 python3 scripts/h200_sweep.py "$OUT/sweep.json" 2>&1 | tail -n 80
+timeout 150 python3 -m experiments.h200_sweep "$OUT/sweep.json" 2>&1 | tail -n 80
 cp model/routing_policy.json "$OUT/routing_policy.json"
-python3 scripts/tune_policy.py "$OUT/sweep.json" "$OUT/routing_policy.json" > "$OUT/tune.log" 2>&1 \
+python3 -m shapewise tune "$OUT/sweep.json" "$OUT/routing_policy.json" > "$OUT/tune.log" 2>&1 \
     || echo "tuning refused: see tune.log"
 tail -n 5 "$OUT/tune.log"
 timeout 420 python3 -m pytest -m gpu -s -p no:cacheprovider tests > "$OUT/gpu_tests.log" 2>&1

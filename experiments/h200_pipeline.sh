@@ -1,27 +1,31 @@
 #!/usr/bin/env bash
-# Run the evidence pipeline on a lent H200 in as few device calls as possible, and bring the results back.
+# Run the evidence pipeline on a lent H200 node (one GPU or several) and bring the results back.
 #
 # Here (once): ../shared/tools/device-wheels.sh .whl        # snakemake + deps as offline wheels (git-ignored)
-# Device call: carry [".whl"], command: [SHAPES=official] bash scripts/h200_pipeline.sh [SECONDS]
-# (SHAPES: the manifests to run, default official,contract.) It runs the committed code and policy.
+# Device call: carry [".whl"] (and "results" to resume an earlier call's run), command:
+#   SHAPES=official COMMIT=$(git rev-parse HEAD) bash experiments/h200_pipeline.sh [SECONDS] [SNAKEMAKE ARGS...]
+# SHAPES: the manifests (default official). COMMIT: the commit the tree is, recorded in the report's provenance
+# (the node gets the working tree without .git). Extra arguments go to snakemake (e.g. --forcerun timing).
 #
-# The node has no network: the wheels install into /tmp/site. Snakemake runs with --keep-going under a time
-# budget (default 520 s, inside the 600 s limit of one call) and is stopped cleanly when it runs out; the
-# results travel back as one archive, $OUT/results.tgz (profiler traces left out: they are large). Call it
-# again while the machine is still warm and Snakemake resumes where it stopped (results/ is git-ignored and
-# stays on the node between calls of one lease). The report is the DAG's last job, rendered on the node:
-# unpack here with `tar xzf results.tgz`, copy results/report/ to reports/h200/ and run
-# `shapewise verify reports/h200` (a fresh clone too: every hash it lists must match).
+# The node has no network: the wheels install into /tmp/site. Snakemake runs every GPU of the node (one job per
+# GPU) under a time budget (default 520 s, inside the 600 s limit of one call) and is stopped cleanly when it
+# runs out. Back in $OUT: results.tgz (results/ without profiler traces), snakemake.log, gpus-check.txt (which
+# GPU ran which job, never two on one) and nvidia-smi.txt. Unpack with `tar xzf results.tgz`; carry `results`
+# into the next call to resume. The report is the DAG's last job, rendered on the node.
 set -uo pipefail
 budget=${1:-520}
+shift || true
 [ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-nvidia-smi -L
+export PYTHONPATH=/tmp/site:$PWD/workflow PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+nvidia-smi -L | tee "$OUT/nvidia-smi.txt"
+python3 -m shapewise gpus list
 start=$(date +%s)
 timeout --signal=INT --kill-after=30 "$budget" \
-    python3 -m snakemake --cores 16 --keep-going --rerun-incomplete --config shapes="${SHAPES:-official,contract}" \
-    2>&1 | tail -n 400 > "$OUT/snakemake.log"
-echo "snakemake exit status ${PIPESTATUS[0]} after $(( $(date +%s) - start )) s"
-tail -n 25 "$OUT/snakemake.log"
-tar czf "$OUT/results.tgz" --exclude='*.trace.json' --exclude='*.json.gz' results
+    python3 -m snakemake --cores all --keep-going --rerun-incomplete \
+    --config shapes="${SHAPES:-official}" ${COMMIT:+commit=$COMMIT} "$@" > "$OUT/snakemake.log" 2>&1
+echo "snakemake exit status $? after $(( $(date +%s) - start )) s"
+tail -n 15 "$OUT/snakemake.log"
+python3 -m shapewise gpus check results > "$OUT/gpus-check.txt" 2>&1; echo "gpus check exit status $?"
+tail -n 5 "$OUT/gpus-check.txt"
+tar czf "$OUT/results.tgz" --exclude='trace.json' results
 ls -la "$OUT"

@@ -3,18 +3,18 @@
 # the host time of forward on the small rows, the fused kernel's launch sweep (kv_precompute included) and the
 # policy tune_policy.py derives from it. Writes $OUT/host.json, $OUT/sweep.json, $OUT/routing_policy.json
 # (model/routing_policy.json with the sweep's winners; copy it into model/ after reading tune.log).
-# Device call (carry [".whl"]): bash scripts/h200_tune.sh [SWEEP_SECONDS]   (default 400; the sweep saves after every record)
-# carry [".whl"]: jsonschema and friends come from the same offline wheels as scripts/h200_pipeline.sh.
+# Device call (carry [".whl"]): bash experiments/h200_tune.sh [SWEEP_SECONDS]   (default 400; the sweep saves after every record)
+# carry [".whl"]: jsonschema and friends come from the same offline wheels as experiments/h200_pipeline.sh.
 set -uo pipefail
 [ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD/workflow PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 nvidia-smi -L
 start=$(date +%s)
-python3 scripts/h200_host_probe.py "$OUT/host.json" 2>&1 | tail -n 20
+python3 -m experiments.h200_host_probe "$OUT/host.json" 2>&1 | tail -n 20
 echo "host probe done after $(( $(date +%s) - start )) s"
-timeout --signal=INT --kill-after=20 "${1:-400}" python3 scripts/h200_sweep.py "$OUT/sweep.json" --fused-only \
+timeout --signal=INT --kill-after=20 "${1:-400}" python3 -m experiments.h200_sweep "$OUT/sweep.json" --fused-only \
     > "$OUT/sweep.log" 2>&1
 echo "sweep exit status $? after $(( $(date +%s) - start )) s"; tail -n 5 "$OUT/sweep.log"
 cp model/routing_policy.json "$OUT/routing_policy.json"
-python3 scripts/tune_policy.py "$OUT/sweep.json" "$OUT/routing_policy.json" > "$OUT/tune.log" 2>&1
+python3 -m shapewise tune "$OUT/sweep.json" "$OUT/routing_policy.json" > "$OUT/tune.log" 2>&1
 echo "tune_policy exit status $?"; tail -n 30 "$OUT/tune.log"
