@@ -18,6 +18,7 @@ _OWNERS = {
     "padding_lengths": "cases",
     "chunked_reference_forward": "chunked",
     "estimate_memory_bytes": "memory",
+    "MemoryBudgetError": "memory",
     "UserOptimizedTransformer": "optimized",
 }
 __all__ = sorted(_OWNERS)

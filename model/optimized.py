@@ -216,7 +216,7 @@ class UserOptimizedTransformer(BaselineTransformer):
 
     def _apply(self, fn, *args, **kwargs):  # .to(), .cuda(), .half(): derived state is rebuilt lazily
         self._weights, self._weight_versions, self._graphs, self._routes = {}, None, {}, {}
-        self._param_list = None
+        self._param_list, self._memory_plans = None, {}
         return super()._apply(fn, *args, **kwargs)
 
     # -------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ def main(args):
     device = setup(args.device)
     row = json.loads(args.row)
     config = model_config(row)
-    result = header("preflight", row, args.device)
+    result = header("preflight", row, args.device, args)
     free, total = free_memory_bytes(device)
     budget = int(free * args.headroom) if free is not None else None
     result["free_bytes"] = free
