@@ -110,6 +110,12 @@ class UserOptimizedTransformer(BaselineTransformer):
     # -------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, valid_token_mask=None) -> torch.Tensor:
         check_inputs(self.config, x, valid_token_mask)
+        params = self.final_norm.weight.dtype
+        if x.dtype != params:  # one rule on every route (the reference's matmuls refuse a mix too)
+            raise TypeError(
+                f"UserOptimizedTransformer: x is {x.dtype} but the model's parameters are {params}; pass x in the "
+                f"parameters' dtype or convert the model with .to(dtype). Supported: float32, float16 and bfloat16 "
+                f"on every route, any other floating dtype (float64) on the reference and sdpa routes")
         if not self._streaming:
             plan = self._memory_plan(x, valid_token_mask)
             if plan.num_chunks > 1:
@@ -223,6 +229,8 @@ class UserOptimizedTransformer(BaselineTransformer):
     # Route `triton` (and the body of route `graph`)
     # -------------------------------------------------------------------------------------------
     def _forward_kernels(self, x, mask, route):
+        if x.stride(-1) != 1:  # a view sliced along d_model: the kernels read rows with unit stride
+            x = x.contiguous()
         if route.name == "fused":
             return self._forward_fused(x, mask, route)
         from shapewise.kernels.attention import flash_attention

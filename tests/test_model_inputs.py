@@ -10,6 +10,7 @@ from model_helpers import (
     CFG_SEQ7,
     CPU_ROUTES,
     OFFICIAL,
+    check_official,
     build_pair,
     cfg_of,
     make_inputs,
@@ -91,3 +92,45 @@ def test_nan_propagates_like_reference(route, mask_kind, causal):
         f"optimized {torch.isnan(y).any(-1).nonzero().tolist()}")
     fin = ~torch.isnan(r)
     torch.testing.assert_close(y[fin], r[fin], atol=OFFICIAL["atol"], rtol=OFFICIAL["rtol"])
+
+
+@pytest.mark.parametrize("route", CPU_ROUTES)
+def test_input_sliced_along_d_model(route):
+    """x whose last dimension has a stride other than 1 (a view into a wider tensor) is a valid input on every
+    route (forced ones included) and gives the contiguous input's result."""
+    cfg = cfg_of(CFG_SEQ7)
+    ref, opt = build_pair(cfg, route)
+    x, mask = make_inputs(cfg, "prefix")
+    wide = torch.zeros(*x.shape[:2], 2 * x.shape[2])
+    wide[..., ::2] = x
+    sliced = wide[..., ::2]
+    assert sliced.stride(-1) == 2 and torch.equal(sliced, x)
+    with torch.no_grad():
+        assert torch.equal(opt(sliced, mask), opt(x, mask))
+        check_official(ref(x, mask), opt(sliced, mask), f"route={route}, x sliced along d_model")
+
+
+@pytest.mark.parametrize("route", CPU_ROUTES)
+@pytest.mark.parametrize("x_dtype, model_dtype", [(torch.float64, torch.float32), (torch.bfloat16, torch.float32),
+                                                  (torch.float32, torch.float16)])
+def test_dtype_mix_is_one_clear_error_on_every_route(route, x_dtype, model_dtype):
+    cfg = cfg_of(CFG_SEQ7)
+    _, opt = build_pair(cfg, route)
+    opt = opt.to(model_dtype)
+    x, _ = make_inputs(cfg, "none")
+    with pytest.raises(TypeError) as info:
+        opt(x.to(x_dtype))
+    message = str(info.value)
+    assert str(x_dtype) in message and str(model_dtype) in message and "Supported: float32, float16 and bfloat16" in message
+
+
+@pytest.mark.parametrize("route", ["reference", "sdpa"])
+def test_float64_model_on_the_eager_routes(route):
+    """float64 x with float64 parameters: the reference and sdpa routes serve it (the Triton routes refuse by name).
+    The contract's softmax is fp32 whatever the input dtype, so the routes agree to fp32 rounding, not fp64's."""
+    cfg = cfg_of(CFG_SEQ7)
+    ref, opt = build_pair(cfg, route)
+    ref, opt = ref.double(), opt.double()
+    x, mask = make_inputs(cfg, "holes")
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x.double(), mask), ref(x.double(), mask), atol=1e-6, rtol=1e-5)
