@@ -206,18 +206,37 @@ def _attention_fwd(
                 offs_m, offs_d, start_n, seq_len, key_len, qk_scale,
                 HEAD_DIM, BLOCK_D, BLOCK_N, False, EVEN_N, IS_CAUSAL, HAS_KEY_MASK, PRECISION)
         # Stage 2: the diagonal, the ragged end and general masks.
-        for start_n in range(full_hi, hi, BLOCK_N):
-            acc, m_i, l_i = _attention_block(
-                acc, m_i, l_i, q, k_base, v_base, mask_base, stride_ks, stride_vs,
-                offs_m, offs_d, start_n, seq_len, key_len, qk_scale,
-                HEAD_DIM, BLOCK_D, BLOCK_N, True, EVEN_N, IS_CAUSAL, HAS_KEY_MASK, PRECISION)
+        if HAS_KEY_MASK and HAS_KEY_LEN:
+            if is_prefix:  # a prefix: key positions past its length are all the mask hides, no mask loads
+                for start_n in range(full_hi, hi, BLOCK_N):
+                    acc, m_i, l_i = _attention_block(
+                        acc, m_i, l_i, q, k_base, v_base, mask_base, stride_ks, stride_vs,
+                        offs_m, offs_d, start_n, seq_len, key_len, qk_scale,
+                        HEAD_DIM, BLOCK_D, BLOCK_N, True, EVEN_N, IS_CAUSAL, False, PRECISION)
+            else:
+                for start_n in range(full_hi, hi, BLOCK_N):
+                    acc, m_i, l_i = _attention_block(
+                        acc, m_i, l_i, q, k_base, v_base, mask_base, stride_ks, stride_vs,
+                        offs_m, offs_d, start_n, seq_len, key_len, qk_scale,
+                        HEAD_DIM, BLOCK_D, BLOCK_N, True, EVEN_N, IS_CAUSAL, True, PRECISION)
+        else:
+            for start_n in range(full_hi, hi, BLOCK_N):
+                acc, m_i, l_i = _attention_block(
+                    acc, m_i, l_i, q, k_base, v_base, mask_base, stride_ks, stride_vs,
+                    offs_m, offs_d, start_n, seq_len, key_len, qk_scale,
+                    HEAD_DIM, BLOCK_D, BLOCK_N, True, EVEN_N, IS_CAUSAL, HAS_KEY_MASK, PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # keyless rows: acc is 0, so the row is 0
     if HAS_KEY_LEN:
         out = tl.where((offs_m < key_len)[:, None], out, 0.0)
     if HAS_KEY_MASK:
-        q_ok = tl.load(mask_base + offs_m, mask=m_ok, other=0) != 0
-        out = tl.where(q_ok[:, None], out, 0.0)
+        if HAS_KEY_LEN:
+            if not is_prefix:  # a prefix's invalid queries are the ones past its length, zeroed above
+                q_ok = tl.load(mask_base + offs_m, mask=m_ok, other=0) != 0
+                out = tl.where(q_ok[:, None], out, 0.0)
+        else:
+            q_ok = tl.load(mask_base + offs_m, mask=m_ok, other=0) != 0
+            out = tl.where(q_ok[:, None], out, 0.0)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok)
 
 
