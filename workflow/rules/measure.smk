@@ -1,7 +1,11 @@
 # The measuring jobs. Every job writes its own files under results/<step>/,
 # logs into results/logs/<step>/, and records the node and device it ran on.
-# GPU jobs declare gpu=1 so that the default profile (gpu=1 in total) never
-# lets two of them share a GPU. Result and log paths come from shapewise.paths.
+# GPU jobs declare gpu=1: the run's gpu resource is the size of the local GPU
+# pool (gpus.smk, unless --resources gpu=K), and each local GPU job locks one
+# GPU of its own (shapewise.gpuslots); under SLURM each uses the GPU SLURM
+# gives it. The environment fingerprint asks for gpu=1 (it records the GPU);
+# the implementation fingerprint and the report ask for none. Result and log
+# paths come from shapewise.paths.
 #
 # Every measuring job gets the implementation and environment digests (it
 # records them in its result's identity) and the SHAPEWISE_* variables of
