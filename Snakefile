@@ -48,4 +48,7 @@ include: "workflow/rules/report.smk"
 rule all:
     input:
         rules.report.output,
+        # every per-shape result too: one deleted by hand is scheduled again (the report's outputs are kept
+        # on failure, so Snakemake would not look behind them for a missing input)
+        RESULT_TARGETS,
     default_target: True

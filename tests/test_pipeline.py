@@ -97,7 +97,7 @@ def test_report_summary_and_provenance(workdir):
     md = (report / "report.md").read_text()
     assert "CPU smoke run, not a performance measurement" in md
     assert "## Provenance" in md and "## Limitations" in md and "## Methods" in md
-    for figure in ("speedup.png", "roofline.png", "ablation.png"):
+    for figure in ("speedup.png", "latency.png", "ablation.png"):
         assert (report / "figures" / figure).stat().st_size > 1000
     prov = json.loads((report / "provenance.json").read_text())
     listed = {e["path"] for e in prov["artifacts"]}
@@ -233,8 +233,9 @@ def test_forced_route_that_cannot_serve_fails_the_job_only(workdir):
         "route: graph, trials: 1}\n")
     done = snakemake(workdir, "results/accuracy/broken-graph.json", "--config", "shapes=broken", check=False)
     assert done.returncode != 0
-    log = (workdir / "results" / "logs" / "accuracy" / "broken-graph.log").read_text()
-    assert "broken-graph" in log and "graph" in log and "CUDA" in log, log
+    # the row's first job (its preflight plans the forced route's memory) fails, naming the row and why
+    log = (workdir / "results" / "logs" / "preflight" / "broken-graph.log").read_text()
+    assert "shape broken-graph" in log and "'graph'" in log and "CUDA" in log, log
     assert not (workdir / "results" / "accuracy" / "broken-graph.json").exists()
     # what was computed before is still there
     assert (workdir / "results" / "accuracy" / "tiny-triton.json").is_file()

@@ -457,3 +457,18 @@ def test_microbench_uses_do_bench_median_on_a_gpu(monkeypatch):
     assert seen == {"warmup": microbench.DO_BENCH_WARMUP_MS, "rep": microbench.DO_BENCH_REP_MS,
                     "return_mode": "median"}
     assert microbench._median_ms(lambda: None, torch.device("cpu"), repeats=3) >= 0
+
+
+def test_a_damaged_earlier_result_is_named(tmp_path):
+    """A truncated preflight (or microbench) file stops the job with the file's name and the command that redoes
+    it, not a bare JSONDecodeError."""
+    from shapewise.jobs.io import read_json
+
+    bad = tmp_path / "results" / "preflight" / "row-a.json"
+    bad.parent.mkdir(parents=True)
+    bad.write_text('{"models": {"optimized": {"fits": tr')
+    with pytest.raises(SystemExit) as info:
+        read_json(bad)
+    message = str(info.value)
+    assert str(bad) in message and "not valid JSON" in message
+    assert "--forcerun $(shapewise targets row-a)" in message

@@ -64,8 +64,15 @@ def _json_default(obj):
 
 
 def read_json(path):
-    with open(path) as fh:
-        return json.load(fh)
+    """An earlier job's result; a damaged one stops this job naming the file and the command that redoes it."""
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except json.JSONDecodeError as exc:
+        row = Path(path).stem
+        raise SystemExit(f"{path} is not valid JSON ({exc}); regenerate it with "
+                         f"`snakemake --cores all --forcerun {path}` (a row's results: "
+                         f"`snakemake --cores all --forcerun $(shapewise targets {row})`)") from None
 
 
 def resource_skip_reason(preflight, which):

@@ -68,8 +68,12 @@ def optimized_fit(row, config, device, ram_budget, headroom):
     if device.type != "cuda" and model.memory_budget_bytes is None:
         available = (None, "no memory budget on the CPU: one pass")  # the model does not stream: RAM decides
     out = {"dtype": str(dtype).replace("torch.", "")}
+    from shapewise.model.routing import RouteUnavailable
+
     try:
         plan = model.memory_plan(x, mask, resident_input=False, available=available)
+    except RouteUnavailable as exc:  # a forced route that cannot serve the row: this row's jobs fail, no other
+        raise SystemExit(f"shape {row['id']}: the row forces route {row['route']!r}, which cannot serve it: {exc}")
     except MemoryBudgetError as exc:
         unbounded = model.memory_plan(x, mask, resident_input=False, available=(None, "unbounded"))
         out.update(estimate_bytes=unbounded.estimate_bytes, io_bytes=unbounded.input_bytes + unbounded.output_bytes,
