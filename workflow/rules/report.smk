@@ -50,6 +50,7 @@ def report_inputs(wildcards):
         "microbench": sw_paths.MICROBENCH,
         "environment_digest": ENV_DIGEST,
         "baseline": BASELINE,
+        "commit": config.get("commit") or None,
         "pass_env": _pass_env_values(),
         "root": ".",
     }

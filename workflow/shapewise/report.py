@@ -209,7 +209,7 @@ def build(inputs, loaded, outdir):
     (outdir / "report.md").write_text(env.get_template("report.md.j2").render(**context))
     (outdir / "report.html").write_text(env.get_template("report.html.j2").render(**context))
     artifacts += ["report.md", "report.html"]
-    provenance.write(outdir, source_files, artifacts, root=root)
+    provenance.write(outdir, source_files, artifacts, root=root, commit=inputs.get("commit"))
     return context
 
 
