@@ -56,13 +56,13 @@ def signed_pct(value):
 
 
 def mib(value):
-    """Bytes in MiB, GiB or TiB."""
+    """Bytes in B, KiB, MiB, GiB or TiB."""
     if value is None or value != value:
         return "n/a"
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30)):
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if value >= scale:
             return f"{value / scale:.1f} {unit}"
-    return f"{value / 2**20:.1f} MiB"
+    return f"{int(value)} B"
 
 
 def source_inputs(root):
