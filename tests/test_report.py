@@ -394,3 +394,19 @@ def test_deleted_result_is_scheduled_again(tmp_path):
     plan = _snakemake(tmp_path, "-n")
     assert "Nothing to be done" not in plan
     assert f"output: {victim}" in plan and "rule report:" in plan
+
+
+def test_results_of_two_machines_are_grouped_apart(run):
+    path = paths.result("timing", "t-02")
+    data = json.loads(Path(path).read_text())
+    data["environment"] = dict(data["environment"], gpu_name="Another GPU", machine_key="Another GPU | software 0")
+    write_json(path, data)
+    context = report.render(run, "results/report")
+    assert [g["key"] for g in context["groups"]] == [MACHINE, "Another GPU | software 0"]
+    assert [g["ids"] for g in context["groups"]] == [["t-01", "t-03"], ["t-02"]]
+    assert context["groups"][1]["geomean_speedup"] == pytest.approx(1.4 / 0.6)
+    md = Path("results/report/report.md").read_text()
+    assert "These results come from 2 different machines" in md and "## Machine M2: Another GPU" in md
+    with open("results/report/summary.csv", newline="") as fh:
+        machines = {r["id"]: r["machine"] for r in csv.DictReader(fh)}
+    assert machines == {"t-01": MACHINE, "t-02": "Another GPU | software 0", "t-03": MACHINE}
