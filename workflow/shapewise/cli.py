@@ -43,10 +43,6 @@ def _job_parser(sub):
     step("timing", "row", "preflight", "microbench", "protocol")
     step("profile", "row", "preflight", "capture", "csv", "trace")
     step("ablation", "row", "preflight", "protocol", "chunked")
-    report = steps.add_parser("report")
-    report.add_argument("--shapes", required=True)
-    report.add_argument("--manifests", required=True)
-    report.add_argument("--outdir", required=True)
 
 
 def build_parser():
@@ -166,10 +162,6 @@ def run_job(args):
         args.device = gpuslots.enter_job(args.device, needs_gpu=needs_gpu, label=f"{args.step} {args.out}")
     if getattr(args, "device", None) == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    if args.step == "report":
-        from shapewise.report import main as report_main
-
-        return report_main(args)
     import importlib
 
     module = importlib.import_module(f"shapewise.jobs.{args.step}")
