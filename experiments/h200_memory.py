@@ -233,8 +233,8 @@ def table(results):
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     results = []
     for name, number, cap_gb, calls, _ in RUNS:
         if name not in args.runs:
