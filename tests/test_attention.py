@@ -338,6 +338,7 @@ def test_autotune_candidates_are_pruned_by_shape_and_precision():
 
     assert kept(1024, 32, 2) == [(128, 128), (128, 64), (64, 64), (64, 32), (32, 32), (16, 32)]
     assert kept(40, 32, 2) == [(64, 64), (64, 32), (32, 32), (16, 32)]
+    assert kept(128, 32, 2) == [(64, 64), (64, 32)]  # official rows' length: 64-row tiles only
     assert kept(1024, 256, 2) == [(64, 64), (64, 32), (32, 32), (16, 32)]
     assert kept(100_000, 64, 3) == [(128, 128), (128, 64), (64, 64), (64, 32)]
     assert kept(1024, 32, 0) == [(64, 32), (32, 32)]
