@@ -338,6 +338,9 @@ def test_check_passes_two_gpus_overlapping(tmp_path, capsys):
     _result(tmp_path / "accuracy" / "c.json", "0", "01:00", "02:00", block=False)  # starts as a ends
     (tmp_path / "report").mkdir()
     (tmp_path / "report" / "other.json").write_text("[1, 2]")
+    # the report's copies of the results are the same jobs, not jobs of their own on the same GPU
+    _result(tmp_path / "report" / "data" / "timing" / "a.json", "0", "00:00", "01:00")
+    _result(tmp_path / "report-run1" / "data" / "timing" / "a.json", "0", "00:00", "01:00")
     assert gpuslots.check_main(tmp_path) == 0
     out = capsys.readouterr().out
     # c.json names only its slot (0): the same GPU as a.json's GPU-0

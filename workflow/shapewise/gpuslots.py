@@ -302,6 +302,8 @@ def job_intervals(results_dir):
     another result of the same host names that slot's UUID. Results that ran on no GPU are left out."""
     records, uuids = [], {}
     for path in sorted(Path(results_dir).rglob("*.json")):
+        if any(part.startswith("report") for part in path.relative_to(results_dir).parts[:-1]):
+            continue  # a report's copies of the results (results/report/data, report-inputs): not jobs of their own
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
