@@ -42,8 +42,9 @@ class CompareError(Exception):
 
 
 def _timing_json(report_dir, row_id):
-    # The report copies each row's timing result to data/timing/<id>.json (shapewise.report).
-    return Path(report_dir) / "data" / "timing" / f"{row_id}.json"
+    from shapewise import paths
+
+    return Path(report_dir) / paths.in_report(paths.result("timing", row_id))
 
 
 def _cell(text):

@@ -47,5 +47,17 @@ def per_shape(shape: str) -> dict:
     return {step: result(step, shape) for step in SHAPE_STEPS}
 
 
+# A report directory keeps a copy of every result it drew from under data/, laid out as under results/.
+REPORT_DATA = "data"
+
+
+def in_report(result_path: str) -> str:
+    """Where a report directory keeps its copy of a result file (results/timing/a.json -> data/timing/a.json)."""
+    prefix = f"{RESULTS}/"
+    if not result_path.startswith(prefix):
+        raise ValueError(f"not a result path under {prefix}: {result_path!r}")
+    return f"{REPORT_DATA}/{result_path[len(prefix):]}"
+
+
 def log(step: str, name: str) -> str:
     return f"{RESULTS}/logs/{step}/{name}.log"

@@ -135,17 +135,14 @@ def build(inputs, loaded, outdir):
     root = inputs.get("root", ".")
     artifacts = []
     fp = inputs["fingerprints"]
-    for src, rel in ((fp["env"], "data/fingerprint/environment.json"),
-                     (fp["impl"], "data/fingerprint/implementation.json"),
-                     (inputs["microbench"], "data/microbench/microbench.json")):
-        artifacts.append(copy_into(src, outdir, rel))
+    for src in (fp["env"], fp["impl"], inputs["microbench"]):
+        artifacts.append(copy_into(src, outdir, paths.in_report(src)))
     items = loaded["rows"]
     for item in items:
-        for step, path in item["paths"].items():
-            rel = f"data/profile/{item['id']}/kernels.json" if step == "profile" else f"data/{step}/{item['id']}.json"
-            artifacts.append(copy_into(path, outdir, rel))
+        for path in item["paths"].values():
+            artifacts.append(copy_into(path, outdir, paths.in_report(path)))
         if Path(item["profile_csv"]).is_file():
-            artifacts.append(copy_into(item["profile_csv"], outdir, f"data/profile/{item['id']}/kernels.csv"))
+            artifacts.append(copy_into(item["profile_csv"], outdir, paths.in_report(item["profile_csv"])))
 
     frame = report_data.table(loaded)
     groups = report_data.machine_groups(frame, loaded)
