@@ -472,3 +472,19 @@ def test_a_damaged_earlier_result_is_named(tmp_path):
     message = str(info.value)
     assert str(bad) in message and "not valid JSON" in message
     assert "--forcerun $(shapewise targets row-a)" in message
+
+
+def test_triton_cache_entries_count_compiled_kernels(tmp_path, monkeypatch):
+    """The timing job tells a first call that compiled from one that loaded: new kernel directories in Triton's
+    cache between before and after; None under the interpreter (nothing is compiled there)."""
+    from shapewise.jobs.device import triton_cache_entries
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert triton_cache_entries() == 0
+    (tmp_path / "a1b2").mkdir()
+    (tmp_path / "c3d4").mkdir()
+    (tmp_path / "stray.lock").write_text("")
+    assert triton_cache_entries() == 2
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_cache_entries() is None

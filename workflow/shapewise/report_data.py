@@ -224,6 +224,7 @@ def row_record(item):
         "contention_detail": contention.get("other_processes") or [],
         "optimized_p90_ms": _num(opt.get("p90_ms")),
         "optimized_first_call_ms": _num(opt.get("first_call_ms")),
+        "optimized_first_call_compiled": opt.get("first_call_compiled_kernels"),
         "optimized_tokens_per_s": _num(opt.get("tokens_per_s")),
         "skips": tim.get("skips") or {},
         "skip_reason": acc.get("skip_reason"),

@@ -57,6 +57,24 @@ def first_call_ms(fn, device):
     return (time.perf_counter() - t0) * 1e3
 
 
+def triton_cache_entries():
+    """How many compiled kernels Triton's on-disk cache holds (one directory per kernel binary), or None when
+    there is no such cache (no Triton, or the interpreter). Counting before and after a call tells whether the
+    call compiled kernels rather than loading them (the cache persists between processes; delete it to start
+    cold: TRITON_CACHE_DIR, default ~/.triton/cache)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    try:
+        from triton import knobs  # Triton >= 3.4: knobs.cache.dir honours TRITON_CACHE_DIR
+    except ImportError:
+        return None
+    where = os.environ.get("TRITON_CACHE_DIR") or knobs.cache.dir
+    try:
+        return sum(1 for entry in os.scandir(where) if entry.is_dir())
+    except OSError:
+        return 0
+
+
 def summarize(times_ms):
     if not times_ms:
         return None

@@ -27,8 +27,8 @@ import time
 import torch
 
 from shapewise import roofline, stats
-from shapewise.jobs.device import (contention, first_call_ms, gpu_state, peak_memory_bytes,
-                                   peak_memory_reset, pin_cpus, setup, snapshot, summarize, time_calls)
+from shapewise.jobs.device import (contention, first_call_ms, gpu_state, peak_memory_bytes, peak_memory_reset,
+                                   pin_cpus, setup, snapshot, summarize, time_calls, triton_cache_entries)
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
 from shapewise.jobs.io import header, log, read_json, resource_skip_reason, write_result
 from shapewise.jobs.models import (build_models, build_optimized, call_of, model_config, route_of, run_optimized,
@@ -181,12 +181,15 @@ def main(args):
         {"requested": None, "applied": False, "reason": "official protocol: cores left as they were"}
     snapshots = [snapshot(gpu, "before")] if gpu else []
     result["gpu_state"] = {"before": gpu_state(gpu)}
-    first = {}
+    first, compiled = {}, {}  # compiled: kernels the first call compiled (new entries in Triton's disk cache)
     warm_peak = {}
     with torch.inference_mode():
         for which, fn in calls.items():  # optimized first: its very first call is the one of the process
             peak_memory_reset(device)
+            cached = triton_cache_entries()
             first[which] = first_call_ms(fn, device)
+            after = triton_cache_entries()
+            compiled[which] = None if cached is None or after is None else after - cached
             log(f"{row['id']}: first {which} call {first[which]:.2f} ms; warm-up x{protocol['warmup']}")
             time_calls(fn, device, protocol["warmup"])
             warm_peak[which] = peak_memory_bytes(device)
@@ -208,6 +211,7 @@ def main(args):
         entry = summarize(times)
         entry.update(summary[which])  # median_ms (the same median), round_medians_ms, median_ci_ms, rel_spread
         entry["first_call_ms"] = first[which]
+        entry["first_call_compiled_kernels"] = compiled[which]
         peaks_known = [p for p in (warm_peak[which], round_peak[which]) if p is not None]
         entry["peak_memory_bytes"] = max(peaks_known) if peaks_known else None
         entry["tokens_per_s"] = tokens / (entry["median_ms"] * 1e-3)
