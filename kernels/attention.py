@@ -279,6 +279,22 @@ def _prune(configs, named_args, **kwargs):
     return keep or configs[-1:]
 
 
+# From this sequence length (power-of-two bucket) the kernel is not autotuned: timing each candidate on a full-size
+# call (official row 14 with a mask that is no causal prefix: ~3 s a call) made a first call take minutes. The tile is
+# the first of LONG_SEQUENCE_TILES that the prune keeps for the shape.
+UNTUNED_FROM_SEQ = 32768
+LONG_SEQUENCE_TILES = ((128, 64, 8, 3), (64, 64, 4, 3))
+
+
+def long_sequence_config(seq_len, block_d, precision_code):
+    """The fixed launch of a long sequence: {BLOCK_M, BLOCK_N, num_warps, num_stages}."""
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+               for bm, bn, w, s in LONG_SEQUENCE_TILES]
+    kept = _prune(configs, {"seq_len": seq_len}, BLOCK_D=block_d, PRECISION=precision_code)
+    c = kept[0]
+    return {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+
+
 _even_n = triton.heuristics({"EVEN_N": lambda args: args["seq_len"] % args["BLOCK_N"] == 0})
 _attention_fwd_tuned = triton.autotune(
     configs=_configs(),
@@ -377,6 +393,8 @@ def flash_attention(q, k, v, *, causal: bool, key_lengths=None, key_mask=None, p
     consts = dict(HEAD_DIM=D, BLOCK_D=block_d, IS_CAUSAL=bool(causal),
                   HAS_KEY_LEN=key_lengths is not None or mask_prefix_lengths is not None,
                   HAS_KEY_MASK=key_mask is not None, PRECISION=_PRECISION_CODE[precision])
+    if config is None and s_bucket >= UNTUNED_FROM_SEQ:
+        config = long_sequence_config(S, block_d, consts["PRECISION"])
     if config is not None:
         bm, bn = config["BLOCK_M"], config["BLOCK_N"]
         grid = (triton.cdiv(S, bm), B * H)

@@ -379,3 +379,22 @@ def test_prefix_summary_needs_its_mask():
     with pytest.raises(ValueError, match="mask_prefix_lengths must be int32"):
         flash_attention(q, k, v, causal=True, key_mask=torch.ones(2, 8, dtype=torch.bool, device=DEVICE),
                         mask_prefix_lengths=torch.zeros(3, dtype=torch.int32, device=DEVICE))
+
+
+def test_long_sequences_take_a_fixed_tile_without_autotuning(monkeypatch):
+    """From UNTUNED_FROM_SEQ on, the launcher runs the first long-sequence tile the prune keeps instead of timing
+    every candidate at full size; results stay exact."""
+    from shapewise.kernels import attention
+
+    assert attention.long_sequence_config(100_000, 64, 2) == {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8,
+                                                               "num_stages": 3}
+    assert attention.long_sequence_config(100_000, 256, 2)["BLOCK_M"] == 64  # big heads: small tiles
+    monkeypatch.setattr(attention, "UNTUNED_FROM_SEQ", 64)
+    monkeypatch.setattr(attention, "LONG_SEQUENCE_TILES", ((16, 16, 4, 1),))
+    monkeypatch.setattr(attention, "_attention_fwd_tuned", None)  # calling the autotuner now fails
+    _, q, k, v = make_qkv(1, 70, 2, 16, torch.float32)
+    mask = torch.ones(1, 70, dtype=torch.bool, device=DEVICE)
+    mask[0, 5] = False
+    out = attention.flash_attention(q, k, v, causal=True, key_mask=mask, precision="fp32")
+    ref = reference_attention(q, k, v, True, mask.cpu())
+    torch.testing.assert_close(out.cpu().double(), ref.cpu().double(), atol=1e-5, rtol=1e-5)
