@@ -73,7 +73,8 @@ def optimized_fit(row, config, device, ram_budget, headroom):
     try:
         plan = model.memory_plan(x, mask, resident_input=False, available=available)
     except RouteUnavailable as exc:  # a forced route that cannot serve the row: this row's jobs fail, no other
-        raise SystemExit(f"shape {row['id']}: the row forces route {row['route']!r}, which cannot serve it: {exc}")
+        raise SystemExit(f"shape {row['id']}: the row forces route {row['route']!r}, which cannot serve it "
+                         f"({type(exc).__name__}: {exc})")
     except MemoryBudgetError as exc:
         unbounded = model.memory_plan(x, mask, resident_input=False, available=(None, "unbounded"))
         out.update(estimate_bytes=unbounded.estimate_bytes, io_bytes=unbounded.input_bytes + unbounded.output_bytes,
