@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,12 +18,11 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-
+from checkout import copy_checkout
 from shapewise.cli import job_environment_variables
 from shapewise.paths import CONFIG_SCHEMA
 
 ROOT = Path(__file__).resolve().parent.parent
-COPIED = ["Snakefile", "workflow", "model", "kernels", "config", "shapes", "reports/templates", "profiles/default"]
 
 
 def config():
@@ -79,13 +77,7 @@ def test_one_definition_of_a_heavy_row():
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory):
     work = tmp_path_factory.mktemp("checkout")
-    for name in COPIED:
-        src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, work / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            (work / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, work / name)
+    copy_checkout(work)
     (work / "shapes" / "cfg.yaml").write_text(
         # heavy: ~4.7e14 FLOP (official row 14's shape); many tokens but few GFLOP: not heavy
         "- {id: cfg-heavy, batch_size: 32, seq_len: 100000, d_model: 1024, num_heads: 16, ffn_dim: 4096, "

@@ -18,10 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from checkout import copy_checkout
 
 ROOT = Path(__file__).resolve().parent.parent
-COPIED = ["Snakefile", "pyproject.toml", "workflow", "model", "kernels", "config", "shapes",
-          "reports/templates", "profiles/default"]
 TINY = """\
 - {id: tiny-triton, batch_size: 2, seq_len: 7, d_model: 32, num_heads: 2, ffn_dim: 64, num_layers: 1, trials: 2, route: triton}
 - {id: tiny-holes, batch_size: 2, seq_len: 9, d_model: 32, num_heads: 2, ffn_dim: 32, num_layers: 1, causal: false, padding_ratio: 0.3, mask: holes, trials: 1}
@@ -57,7 +56,7 @@ def planned_jobs(workdir, *args, env=None):
 
 
 def shapewise(workdir, *args):
-    env = dict(os.environ, PYTHONPATH=str(workdir))
+    env = dict(os.environ, PYTHONPATH=str(workdir / "workflow"))  # the copy's package, not the installed one
     return subprocess.run([sys.executable, "-m", "shapewise", *args], cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=300)
 
@@ -65,13 +64,7 @@ def shapewise(workdir, *args):
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     work = tmp_path_factory.mktemp("pipeline")
-    for name in COPIED:
-        src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, work / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            (work / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, work / name)
+    copy_checkout(work)
     (work / "shapes" / "tiny.yaml").write_text(TINY)
     snakemake(work, "--config", "shapes=tiny")
     return work

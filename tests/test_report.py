@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-
+from checkout import copy_checkout
 from shapewise import identity, paths, report, report_data
 
 IMPL = "a" * 64
@@ -353,8 +353,6 @@ def test_bad_baseline_is_named(run):
 # ------------------------------------------------------------------ the DAG schedules a missing result again
 
 REPO = Path(__file__).resolve().parent.parent
-CHECKOUT = ("Snakefile", "pyproject.toml", "workflow", "model", "kernels", "config", "shapes", "profiles",
-            "reports/templates")
 
 
 def _snakemake(cwd, *args):
@@ -372,12 +370,7 @@ def test_deleted_result_is_scheduled_again(tmp_path):
     job of a missing intermediate file whose consumer is up to date (issue #13: "Nothing to be done")."""
     from shapewise import manifest
 
-    for name in CHECKOUT:
-        src = REPO / name
-        if src.is_dir():
-            shutil.copytree(src, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__", "results"))
-        else:
-            shutil.copyfile(src, tmp_path / name)
+    copy_checkout(tmp_path)
     rows = manifest.load_manifests([str(REPO / paths.manifest("smoke"))])
     files = list(paths.FINGERPRINTS.values()) + [paths.MICROBENCH]
     for row in rows:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from checkout import copy_checkout
 
 pytestmark = pytest.mark.slurm
 
@@ -32,11 +33,6 @@ START = REPO / ".ci" / "slurm" / "start.sh"
 STOP = REPO / ".ci" / "slurm" / "stop.sh"
 STATE = Path(os.environ.get("SHAPEWISE_SLURM_STATE", "/var/lib/shapewise-slurm"))
 
-# What a run needs from the checkout. model/, kernels/ and shapewise/ are
-# copied too so that the implementation fingerprint (hashed from the working
-# directory) and the code the jobs import are the ones of this checkout.
-PIPELINE_PATHS = ("Snakefile", "workflow", "config", "shapes", "reports", "profiles",
-                  "model", "kernels", "pyproject.toml")
 
 # The plugin's log line for every sbatch submission (plugin 2.8.0, run_job()).
 SUBMITTED = re.compile(
@@ -103,14 +99,7 @@ def snakemake(workdir, *args, timeout=RUN_TIMEOUT):
 
 
 def copy_pipeline(dest: Path):
-    for name in PIPELINE_PATHS:
-        src = REPO / name
-        if src.is_dir():
-            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns(
-                "__pycache__", "*.pyc", ".snakemake", "results"))
-        elif src.is_file():
-            shutil.copy2(src, dest / name)
-    return dest
+    return copy_checkout(dest)
 
 
 def smoke_rows(n):
