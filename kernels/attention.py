@@ -137,7 +137,8 @@ def _attention_fwd(
     O,  # pointer to the [B, S, H, D] output
     KeyLen,  # int32 [B]: number of valid (prefix) keys per batch element; read when HAS_KEY_LEN. With HAS_KEY_MASK
     # too: the prefix length where that batch element's mask is a prefix, -1 where it is not
-    KeyMask,  # int8 [B, S]: 1 = valid key/query; read when HAS_KEY_MASK
+    KeyMask,  # int8 [B, S]: 1 = valid key/query; read when HAS_KEY_MASK, which always comes with HAS_KEY_LEN (the
+    # launcher passes the mask's prefix summary with it)
     stride_qb, stride_qs, stride_qh,  # q strides (elements) for batch, sequence, head
     stride_kb, stride_ks, stride_kh,  # k strides
     stride_vb, stride_vs, stride_vh,  # v strides
@@ -196,17 +197,14 @@ def _attention_fwd(
             full_hi = tl.minimum(full_hi, start_m + 1)
         full_hi = (full_hi // BLOCK_N) * BLOCK_N
         if HAS_KEY_MASK:
-            if HAS_KEY_LEN:
-                full_hi = tl.where(is_prefix, full_hi, 0)
-            else:
-                full_hi = 0
+            full_hi = tl.where(is_prefix, full_hi, 0)
         for start_n in range(0, full_hi, BLOCK_N):
             acc, m_i, l_i = _attention_block(
                 acc, m_i, l_i, q, k_base, v_base, mask_base, stride_ks, stride_vs,
                 offs_m, offs_d, start_n, seq_len, key_len, qk_scale,
                 HEAD_DIM, BLOCK_D, BLOCK_N, False, EVEN_N, IS_CAUSAL, HAS_KEY_MASK, PRECISION)
         # Stage 2: the diagonal, the ragged end and general masks.
-        if HAS_KEY_MASK and HAS_KEY_LEN:
+        if HAS_KEY_MASK:
             if is_prefix:  # a prefix: key positions past its length are all the mask hides, no mask loads
                 for start_n in range(full_hi, hi, BLOCK_N):
                     acc, m_i, l_i = _attention_block(
@@ -224,17 +222,13 @@ def _attention_fwd(
                 acc, m_i, l_i = _attention_block(
                     acc, m_i, l_i, q, k_base, v_base, mask_base, stride_ks, stride_vs,
                     offs_m, offs_d, start_n, seq_len, key_len, qk_scale,
-                    HEAD_DIM, BLOCK_D, BLOCK_N, True, EVEN_N, IS_CAUSAL, HAS_KEY_MASK, PRECISION)
+                    HEAD_DIM, BLOCK_D, BLOCK_N, True, EVEN_N, IS_CAUSAL, False, PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # keyless rows: acc is 0, so the row is 0
     if HAS_KEY_LEN:
         out = tl.where((offs_m < key_len)[:, None], out, 0.0)
     if HAS_KEY_MASK:
-        if HAS_KEY_LEN:
-            if not is_prefix:  # a prefix's invalid queries are the ones past its length, zeroed above
-                q_ok = tl.load(mask_base + offs_m, mask=m_ok, other=0) != 0
-                out = tl.where(q_ok[:, None], out, 0.0)
-        else:
+        if not is_prefix:  # a prefix's invalid queries are the ones past its length, zeroed above
             q_ok = tl.load(mask_base + offs_m, mask=m_ok, other=0) != 0
             out = tl.where(q_ok[:, None], out, 0.0)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok)
