@@ -414,9 +414,13 @@ def test_contention_by_memory_when_no_process_is_listed_not_even_ours(monkeypatc
     assert quiet["checked"] and not quiet["contended"] and "pid namespace" in quiet["note"]
 
 
-def test_cpu_pinning_per_slot_inherit_and_explicit(monkeypatch):
+def test_cpu_pinning_per_slot_inherit_and_explicit(monkeypatch, tmp_path):
+    from shapewise import cpus
     from shapewise.jobs import device as dev
 
+    # no topology (each logical CPU its own core), whatever this machine's siblings: tests/test_cpus.py has those
+    monkeypatch.setattr(cpus, "SYSFS_ROOT", str(tmp_path / "no-sysfs"))
+    monkeypatch.setattr(cpus, "_JOB_START", None)
     original, threads = os.sched_getaffinity(0), torch.get_num_threads()
     allowed = sorted(original)
     try:

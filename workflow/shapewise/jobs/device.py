@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from shapewise import cpus
+
 
 def setup(device, threads=None):
     if threads:
@@ -121,7 +123,6 @@ def free_memory_bytes(device):
 
 SLOT_ENV = "SHAPEWISE_PIPELINE_GPU_SLOT"
 SLOT_SOURCE_ENV = "SHAPEWISE_PIPELINE_GPU_SLOT_SOURCE"
-POOL_ENV = "SHAPEWISE_PIPELINE_GPUS"
 NOT_AVAILABLE_ON_CPU = {"available": False, "reason": "CPU job: no GPU"}
 
 
@@ -248,43 +249,65 @@ def contention(gpu, snapshots, own_pid=None):
                      "judged by the GPU's used memory beyond this job's reserved memory")
 
 
-def pin_cpus(spec):
-    """Apply the protocol's `cpus` setting to this process; returns what was done.
+def _job_start_record():
+    start = cpus.job_start()
+    if start is not None:
+        return start
+    now = sorted(os.sched_getaffinity(0))
+    count, how = cpus.physical_core_count(now)
+    return {"requested": None, "allowed": now, "cores": now, "applied": False, "topology": how,
+            "physical_cores": count, "reason": "not started by `shapewise job`: cores left as they were"}
 
-    "inherit": the cores the job started with. "per-slot": the job's allowed cores split evenly among the GPUs
-    of the run's pool (SHAPEWISE_PIPELINE_GPUS), this job taking the share of the slot it holds, so concurrent
-    GPU jobs never share a core; only with slots from the local lock pool (under SLURM the scheduler places the
-    job, with CUDA_VISIBLE_DEVICES from the user nothing says which jobs run beside it). A list: those cores."""
-    allowed = sorted(os.sched_getaffinity(0))
-    record = {"requested": spec, "allowed": allowed, "cores": allowed, "applied": False}
+
+def job_cpu_affinity(explicit_threads=None):
+    """The cores this job runs on, as every result records them (`cpu_affinity`): what the job did when it
+    took its GPU slot (shapewise.cpus.pin_job, in shapewise.cli), or, in a process not started by
+    `shapewise job`, its cores as they are. The torch thread count is capped at the number of cores unless
+    the job was given --threads (`explicit_threads`)."""
+    start = _job_start_record()
+    if not explicit_threads and torch.get_num_threads() > len(start["cores"]):
+        torch.set_num_threads(len(start["cores"]))
+    return dict(start, torch_threads=torch.get_num_threads())
+
+
+def pin_cpus(spec):
+    """Apply the timing protocol's `cpus` setting to this process, on top of the job-start pinning; returns what
+    was done (the `cpu_affinity` record, `cores` = the cores the job runs on afterwards).
+
+    "inherit": the cores the job started with (a job of the local lock pool: already its slot's cores).
+    "per-slot": its slot's share of the job's allowed cores (shapewise.cpus: whole physical cores, split among
+    the GPUs of the run's pool), so concurrent GPU jobs never share a core; only with slots from the local lock
+    pool (under SLURM the scheduler places the job, with CUDA_VISIBLE_DEVICES from the user nothing says which
+    jobs run beside it). A list: those cores, which must be among the cores the job was allowed at its start."""
+    start = cpus.job_start()
+    allowed = start["allowed"] if start else sorted(os.sched_getaffinity(0))
     if spec == "inherit":
-        return dict(record, reason="left as the job started")
+        record = _job_start_record()
+        return dict(record, requested=spec, applied=False, torch_threads=torch.get_num_threads(),
+                    reason=f"left as the job started ({record['reason']})")
     if spec == "per-slot":
-        source, slot, pool = (os.environ.get(SLOT_SOURCE_ENV), os.environ.get(SLOT_ENV),
-                              os.environ.get(POOL_ENV, ""))
-        if source != "lock":
-            return dict(record, reason=f"slot source {source!r}, not the local lock pool: cores left as they were")
-        gpus = [g.strip() for g in pool.split(",") if g.strip()]
-        if slot not in gpus:
-            raise SystemExit(f"cpus per-slot: this job's slot {SLOT_ENV}={slot!r} is not in the pool "
-                             f"{POOL_ENV}={pool!r}")
-        k, n = gpus.index(slot), len(gpus)
-        cores = allowed[k * len(allowed) // n:(k + 1) * len(allowed) // n]
-        if not cores:
-            return dict(record, reason=f"{len(allowed)} cores for {n} GPUs: no core of its own, left as they were")
+        try:
+            record = cpus.place_slot(spec, allowed)
+        except cpus.CpuSlotError as exc:
+            raise SystemExit(f"cpus per-slot: {exc}") from None
+        if not record["applied"]:
+            return dict(record, torch_threads=torch.get_num_threads())
+        cores = record["cores"]
     elif isinstance(spec, list) and all(isinstance(c, int) for c in spec):
         cores = sorted(spec)
         foreign = sorted(set(cores) - set(allowed))
         if foreign or not cores:
             raise SystemExit(f"timing protocol cpus {spec!r}: cores {foreign or cores} are not among this job's "
                              f"allowed cores {allowed}")
+        os.sched_setaffinity(0, cores)
+        count, how = cpus.physical_core_count(cores)
+        record = {"requested": spec, "allowed": allowed, "cores": cores, "applied": True, "topology": how,
+                  "physical_cores": count, "reason": f"pinned to the {len(cores)} listed of {len(allowed)} cores"}
     else:
         raise SystemExit(f"timing protocol cpus {spec!r}: expected inherit, per-slot or a list of core numbers")
-    os.sched_setaffinity(0, cores)
     if torch.get_num_threads() > len(cores):
         torch.set_num_threads(len(cores))
-    return dict(record, cores=cores, applied=True, torch_threads=torch.get_num_threads(),
-                reason=f"pinned to {len(cores)} of {len(allowed)} cores")
+    return dict(record, torch_threads=torch.get_num_threads())
 
 
 def _now():

@@ -13,7 +13,7 @@ import torch
 
 from shapewise.fingerprint import job_environment
 from shapewise.identity import identity
-from shapewise.jobs.device import gpu_identity
+from shapewise.jobs.device import gpu_identity, job_cpu_affinity
 
 
 def log(message):
@@ -28,7 +28,7 @@ def now_iso():
 def header(step, row, device, args=None):
     """The fields every result file starts with: what it measured (`identity`: the row and the implementation
     and environment digests the job was given as --impl-digest / --env-digest), where (`environment`, `gpu`)
-    and when (`started`; `finished` is added by write_result)."""
+    on which CPU cores (`cpu_affinity`) and when (`started`; `finished` is added by write_result)."""
     return {
         "step": step,
         "shape": row["id"] if row else None,
@@ -37,6 +37,7 @@ def header(step, row, device, args=None):
         "device": device,
         "environment": job_environment(device),
         "gpu": gpu_identity(device),
+        "cpu_affinity": job_cpu_affinity(getattr(args, "threads", None)),
         "started": now_iso(),
         "_t0": time.perf_counter(),
     }
