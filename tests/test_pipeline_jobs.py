@@ -492,3 +492,63 @@ def test_triton_cache_entries_count_compiled_kernels(tmp_path, monkeypatch):
     assert triton_cache_entries() == 2
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert triton_cache_entries() is None
+
+
+def test_core_pick_pins_the_launching_thread_to_the_cheapest_core_before_every_round(monkeypatch):
+    from shapewise.jobs import device as jobs_device
+    from shapewise.jobs import timing
+
+    cores = sorted(os.sched_getaffinity(0))
+    cheap = cores[-1]
+    probed = []
+
+    def cost_of(core):  # the cost of the core the thread is on now, as the real probe measures it
+        on = sorted(os.sched_getaffinity(0))
+        probed.append((core, on))
+        return 5.0 if core == cheap else 9.0
+
+    try:
+        picked = jobs_device.pick_core(cores, cost_of)
+        assert picked == {"core": cheap, "launch_us": 5.0, "median_launch_us": 9.0 if len(cores) > 2 else 7.0,
+                          "cores_probed": len(cores)}
+        assert sorted(os.sched_getaffinity(0)) == [cheap]
+        assert all(on == [core] for core, on in probed) and len(probed) == 2 * len(cores)
+    finally:
+        os.sched_setaffinity(0, cores)
+
+    # run_rounds picks before every round, records each pick, and gives the thread its cores back
+    picks = []
+    monkeypatch.setattr(timing, "launch_cost_us", lambda device: 5.0 if os.sched_getaffinity(0) == {cheap} else 9.0)
+    monkeypatch.setattr(timing, "pick_core", lambda cs, cost: picks.append(jobs_device.pick_core(cs, cost)) or picks[-1])
+    monkeypatch.setattr(timing, "time_calls", scripted_time_calls({"reference": lambda r: 2.0, "optimized": lambda r: 1.0}, []))
+    stable = {"warmup": 0, "calls": 4, "min_rounds": 3, "max_rounds": 5, "ci_half_width": 0.02, "gc_off": True,
+              "cpus": "inherit", "core_pick": "fastest-launch"}
+    fake_cuda = type("FakeDevice", (), {"type": "cuda"})()
+    monkeypatch.setattr(timing, "peak_memory_reset", lambda device: None)
+    monkeypatch.setattr(timing, "peak_memory_bytes", lambda device: None)
+    calls = {"reference": lambda: "reference", "optimized": lambda: "optimized"}
+    _, _, stopping = timing.run_rounds(calls, fake_cuda, "stable", stable)
+    assert len(picks) == stopping["rounds_run"] == 3 and {p["core"] for p in picks} == {cheap}
+    assert stopping["core_pick"]["rounds"] == picks and stopping["core_pick"]["method"] == "fastest-launch"
+    assert sorted(os.sched_getaffinity(0)) == cores
+
+
+def test_core_pick_is_checked_and_needs_a_gpu():
+    import yaml
+
+    from shapewise import paths
+    from shapewise.jobs import device as jobs_device
+    from shapewise.jobs import timing
+
+    stable = {"warmup": 0, "calls": 4, "min_rounds": 3, "max_rounds": 5, "ci_half_width": 0.02, "gc_off": True,
+              "cpus": "inherit"}
+    assert timing.core_pick_of(stable) == "none"  # absent = none
+    assert timing.describe("stable", dict(stable, core_pick="fastest-launch"),
+                           torch.device("cpu"))["core_pick"] == "fastest-launch"
+    with pytest.raises(SystemExit, match="core_pick 'fastest'.*expected one of"):
+        timing.core_pick_of(dict(stable, core_pick="fastest"))
+    calls = {"reference": lambda: "reference", "optimized": lambda: "optimized"}
+    with pytest.raises(SystemExit, match="needs a CUDA device, this job runs on cpu"):
+        timing.run_rounds(calls, torch.device("cpu"), "stable", dict(stable, core_pick="fastest-launch"))
+    schema = yaml.safe_load(Path(paths.CONFIG_SCHEMA).read_text())
+    assert tuple(schema["definitions"]["stable_protocol"]["properties"]["core_pick"]["enum"]) == jobs_device.CORE_PICKS

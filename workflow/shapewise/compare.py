@@ -14,6 +14,9 @@ another (those are listed as not comparable). For each model of a row in both ru
 A regression is a row whose optimized model is slower beyond noise; `main` exits 1 when there is one, 0
 otherwise, 2 when a report cannot be read (the message names the file).
 
+OLD or NEW may also be a results directory of a run that rendered no report (e.g. timing jobs only): without a
+summary.csv, its rows are read from <dir>/timing/*.json (median, interval, machine, route of each result).
+
 Older summary.csv files (columns id, status, route, failed_elements, total_elements, max_abs_error,
 reference_median_ms, optimized_median_ms, speedup) have no machine column: the machine is read from the
 report's data/timing/<id>.json (`environment.machine_key`) when that file exists, else it is "unknown".
@@ -73,11 +76,35 @@ def _machine_from_timing(report_dir, row_id):
     return (key, path.relative_to(report_dir).as_posix()) if key else (UNKNOWN_MACHINE, "unknown")
 
 
+def rows_from_timing_results(results_dir) -> list[dict]:
+    """Rows of a results directory without a report: one per <results_dir>/timing/*.json, with the columns
+    compare reads (what the report's summary.csv would carry for them)."""
+    rows = []
+    for path in sorted((Path(results_dir) / "timing").glob("*.json")):
+        try:
+            result = json.loads(path.read_text())
+            row = {"id": result["row"]["id"], "status": result["status"], "call": result.get("call"),
+                   "route": result.get("route"), "machine": result["environment"]["machine_key"],
+                   "machine_source": path.relative_to(results_dir).as_posix()}
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CompareError(f"{path}: not a timing result JSON ({exc!r} missing or unreadable)") from exc
+        for model in MODELS:
+            entry = result.get(model) or {}
+            ci = entry.get("median_ci_ms") or (None, None)
+            row[f"{model}_median_ms"], row[f"{model}_ci_low_ms"], row[f"{model}_ci_high_ms"] = \
+                entry.get("median_ms"), ci[0], ci[1]
+        rows.append(row)
+    return rows
+
+
 def load_rows(report_dir) -> list[dict]:
     """Rows of report_dir/summary.csv as dicts: numbers parsed, '' -> None. Each row also gets
-    `machine_source`: "summary.csv", "data/timing/<id>.json" (older summaries) or "unknown"."""
+    `machine_source`: "summary.csv", "data/timing/<id>.json" (older summaries) or "unknown". A directory with
+    no summary.csv but timing results (a results directory) is read by rows_from_timing_results."""
     report_dir = Path(report_dir)
     path = report_dir / SUMMARY
+    if not path.is_file() and (report_dir / "timing").is_dir():
+        return rows_from_timing_results(report_dir)
     if not path.is_file():
         raise CompareError(f"{path}: not found (is {report_dir} a report directory?)")
     try:

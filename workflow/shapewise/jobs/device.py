@@ -310,6 +310,40 @@ def pin_cpus(spec):
     return dict(record, torch_threads=torch.get_num_threads())
 
 
+CORE_PICKS = ("none", "fastest-launch")  # the stable protocol's `core_pick`; absent = "none"
+PROBE_LAUNCHES = 200
+
+
+def launch_cost_us(device, launches=PROBE_LAUNCHES):
+    """Host microseconds per launch of a tiny kernel issued back to back from the calling thread (the queue
+    stays far below its depth, so this is the host's issue cost on the core the thread runs on now)."""
+    y = torch.zeros(16, device=device)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(launches):
+        y.add_(1.0)
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize(device)
+    return elapsed / launches * 1e6
+
+
+def pick_core(cores, cost_of):
+    """Pin the calling thread (only it: the launching thread) to the core of `cores` with the lowest
+    cost_of(core), measured with the thread on that core, twice, keeping the lower. Returns what was chosen.
+
+    On a virtual machine the host cost of a launch differs by core and over time (session 6: 6.7 or 9.3 µs per
+    launch, a core switching between the two within a minute, experiments/h200/session6/vcpu_probe.json), and a
+    launch-bound model's time follows it; the core is picked again before every round."""
+    costs = {}
+    for core in cores:
+        os.sched_setaffinity(0, {core})
+        costs[core] = min(cost_of(core), cost_of(core))
+    best = min(costs, key=costs.get)
+    os.sched_setaffinity(0, {best})
+    return {"core": best, "launch_us": round(costs[best], 3),
+            "median_launch_us": round(statistics.median(costs.values()), 3), "cores_probed": len(costs)}
+
+
 def _now():
     from datetime import datetime, timezone
 

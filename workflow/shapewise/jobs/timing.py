@@ -9,7 +9,11 @@ by its own pair of CUDA events (so p90 is a per-call figure); on a CPU by time.p
 - "official": exactly `rounds` rounds, nothing else touched (the official harness's protocol).
 - "stable": Python's garbage collector collected before each round and disabled during it; the job optionally
   pinned to CPU cores (`cpus`); rounds continue from `min_rounds` until the bootstrap interval of the speedup
-  (or, with one model, of each model's median) is within +-`ci_half_width`, at most `max_rounds`.
+  (or, with one model, of each model's median) is within +-`ci_half_width`, at most `max_rounds`. With
+  `core_pick: fastest-launch` (GPU only) the launching thread is pinned before every round to the core of its
+  allowed set on which a tiny kernel launch costs least at that moment (shapewise.jobs.device.pick_core): on a
+  virtual machine a core's launch cost switches between levels ~40 % apart within a minute, and a launch-bound
+  model's time with it. Each round's core and launch cost are recorded (`core_pick`).
 
 Both record the GPU's clocks, temperature and power before and after, and the other processes on the GPU
 (`contention`). Reported per model: the median over all timed calls, its bootstrap interval over rounds, the
@@ -22,13 +26,15 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import time
 
 import torch
 
 from shapewise import roofline, stats
-from shapewise.jobs.device import (contention, first_call_ms, gpu_state, peak_memory_bytes, peak_memory_reset,
-                                   pin_cpus, setup, snapshot, summarize, time_calls, triton_cache_entries)
+from shapewise.jobs.device import (CORE_PICKS, PROBE_LAUNCHES, contention, first_call_ms, gpu_state,
+                                   launch_cost_us, peak_memory_bytes, peak_memory_reset, pick_core, pin_cpus, setup,
+                                   snapshot, summarize, time_calls, triton_cache_entries)
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
 from shapewise.jobs.io import header, log, read_json, resource_skip_reason, write_result
 from shapewise.jobs.models import (build_models, build_optimized, call_of, model_config, route_of, run_optimized,
@@ -66,6 +72,14 @@ def resolve_protocol(settings, device_type):
                      "`max_rounds` (stable)")
 
 
+def core_pick_of(protocol):
+    """The stable protocol's `core_pick` (absent = "none"), checked against CORE_PICKS."""
+    pick = protocol.get("core_pick", CORE_PICKS[0])
+    if pick not in CORE_PICKS:
+        raise SystemExit(f"timing protocol core_pick {pick!r}: expected one of {CORE_PICKS}")
+    return pick
+
+
 def describe(name, protocol, device):
     """The protocol as the result records it: the configured parameters only (the same for every row that ran
     it; what happened in a row is recorded beside it)."""
@@ -75,7 +89,8 @@ def describe(name, protocol, device):
            "float32_matmul_precision": "high", "order": "reference then optimized in each round"}
     if name == "stable":
         out.update(min_rounds=protocol["min_rounds"], max_rounds=protocol["max_rounds"],
-                   ci_half_width=protocol["ci_half_width"], gc_off=protocol["gc_off"], cpus=protocol["cpus"])
+                   ci_half_width=protocol["ci_half_width"], gc_off=protocol["gc_off"], cpus=protocol["cpus"],
+                   core_pick=core_pick_of(protocol))
     return out
 
 
@@ -88,7 +103,15 @@ def run_rounds(calls, device, name, protocol, tag=""):
     limit = protocol["max_rounds"] if stable else protocol["rounds"]
     width = None
     reason = "fixed"
+    picking = stable and core_pick_of(protocol) != "none"
+    if picking and device.type != "cuda":
+        raise SystemExit(f"timing protocol core_pick {core_pick_of(protocol)!r} probes kernel launches: it needs a "
+                         f"CUDA device, this job runs on {device.type}")
+    cores = sorted(os.sched_getaffinity(0))
+    picks = []
     for r in range(limit):
+        if picking:
+            picks.append(pick_core(cores, lambda core: launch_cost_us(device)))
         if stable and protocol["gc_off"]:
             gc.collect()
             gc.disable()
@@ -114,8 +137,13 @@ def run_rounds(calls, device, name, protocol, tag=""):
     else:
         if stable:
             reason = "cap"
+    if picking:
+        os.sched_setaffinity(0, cores)
     rounds_run = len(next(iter(rounds.values()))) if rounds else 0
     stopping = {"rounds_run": rounds_run, "reason": reason}
+    if picking:
+        stopping["core_pick"] = {"method": "fastest-launch", "probe_launches": PROBE_LAUNCHES,
+                                 "cores": cores, "rounds": picks}
     if stable:
         stopping.update(half_width=width, target_half_width=protocol["ci_half_width"],
                         measured_on="speedup" if len(rounds) == 2 else "each model's median")
@@ -202,6 +230,7 @@ def main(args):
     result["contention"] = contention(gpu, snapshots)
     if result["contention"]["contended"]:
         log(f"{row['id']}: WARNING other processes on the GPU: {result['contention']['other_processes']}")
+    result["core_pick"] = stopping.pop("core_pick", None)
     result["stopping"] = stopping
     result["route"], result["route_detail"] = route_of(optimized)
 
