@@ -370,7 +370,8 @@ def check_main(results_dir, min_gpus=2):
     for problem in summary["problems"]:
         print(f"FAIL: {problem}")
     if not summary["problems"]:
-        print("OK: jobs ran on several GPUs at overlapping times and never two on one GPU")
+        print("OK: " + ("jobs ran on several GPUs at overlapping times and never two on one GPU" if min_gpus > 1
+                        else f"never two jobs at once on one GPU ({len(summary['gpus'])} GPU(s) used)"))
     return 1 if summary["problems"] else 0
 
 
