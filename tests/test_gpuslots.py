@@ -377,3 +377,13 @@ def test_gpus_check_command(tmp_path, capsys):
     assert main(["gpus", "check", str(tmp_path)]) == 0
     assert main(["gpus", "check", str(tmp_path), "--min-gpus", "3"]) == 1
     assert "FAIL: GPU jobs ran on 2 GPU(s), fewer than 3" in capsys.readouterr().out
+
+
+def test_check_of_a_one_gpu_run_says_what_it_checked(tmp_path, capsys):
+    _result(tmp_path / "timing" / "a.json", "0", "00:00", "01:00")
+    _result(tmp_path / "accuracy" / "b.json", "0", "01:00", "02:00")
+    assert gpuslots.check_main(tmp_path, min_gpus=1) == 0
+    out = capsys.readouterr().out
+    assert "OK: never two jobs at once on one GPU (1 GPU(s) used)" in out and "several GPUs" not in out
+    _result(tmp_path / "timing" / "c.json", "0", "01:30", "02:30")  # overlaps b on the same GPU
+    assert gpuslots.check_main(tmp_path, min_gpus=1) == 1
