@@ -206,7 +206,8 @@ def main(args):
         calls["reference"] = lambda: reference(x, mask)
 
     result["cpu_affinity"] = pin_cpus(protocol["cpus"]) if name == "stable" else \
-        {"requested": None, "applied": False, "reason": "official protocol: cores left as they were"}
+        dict(pin_cpus("inherit"), requested=None,
+             reason="official protocol: cores left as the job started (a local GPU job: its slot's cores)")
     snapshots = [snapshot(gpu, "before")] if gpu else []
     result["gpu_state"] = {"before": gpu_state(gpu)}
     first, compiled = {}, {}  # compiled: kernels the first call compiled (new entries in Triton's disk cache)
