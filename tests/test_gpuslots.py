@@ -387,3 +387,14 @@ def test_check_of_a_one_gpu_run_says_what_it_checked(tmp_path, capsys):
     assert "OK: never two jobs at once on one GPU (1 GPU(s) used)" in out and "several GPUs" not in out
     _result(tmp_path / "timing" / "c.json", "0", "01:30", "02:30")  # overlaps b on the same GPU
     assert gpuslots.check_main(tmp_path, min_gpus=1) == 1
+
+
+def test_on_slot_runs_with_the_slot_set_and_before_auto_is_resolved(tmp_path):
+    # `auto` imports torch to ask for CUDA: the CPU pinning (on_slot) must come first, with the slot known
+    order = []
+    environ = {gpuslots.FAKE_VAR: "2", gpuslots.POOL_VAR: "0,1"}
+    device = gpuslots.enter_job(
+        "auto", environ=environ, directory=tmp_path,
+        cuda_available=lambda: order.append("cuda check") or True,
+        on_slot=lambda: order.append(("on_slot", environ[gpuslots.SOURCE_VAR], environ[gpuslots.SLOT_VAR])))
+    assert device == "cuda" and order == [("on_slot", "lock", "0"), "cuda check"]

@@ -158,16 +158,19 @@ def run_job(args):
     if getattr(args, "device", None) is not None:
         from shapewise import gpuslots
 
-        needs_gpu = not (args.step == "fingerprint" and args.kind == "implementation")
-        args.device = gpuslots.enter_job(args.device, needs_gpu=needs_gpu, label=f"{args.step} {args.out}")
-        # ... and, holding a slot of the local lock pool, the CPU cores of that slot (shapewise.cpus), still
-        # before torch: its threads and the compile subprocesses (ptxas) it starts stay on these cores.
         from shapewise import cpus
 
-        try:
-            cpus.pin_job()
-        except cpus.CpuSlotError as exc:
-            raise SystemExit(f"{args.step} job: cannot pin its GPU slot's CPU cores: {exc}") from None
+        def pin():
+            # holding a slot of the local lock pool: the CPU cores of that slot (shapewise.cpus), before torch is
+            # imported (also by `auto`): its threads and the compile subprocesses (ptxas) stay on these cores
+            try:
+                cpus.pin_job()
+            except cpus.CpuSlotError as exc:
+                raise SystemExit(f"{args.step} job: cannot pin its GPU slot's CPU cores: {exc}") from None
+
+        needs_gpu = not (args.step == "fingerprint" and args.kind == "implementation")
+        args.device = gpuslots.enter_job(args.device, needs_gpu=needs_gpu, label=f"{args.step} {args.out}",
+                                         on_slot=pin)
     if getattr(args, "device", None) == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import importlib

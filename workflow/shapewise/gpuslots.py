@@ -242,10 +242,13 @@ def _cuda_available():
     return torch.cuda.is_available()
 
 
-def enter_job(device, needs_gpu=True, environ=None, cuda_available=None, directory=None, label=""):
+def enter_job(device, needs_gpu=True, environ=None, cuda_available=None, directory=None, label="",
+              on_slot=None):
     """Give this job process its GPU before anything imports torch; return the device it runs on
     (`auto` resolved). Sets CUDA_VISIBLE_DEVICES, SHAPEWISE_PIPELINE_GPU_SLOT and ..._SLOT_SOURCE in
-    `environ` (os.environ). `needs_gpu` False: a job that declares no GPU (gpu=0) takes no slot."""
+    `environ` (os.environ). `needs_gpu` False: a job that declares no GPU (gpu=0) takes no slot.
+    `on_slot()` runs once those are set and before `auto` is resolved (which imports torch): the place to pin
+    the job's CPU cores (shapewise.cpus.pin_job)."""
     env = os.environ if environ is None else environ
     cuda_available = cuda_available or _cuda_available
     slot, source = None, "none"
@@ -274,6 +277,9 @@ def enter_job(device, needs_gpu=True, environ=None, cuda_available=None, directo
             env.pop(SLOT_VAR, None)
     else:
         env.pop(SLOT_VAR, None)
+    env[SOURCE_VAR] = source
+    if on_slot is not None:
+        on_slot()
     if device == "auto":
         device = "cuda" if cuda_available() else "cpu"
     if device == "cpu" and source != "none":
