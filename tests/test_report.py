@@ -37,6 +37,18 @@ ROUTE = {"name": "fused", "precision": "fp16", "reason": "short, narrow, launch-
 ROUTE_STR = ("fused/fp16 launch=(32, 4, 2) kv=precomputed (auto: short, narrow, launch-bound shape: one kernel per "
              "layer (tokens*d = 2097152), which is a long sentence that must not widen the table)")
 SWITCHES = ["fused_layer", "cuda_graph", "kv_precompute"]
+# The host records of a stable timing run on an H200 virtual machine (a real result: row official-06 of an H200 run,
+# `allowed` shortened); the 'timed' rows carry them, the 'old-timing' rows predate them.
+CPU_AFFINITY = {"requested": "per-slot", "allowed": list(range(32)), "cores": list(range(16)), "applied": True,
+                "reason": "slot 1 of 2: pinned to 16 of 32 physical cores (16 of 32 logical CPUs)",
+                "topology": "sysfs", "physical_cores": 16, "torch_threads": 2}
+CORE_PICK = {"method": "fastest-launch", "probe_launches": 200, "cores": list(range(16)), "rounds": [
+    {"core": 4, "cores_probed": 16, "launch_us": 6.304, "median_launch_us": 6.661},
+    {"core": 9, "cores_probed": 16, "launch_us": 6.631, "median_launch_us": 7.51},
+    {"core": 9, "cores_probed": 16, "launch_us": 6.048, "median_launch_us": 6.523},
+    {"core": 9, "cores_probed": 16, "launch_us": 6.138, "median_launch_us": 6.567},
+    {"core": 9, "cores_probed": 16, "launch_us": 6.158, "median_launch_us": 7.022},
+    {"core": 4, "cores_probed": 16, "launch_us": 6.263, "median_launch_us": 6.818}]}
 
 
 def _header(step, row):
@@ -92,8 +104,9 @@ def _results(row, kind):
     if kind == "timed":
         tim["protocol"] = {"name": "stable", "warmup": 20, "calls": 50, "rounds": None, "min_rounds": 6,
                            "max_rounds": 30, "ci_half_width": 0.02, "timer": "cuda events per call",
-                           "float32_matmul_precision": "high"}
+                           "float32_matmul_precision": "high", "cpus": "per-slot", "core_pick": "fastest-launch"}
         tim["stopping"] = {"rounds_run": 9, "reason": "settled"}
+        tim.update(cpu_affinity=copy.deepcopy(CPU_AFFINITY), core_pick=copy.deepcopy(CORE_PICK))
         tim.update(speedup_ci={"low": ref_ms / opt_ms * 0.9, "high": ref_ms / opt_ms * 1.12, "level": 0.95,
                                "method": "bootstrap"}, noisy=True,
                    gpu={"index": 1, "uuid": "GPU-0123456789abcdef", "name": "NVIDIA H200", "slot": 1,
@@ -198,6 +211,65 @@ def test_report_renders_every_row_and_summary_columns(run):
 
         assert f"atol {TOLERANCES['official']['atol']}" in text
         assert "n/a" in text  # t-02 has no interval
+
+
+def _host_cpu_lines(text, marker):
+    """The lines of `text` that hold `marker` (a row id) in the host-CPU section (up to the next heading)."""
+    section = text.split(report_data.HOST_CPUS_HEADING, 1)[1].split("\n## ", 1)[0].split("<h2", 1)[0]
+    return [line for line in section.splitlines() if marker in line]
+
+
+def test_cores_and_core_pick_per_row(run):
+    """A result with cpu_affinity and core_pick shows its cores and the picked core's launch cost per row; a result
+    written before the records says "not recorded"; the method sentence appears because a row used the pick."""
+    report.render(run, "results/report")
+    out = Path("results/report")
+    md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
+    # medians over the 6 rounds: picked 6.2105 µs, all cores 6.7395 µs; cores 4 and 9
+    picked = ("fastest-launch: picked core launch 6.2 µs (median over rounds; all cores' median 6.7 µs), "
+              "6 rounds on 2 cores")
+    cores = "16 logical CPUs (16 physical, sysfs), 2 torch threads"
+    for text in (md, html):
+        [t1] = _host_cpu_lines(text, "t-01:") if text is md else _host_cpu_lines(text, 'id="cpus-t-01"')
+        assert cores in t1 and picked in t1 and CPU_AFFINITY["reason"] in t1, t1
+        [t2] = _host_cpu_lines(text, "t-02:") if text is md else _host_cpu_lines(text, 'id="cpus-t-02"')
+        assert "cores: not recorded; core pick: not recorded" in t2, t2
+        [t3] = _host_cpu_lines(text, "t-03:") if text is md else _host_cpu_lines(text, 'id="cpus-t-03"')
+        assert "not timed (resource skip)" in t3, t3
+        assert "Core pick (fastest-launch): before every timed round" in text
+        assert "each core timed over 200 launches" in text
+    # the main tables stay as narrow as before: nothing of this in the timing or resources table
+    timing_table = html.split('<table class="timing">', 1)[1].split("</table>", 1)[0]
+    resources_table = html.split('<table class="resources">', 1)[1].split("</table>", 1)[0]
+    assert "logical CPUs" not in timing_table + resources_table and "fastest-launch" not in timing_table
+    with open(out / "summary.csv", newline="") as fh:
+        assert csv.DictReader(fh).fieldnames == report_data.SUMMARY_COLUMNS
+
+
+def test_no_core_pick_sentence_when_no_row_used_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    inputs = make_run(tmp_path, rows=[(_row("t-02", 8, 512, 256), "old-timing")])
+    report.render(inputs, "results/report")
+    for name in ("report.md", "report.html"):
+        text = (tmp_path / "results/report" / name).read_text()
+        assert "Core pick (fastest-launch)" not in text and "not recorded" in text
+
+
+def test_host_cpu_labels():
+    official = {"cpu_affinity": {"requested": None, "applied": False,
+                                 "reason": "official protocol: cores left as they were"}, "core_pick": None}
+    assert report_data.cores_label(official) == "not pinned"
+    assert report_data.core_pick_label(official) == "none"
+    unknown = {"cpu_affinity": dict(CPU_AFFINITY, cores=[3], physical_cores=1, torch_threads=None,
+                                    topology="unknown: /sys/devices/system/cpu not readable")}
+    assert report_data.cores_label(unknown) == "1 logical CPU (1 physical, unknown: /sys/devices/system/cpu not " \
+                                               "readable)"
+    assert report_data.core_pick_label({}) == "not recorded" == report_data.cores_label({})
+    one = {"core_pick": dict(CORE_PICK, rounds=CORE_PICK["rounds"][:1])}
+    assert report_data.core_pick_label(one) == ("fastest-launch: picked core launch 6.3 µs (median over rounds; "
+                                                "all cores' median 6.7 µs), 1 round on 1 core")
+    assert report_data.core_pick_note([official, {}]) is None
+    assert "200 launches" in report_data.core_pick_note([official, {"core_pick": CORE_PICK}])
 
 
 def test_tolerances_are_not_typed_into_the_templates():

@@ -196,6 +196,8 @@ def build(inputs, loaded, outdir):
         "pass_env": inputs.get("pass_env") or {},
         "baseline": baseline,
         "routes_anchor": ROUTES_ANCHOR,
+        "host_cpus_heading": report_data.HOST_CPUS_HEADING,
+        "core_pick_note": report_data.core_pick_note([i["data"]["timing"] for i in items]),
     }
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(paths.TEMPLATES)), undefined=jinja2.StrictUndefined,
                              autoescape=jinja2.select_autoescape(["html"]), trim_blocks=True, lstrip_blocks=True)

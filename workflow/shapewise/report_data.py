@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pandas as pd
@@ -231,6 +232,9 @@ def row_record(item):
         "check_method": acc.get("check_method"),
         "fraction_of_floor": _num((tim.get("roofline") or {}).get("fraction_of_floor")),
         "floor_ms": _num((tim.get("roofline") or {}).get("floor_ms")),
+        "cores": cores_label(tim),
+        "cores_reason": tim["cpu_affinity"].get("reason") if isinstance(tim.get("cpu_affinity"), dict) else None,
+        "core_pick": core_pick_label(tim),
     }
 
 
@@ -244,6 +248,82 @@ def gpu_label(gpu):
     if slot is not None or source:
         parts.append(f"(slot {slot if slot is not None else '-'}" + (f", {source})" if source else ")"))
     return " ".join(parts)
+
+
+# ------------------------------------------------------------------ host CPUs of a timing result (issue #14)
+
+NOT_RECORDED = "not recorded"  # a result written before the timing job recorded its CPUs
+NOT_TIMED = "not timed (resource skip)"
+HOST_CPUS_HEADING = "CPU cores per row"  # the report section that lists cores_label and core_pick_label per row
+
+
+def _host_record(timing, field):
+    """(the timing result's record `field`, or None, label to show instead of it, or None)."""
+    if timing.get("status") == "resource-skip":
+        return None, NOT_TIMED
+    if field not in timing:
+        return None, NOT_RECORDED
+    return timing[field], None
+
+
+def cores_label(timing):
+    """The CPUs the timing job ran on, from its `cpu_affinity` record: `16 logical CPUs (16 physical, sysfs)`;
+    "not pinned" when the job left its cores alone and did not list them (the official protocol; the record's
+    `reason`, shown beside it, says why); "not recorded" when the result predates the record."""
+    affinity, label = _host_record(timing, "cpu_affinity")
+    if label:
+        return label
+    if not isinstance(affinity, dict):
+        return NOT_RECORDED
+    cores = affinity.get("cores")
+    if not isinstance(cores, list):
+        return "not pinned"
+    physical = affinity.get("physical_cores")
+    label = (f"{len(cores)} logical CPU{'s' if len(cores) != 1 else ''} "
+             f"({physical if physical is not None else '?'} physical, {affinity.get('topology') or 'topology n/a'})")
+    if affinity.get("torch_threads") is not None:
+        label += f", {affinity['torch_threads']} torch threads"
+    return label
+
+
+def core_pick_label(timing):
+    """The timing job's core pick, from its `core_pick` record: `fastest-launch: picked core launch 6.3 µs (median
+    over rounds; all cores' median 7.4 µs), 9 rounds on 6 cores`; "none" when no core was picked; "not recorded"
+    when the result predates the record."""
+    pick, label = _host_record(timing, "core_pick")
+    if label:
+        return label
+    if pick is None:
+        return "none"
+    if not isinstance(pick, dict):
+        return NOT_RECORDED
+    method = pick.get("method") or "unknown method"
+    rounds = [r for r in pick.get("rounds") or [] if isinstance(r, dict)]
+    if not rounds:
+        return f"{method}: no rounds recorded"
+    picked = [v for v in (_num(r.get("launch_us")) for r in rounds) if v is not None]
+    typical = [v for v in (_num(r.get("median_launch_us")) for r in rounds) if v is not None]
+    picked_text = f"{statistics.median(picked):.1f} µs" if picked else "n/a"
+    typical_text = f"{statistics.median(typical):.1f} µs" if typical else "n/a"
+    distinct = len({r.get("core") for r in rounds})
+    return (f"{method}: picked core launch {picked_text} (median over rounds; all cores' median {typical_text}), "
+            f"{len(rounds)} round{'s' if len(rounds) != 1 else ''} on {distinct} "
+            f"core{'s' if distinct != 1 else ''}")
+
+
+def core_pick_note(timings):
+    """One or two plain sentences on what the fastest-launch core pick does, for the report's method section;
+    None when no timing result in `timings` used it."""
+    picks = [t.get("core_pick") for t in timings]
+    used = [p for p in picks if isinstance(p, dict) and p.get("method") == "fastest-launch"]
+    if not used:
+        return None
+    probes = used[0].get("probe_launches")
+    probed = f" (each core timed over {probes} launches)" if probes else ""
+    return ("Core pick (fastest-launch): before every timed round, the thread that launches the GPU kernels was "
+            f"moved to the CPU core of the job's cores on which a tiny kernel launch was cheapest at that moment"
+            f"{probed}; on a shared virtual machine a core's launch cost changes from minute to minute, and the "
+            f"time of a launch-bound model follows it. Each row's picks are listed under \"{HOST_CPUS_HEADING}\".")
 
 
 # ------------------------------------------------------------------ the table
