@@ -131,7 +131,7 @@ class UserOptimizedTransformer(BaselineTransformer):
         if route.name == "sdpa":
             return self._forward_sdpa(x, valid_token_mask)
         self._refresh_weights()
-        if route.name in ("graph", "fused") and x.is_cuda and "cuda_graph" not in self.disabled:
+        if self._captures(route, x):
             return self._forward_graph(x, valid_token_mask, route)
         with torch.no_grad():
             return self._forward_kernels(x, valid_token_mask, route)
@@ -414,14 +414,23 @@ class UserOptimizedTransformer(BaselineTransformer):
         def working_set(b):
             route = self._select(x[:b], None if valid_token_mask is None else valid_token_mask[:b])
             shape = TransformerConfig(b, S, cfg.d_model, cfg.num_heads, cfg.ffn_dim, cfg.num_layers, cfg.causal)
-            sdpa_mask = masked and (route.name == "sdpa" or (
-                route.name in ("triton", "graph") and "flash_attention" in self.disabled))
-            captured = route.name in ("graph", "fused") and x.is_cuda and "cuda_graph" not in self.disabled
-            return working_set_bytes(shape, x.dtype, route, sdpa_mask=sdpa_mask, captured=captured), str(route)
+            return working_set_bytes(shape, x.dtype, route, sdpa_mask=self._sdpa_may_get_mask(route, masked),
+                                     captured=self._captures(route, x)), str(route)
 
         inp, out = io_bytes(TransformerConfig(B, S, cfg.d_model, cfg.num_heads, cfg.ffn_dim, cfg.num_layers,
                                               cfg.causal), x.dtype)
         return plan_chunks((B, S, cfg.d_model), x.dtype, inp, out, working_set, budget, source, resident_input)
+
+    def _captures(self, route, x):
+        """Whether `forward` runs this route as a captured CUDA graph for `x` (memory_plan asks the same)."""
+        return route.name in ("graph", "fused") and x.is_cuda and "cuda_graph" not in self.disabled
+
+    def _sdpa_may_get_mask(self, route, masked):
+        """Whether a forward on this route may hand the mask to SDPA (which then builds a dense mask): the sdpa
+        route, or our kernels' routes with our attention switched off. memory_plan reads no mask contents, so it
+        takes this worst case; `_forward_kernels` runs SDPA unmasked under a causal prefix mask."""
+        return masked and (route.name == "sdpa" or (
+            route.name in ("triton", "graph") and "flash_attention" in self.disabled))
 
     def _memory_plan(self, x, mask):
         """The plan of this input signature under the current cap and memory fraction: decided on the signature's
