@@ -21,8 +21,10 @@ from pathlib import Path
 import torch
 import yaml
 
+from shapewise.jobs.device import time_calls
 from shapewise.model import BaselineTransformer, TransformerConfig, UserOptimizedTransformer, generate_random_case
 
+CUDA = torch.device("cuda")
 FIELDS = ("batch_size", "seq_len", "d_model", "num_heads", "ffn_dim", "num_layers")
 
 
@@ -41,14 +43,8 @@ def build(row):
 
 
 def timed(fn, n):
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    """Milliseconds of each of n calls, a CUDA event pair per call: the timing job's own timer."""
+    return time_calls(fn, CUDA, n)
 
 
 def row_cost(n, row):
