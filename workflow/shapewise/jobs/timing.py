@@ -103,11 +103,12 @@ def run_rounds(calls, device, name, protocol, tag=""):
     limit = protocol["max_rounds"] if stable else protocol["rounds"]
     width = None
     reason = "fixed"
-    picking = stable and core_pick_of(protocol) != "none"
+    pick = core_pick_of(protocol) if stable else CORE_PICKS[0]
+    picking = pick != CORE_PICKS[0]
     if picking and device.type != "cuda":
-        raise SystemExit(f"timing protocol core_pick {core_pick_of(protocol)!r} probes kernel launches: it needs a "
-                         f"CUDA device, this job runs on {device.type}")
-    cores = sorted(os.sched_getaffinity(0))
+        raise SystemExit(f"timing protocol core_pick {pick!r} probes kernel launches: it needs a CUDA device, this "
+                         f"job runs on {device.type}")
+    cores = sorted(os.sched_getaffinity(0)) if picking else None  # the thread's cores, given back after the rounds
     picks = []
     for r in range(limit):
         if picking:
@@ -142,7 +143,7 @@ def run_rounds(calls, device, name, protocol, tag=""):
     rounds_run = len(next(iter(rounds.values()))) if rounds else 0
     stopping = {"rounds_run": rounds_run, "reason": reason}
     if picking:
-        stopping["core_pick"] = {"method": "fastest-launch", "probe_launches": PROBE_LAUNCHES,
+        stopping["core_pick"] = {"method": pick, "probe_launches": PROBE_LAUNCHES,
                                  "cores": cores, "rounds": picks}
     if stable:
         stopping.update(half_width=width, target_half_width=protocol["ci_half_width"],
