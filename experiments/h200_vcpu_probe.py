@@ -14,6 +14,8 @@ Usage (CUDA machine, about four device minutes): python -m experiments.h200_vcpu
    optimized model (20 warm-up calls, 8 alternating rounds of 50, CUDA events per call, median): three free to
    use every vCPU, three pinned to the fastest vCPU of pass 0, two pinned to the slowest.
 Writes OUT_DIR/vcpu_probe.json and prints a summary.
+`python -m experiments.h200_vcpu_probe --summarize OUT_DIR/vcpu_probe.json` prints, per launch-cost pass, how many
+vCPUs were on the slow level (above SLOW_US) and the range, and how many vCPUs changed level between passes.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import time
 from pathlib import Path
 
 ROWS = (1, 4, 11)
+SLOW_US = 8.0  # between the two levels the passes show (6.3-7.2 and 8.1-10.9 µs per launch on session 6's node)
 WARMUP, ROUNDS, CALLS = 20, 8, 50
 
 
@@ -132,8 +135,22 @@ def main(out_dir: str, rows) -> None:
     (Path(out_dir) / "vcpu_probe.json").write_text(json.dumps(report, indent=1))
 
 
+def summarize(path: str) -> None:
+    passes = json.loads(Path(path).read_text())["passes"]
+    for p in passes:
+        cost = p["us_per_launch"]
+        slow = sum(v > SLOW_US for v in cost.values())
+        print(f"pass at {p['at_s']:6.1f} s: {slow} of {len(cost)} vCPUs above {SLOW_US} µs per launch, range "
+              f"{min(cost.values()):.2f}-{max(cost.values()):.2f} µs")
+    levels = {cpu: [p["us_per_launch"][cpu] > SLOW_US for p in passes] for cpu in passes[0]["us_per_launch"]}
+    changed = sum(len(set(v)) > 1 for v in levels.values())
+    print(f"vCPUs that changed level between passes: {changed} of {len(levels)}")
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "--child":
+    if sys.argv[1] == "--summarize":
+        summarize(sys.argv[2])
+    elif sys.argv[1] == "--child":
         print(json.dumps(child(int(sys.argv[2]), sys.argv[3])))
     else:
         main(sys.argv[1], [int(r) for r in sys.argv[2:]] or ROWS)
