@@ -50,7 +50,7 @@ printf 'part %s: snakemake exit status %s, start %s, end %s, wall %.1f s\n' "$pa
 tail -n 6 "$OUT/snakemake-part$part.log"
 tar czf "$OUT/results-part$part.tgz" --exclude='trace.json' results
 if [ "$part" = 2 ]; then
-    python3 -m shapewise gpus check results > "$OUT/gpus-check.txt" 2>&1; echo "gpus check exit status $?"
+    python3 -m shapewise gpus check --min-gpus 1 results > "$OUT/gpus-check.txt" 2>&1; echo "gpus check exit status $?"
     tail -n 5 "$OUT/gpus-check.txt"
 fi
 ls -la "$OUT"

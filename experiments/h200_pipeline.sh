@@ -9,7 +9,7 @@
 #
 # The node has no network: the wheels install into /tmp/site. Snakemake runs every GPU of the node (one job per
 # GPU) under a time budget (default 520 s, inside the 600 s limit of one call) and is stopped cleanly when it
-# runs out. Back in $OUT: results.tgz (results/ without profiler traces), snakemake.log, gpus-check.txt (which
+# runs out. Back in $OUT: results.tgz (results/ without profiler traces), snakemake.log, wall.txt, gpus-check.txt (which
 # GPU ran which job, never two on one) and nvidia-smi.txt. Unpack with `tar xzf results.tgz`; carry `results`
 # into the next call to resume. The report is the DAG's last job, rendered on the node.
 set -uo pipefail
@@ -23,7 +23,7 @@ start=$(date +%s)
 timeout --signal=INT --kill-after=30 "$budget" \
     python3 -m snakemake --cores all --keep-going --rerun-incomplete \
     --config shapes="${SHAPES:-official}" ${COMMIT:+commit=$COMMIT} "$@" > "$OUT/snakemake.log" 2>&1
-echo "snakemake exit status $? after $(( $(date +%s) - start )) s"
+echo "snakemake exit status $? after $(( $(date +%s) - start )) s" | tee "$OUT/wall.txt"
 tail -n 15 "$OUT/snakemake.log"
 python3 -m shapewise gpus check results > "$OUT/gpus-check.txt" 2>&1; echo "gpus check exit status $?"
 tail -n 5 "$OUT/gpus-check.txt"
