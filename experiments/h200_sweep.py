@@ -28,15 +28,17 @@ def shape_of(n):
     return tuple(OFFICIAL[n][k] for k in ("batch_size", "seq_len", "d_model", "num_heads", "ffn_dim"))
 
 
-FUSED_ROWS = {n: shape_of(n) for n in (1, 2, 5, 6, 7, 11, 12)}
-# (block_m, num_warps, num_stages); the first is the configuration the committed policy ran before this sweep
+# every official row the fused route serves or could serve (row 2 left out: one sequence, the graph route wins)
+FUSED_ROWS = {n: shape_of(n) for n in (1, 3, 4, 5, 6, 7, 9, 10, 11, 12)}
+# The first configuration is the accuracy baseline `shapewise tune` holds every other one to.
 # block_m 64 and 128 ended in an illegal memory access on the H200 (reports/h200/session2/sweep-attempt1.json),
 # which poisons the CUDA context for everything after it: kernels/fused_layer.py refuses them.
-# (block_m, num_warps, num_stages, kv_precompute): kv_precompute computes keys and values once per layer in a
-# second kernel instead of in every program (kernels/fused_layer.py)
-FUSED_CONFIGS = [(32, 4, 1, False), (32, 4, 2, False), (32, 4, 3, False), (32, 8, 2, False), (16, 4, 1, False),
-                 (16, 4, 2, False), (16, 4, 3, False), (16, 2, 2, False),
-                 (32, 4, 1, True), (32, 4, 2, True), (16, 4, 1, True), (16, 4, 2, True)]
+# (block_m, num_warps, num_stages, kv_precompute[, key_block, ffn_block]): kv_precompute computes keys and values
+# once per layer in a second kernel instead of in every program; key_block (with it) runs the softmax over key
+# blocks, ffn_block sets the FFN columns per step (kernels/fused_layer.py; absent: the kernel's defaults)
+FUSED_CONFIGS = [(32, 4, 1, False), (32, 4, 2, False), (16, 4, 3, False), (32, 4, 2, True), (16, 4, 3, True),
+                 (32, 4, 2, True, 32, 32), (16, 4, 3, True, 32, 32), (32, 4, 2, True, 16, 32),
+                 (16, 4, 3, True, 16, 32), (32, 8, 2, True, 32, 32), (32, 8, 2, True, 16, 32)]
 ATTN_SHAPES = {"row13": (64, 1024, 4, 32), "row14-b4": (4, 100000, 16, 64)}
 ATTN_CONFIGS = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 32, 4, 2), (128, 32, 4, 3)]
 
@@ -97,10 +99,13 @@ def main():
     for row, (B, S, d, H, ffn) in FUSED_ROWS.items():
         case = fused_case(row, B, S, d, H, ffn)
         x = case["x"]
-        for bm, warps, stages, kv in FUSED_CONFIGS:
-            rec = {"row": row, "block_m": bm, "num_warps": warps, "num_stages": stages, "kv_precompute": kv}
+        for bm, warps, stages, kv, *blocks in FUSED_CONFIGS:
+            key_block, ffn_block = blocks or (None, None)
+            rec = {"row": row, "block_m": bm, "num_warps": warps, "num_stages": stages, "kv_precompute": kv,
+                   "key_block": key_block, "ffn_block": ffn_block}
             try:
-                rec.update(measure_fused(case, block_m=bm, num_warps=warps, num_stages=stages, kv_precompute=kv))
+                rec.update(measure_fused(case, block_m=bm, num_warps=warps, num_stages=stages, kv_precompute=kv,
+                                         key_block=key_block, ffn_block=ffn_block))
             except Exception as e:  # a configuration that does not compile is a result too
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             out["fused"].append(rec)

@@ -11,7 +11,10 @@ statistics fp32.
 
 With `kv_precompute`, a second small kernel (`_ln_kv_fwd`) first writes every token's keys and values
 ([B, S, 2d], operand dtype) and the layer kernel reads them, instead of every program recomputing LayerNorm 1
-and the K/V projection of its whole sequence.
+and the K/V projection of its whole sequence. With it, `key_block` runs each head's softmax over blocks of keys
+(online, fp32 running max and sum; a causal tile stops at its last query) instead of the whole sequence at once,
+and `ffn_block` narrows the FFN's column chunks: fewer live registers (ptxas: no spills on most official fused
+rows, experiments/data/fused_ptxas-sm90.json). Both are off unless the routing policy's launch entry sets them.
 """
 from __future__ import annotations
 
@@ -86,6 +89,40 @@ def _layer_norm_rows(x, w_ptr, b_ptr, cols, col_ok, n_cols, eps):
 
 
 @triton.jit
+def _attend_key_blocks(q, kv_base, mask_base, rows, hcol, hd_ok, stride_kvs, d_model, seq_len, key_hi, qk_scale,
+                       BLOCK_M: tl.constexpr, BLOCK_HD: tl.constexpr, BLOCK_N: tl.constexpr,
+                       IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
+    """One head's attention output [BLOCK_M, BLOCK_HD] for the query tile `q`, over keys 0..key_hi in blocks of
+    BLOCK_N with an online softmax (fp32 running max and sum), reading this head's precomputed keys at
+    `kv_base` (+ key * stride_kvs + column) and values d_model columns further. Live tiles are [BLOCK_M, BLOCK_N]
+    instead of [BLOCK_M, BLOCK_S], and a causal tile skips the key blocks past its last query."""
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_HD], dtype=tl.float32)
+    for n0 in range(0, key_hi, BLOCK_N):
+        kn = n0 + tl.arange(0, BLOCK_N)
+        kn_ok = kn < seq_len
+        kv_ptrs = kv_base + kn[:, None] * stride_kvs + hcol[None, :]
+        k = tl.load(kv_ptrs, mask=kn_ok[:, None] & hd_ok[None, :], other=0.0)
+        v = tl.load(kv_ptrs + d_model, mask=kn_ok[:, None] & hd_ok[None, :], other=0.0)
+        s = _mm(q, tl.trans(k)) * qk_scale
+        visible = kn_ok[None, :]
+        if HAS_MASK:
+            visible = visible & (tl.load(mask_base + kn, mask=kn_ok, other=0) != 0)[None, :]
+        if IS_CAUSAL:
+            visible = visible & (kn[None, :] <= rows[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key so far stay at 0
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _mm(p.to(q.dtype), v)
+        m_i = m_new
+    return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+
+
+@triton.jit
 def _fused_layer_fwd(
     X,  # pointer to the residual stream in, [B, S, d] (fp32, or the input dtype for layer 0)
     Y,  # pointer to the output, [B, S, d]: fp32 residual, or the final normalized output when FINAL_NORM
@@ -106,6 +143,7 @@ def _fused_layer_fwd(
     BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr,
     KV_GLOBAL: tl.constexpr,  # read K and V from KV (written by _ln_kv_fwd) instead of recomputing them here
+    BLOCK_N: tl.constexpr,  # keys per step: BLOCK_S = the whole sequence at once; less (KV_GLOBAL only): key blocks
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -134,6 +172,12 @@ def _fused_layer_fwd(
     visible = key_ok[None, :]
     if IS_CAUSAL:
         visible = visible & (keys[None, :] <= rows[:, None])
+    KEY_BLOCKS: tl.constexpr = KV_GLOBAL and BLOCK_N < BLOCK_S
+    if KEY_BLOCKS:  # keys past this tile's last query are never visible under a causal mask
+        if IS_CAUSAL:
+            key_hi = tl.minimum(seq_len, (pid_m + 1) * BLOCK_M)
+        else:
+            key_hi = seq_len
 
     # attention, head by head, with the out-projection accumulated per head
     attn = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -151,7 +195,11 @@ def _fused_layer_fwd(
             bk = tl.load(Bqkv + d_model + f0 + hcol, mask=hd_ok, other=0.0).to(tl.float32)
             bv = tl.load(Bqkv + 2 * d_model + f0 + hcol, mask=hd_ok, other=0.0).to(tl.float32)
         q = (_mm(hq, wq) + bq[None, :]).to(op_ty)
-        if KV_GLOBAL:  # this head's precomputed keys and values: [BLOCK_S, BLOCK_HD] tiles of KV
+        if KEY_BLOCKS:
+            o = _attend_key_blocks(q, KV + b * stride_kvb + f0, Mask + b * stride_mb, rows, hcol, hd_ok, stride_kvs,
+                                   d_model, seq_len, key_hi, qk_scale, BLOCK_M, BLOCK_HD, BLOCK_N, IS_CAUSAL,
+                                   HAS_MASK)
+        elif KV_GLOBAL:  # this head's precomputed keys and values: [BLOCK_S, BLOCK_HD] tiles of KV
             kv_ptrs = KV + b * stride_kvb + keys[:, None] * stride_kvs + f0 + hcol[None, :]
             kv_ok = (keys < seq_len)[:, None] & hd_ok[None, :]
             k = tl.load(kv_ptrs, mask=kv_ok, other=0.0)
@@ -161,12 +209,13 @@ def _fused_layer_fwd(
             k = (_mm(hk, wk) + bk[None, :]).to(op_ty)
             v = (_mm(hk, wv) + bv[None, :]).to(op_ty)
             s = _mm(q, tl.trans(k)) * qk_scale
-        s = tl.where(visible, s, float("-inf"))
-        m = tl.max(s, 1)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        p = tl.math.exp2(s - m[:, None])
-        l = tl.sum(p, 1)
-        o = _mm(p.to(op_ty), v) / tl.where(l == 0.0, 1.0, l)[:, None]
+        if not KEY_BLOCKS:
+            s = tl.where(visible, s, float("-inf"))
+            m = tl.max(s, 1)
+            m = tl.where(m == float("-inf"), 0.0, m)
+            p = tl.math.exp2(s - m[:, None])
+            l = tl.sum(p, 1)
+            o = _mm(p.to(op_ty), v) / tl.where(l == 0.0, 1.0, l)[:, None]
         # out-projection rows f0..f0+head_dim of W_o^T: element (j, n) is Wo[n, f0 + j]
         wo = tl.load(Wo + cols[None, :] * d_model + f0 + hcol[:, None], mask=hd_ok[:, None] & col_ok[None, :],
                      other=0.0)
@@ -258,8 +307,18 @@ def supports(seq_len: int, d_model: int, num_heads: int) -> bool:
     return why_unsupported(seq_len, d_model, num_heads) is None
 
 
+def _block_size(name: str, value, default: int, most: int) -> int:
+    """A launcher's tile size: `default` for None, else a power of two of at least 16 (the smallest dot tile),
+    capped at `most` (the padded size of the dimension it tiles)."""
+    if value is None:
+        return default
+    if not isinstance(value, int) or value < 16 or value & (value - 1):
+        raise ValueError(f"fused_layer: {name} must be a power of two of at least 16 (or None), got {value!r}")
+    return min(value, most)
+
+
 def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=None, out=None, block_m=None,
-                num_warps=4, num_stages=1, kv_precompute=False):
+                num_warps=4, num_stages=1, kv_precompute=False, key_block=None, ffn_block=None):
     """One layer (and the final norm when `final=(weight, bias)`) over `x [B, S, d]`.
 
     w: dict with qkv_w [3d, d], qkv_b [3d], o_w, o_b, in_w [ffn, d], in_b, out_w [d, ffn], out_b in the
@@ -269,6 +328,10 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
     kv_precompute: compute the keys and values of every token once, in a second small kernel (_ln_kv_fwd),
     and have the layer kernel read them instead of each program recomputing them for the whole sequence
     (S / block_m times per sequence). Same math up to accumulation order; two launches per layer.
+    key_block (with kv_precompute only): keys per step of an online softmax instead of the whole sequence at
+    once, and a causal tile stops at its last query. Fewer live registers; the softmax's rounding differs.
+    ffn_block: FFN columns per step (default 64, or ffn_dim's power of two when smaller).
+    None for either keeps the kernel as the committed policy runs it.
     """
     B, S, d = x.shape
     why = why_unsupported(S, d, num_heads)
@@ -296,6 +359,12 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
     if block_m > MAX_BLOCK_M:
         raise ValueError(f"fused_layer: block_m must be at most {MAX_BLOCK_M}, got {block_m}")
     block_d = max(16, triton.next_power_of_2(d))
+    block_n = _block_size("key_block", key_block, block_s, block_s)
+    if block_n < block_s and not kv_precompute:
+        raise ValueError(f"fused_layer: key_block={key_block} (< the padded sequence {block_s}) needs "
+                         f"kv_precompute=True: the key blocks are read from the precomputed keys and values")
+    ffn_pad = max(16, triton.next_power_of_2(ffn))
+    block_f = _block_size("ffn_block", ffn_block, min(64, ffn_pad), ffn_pad)
     kv = out  # a placeholder pointer when the layer kernel recomputes K and V itself
     if kv_precompute:
         kv = torch.empty((B, S, 2 * d), device=x.device, dtype=op)
@@ -313,9 +382,8 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), m.stride(0) if mask is not None else 0,
         S, d, ffn, hd**-0.5 * math.log2(math.e), 1e-5,
         NUM_HEADS=num_heads, HEAD_DIM=hd, BLOCK_HD=max(16, triton.next_power_of_2(hd)),
-        BLOCK_D=block_d, BLOCK_F=min(64, max(16, triton.next_power_of_2(ffn))),
-        BLOCK_M=block_m, BLOCK_S=block_s,
+        BLOCK_D=block_d, BLOCK_F=block_f, BLOCK_M=block_m, BLOCK_S=block_s,
         IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, FINAL_NORM=final is not None,
-        KV_GLOBAL=bool(kv_precompute), num_warps=num_warps, num_stages=num_stages,
+        KV_GLOBAL=bool(kv_precompute), BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
     )
     return out

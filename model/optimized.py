@@ -152,6 +152,7 @@ class UserOptimizedTransformer(BaselineTransformer):
             if route.forced:
                 raise RouteUnavailable(f"route 'fused' needs fp16 or bf16 operands, not {route.precision}")
             route = replace(route, name="graph" if x.is_cuda else "triton", launch=(), kv_precompute=False,
+                            key_block=0, ffn_block=0,
                             reason=route.reason + f"; fused layers need fp16/bf16 operands, not {route.precision}")
         return route
 
@@ -313,7 +314,8 @@ class UserOptimizedTransformer(BaselineTransformer):
             res = fused_layer(res, {n: w[f"{i}.{n}"] for n in names}, num_heads=cfg.num_heads, causal=cfg.causal,
                               mask=mask, final=(w["final_w"], w["final_b"]) if last else None, out_dtype=x.dtype,
                               block_m=block_m, num_warps=num_warps, num_stages=num_stages,
-                              kv_precompute=route.kv_precompute)
+                              kv_precompute=route.kv_precompute, key_block=route.key_block or None,
+                              ffn_block=route.ffn_block or None)
         return res
 
     # -------------------------------------------------------------------------------------------

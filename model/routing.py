@@ -45,13 +45,16 @@ class Route:
     attention: str = "triton"  # attention inside the triton/graph routes: our kernel, or PyTorch SDPA
     launch: tuple = ()  # fused route: the kernel's (block_m, num_warps, num_stages), from the policy
     kv_precompute: bool = False  # fused route: keys/values computed once per layer by a second kernel (policy)
+    key_block: int = 0  # fused route with kv_precompute: keys per online-softmax step (policy; 0: the whole sequence)
+    ffn_block: int = 0  # fused route: FFN columns per step (policy; 0: the kernel's default)
 
     def __str__(self) -> str:
         how = "forced" if self.forced else "auto"
         attn = "" if self.attention == "triton" else f"+{self.attention}-attention"
         launch = f" launch={self.launch}" if self.launch else ""
         kv = " kv=precomputed" if self.kv_precompute else ""
-        return f"{self.name}/{self.precision}{attn}{launch}{kv} ({how}: {self.reason})"
+        blocks = "".join(f" {n}={v}" for n, v in (("key_block", self.key_block), ("ffn_block", self.ffn_block)) if v)
+        return f"{self.name}/{self.precision}{attn}{launch}{kv}{blocks} ({how}: {self.reason})"
 
     def as_dict(self) -> dict:  # JSON-ready: the launch tuple as a list
         return {**asdict(self), "launch": list(self.launch)}
@@ -99,9 +102,10 @@ def fused_launch(shape: Shape) -> tuple:
 
 
 def _fused_route(name: str, precision: str, reason: str, shape: Shape, forced: bool = False) -> Route:
-    entry = _fused_entry(shape)  # one lookup gives both the launch and kv_precompute
+    entry = _fused_entry(shape)  # one lookup gives the launch, kv_precompute and the block sizes
     return Route(name, precision, reason, forced=forced, launch=_launch_of(entry),
-                 kv_precompute=bool(entry.get("kv_precompute", False)))
+                 kv_precompute=bool(entry.get("kv_precompute", False)), key_block=int(entry.get("key_block", 0)),
+                 ffn_block=int(entry.get("ffn_block", 0)))
 
 
 def _fused_pays(shape: Shape) -> bool:

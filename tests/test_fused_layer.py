@@ -2,7 +2,8 @@
 
 On a CPU the kernel runs in the Triton interpreter. The model-level tests (tests/test_model.py, route `fused`)
 cover it inside the model; here each launch option is checked directly: block_m 16 and 32, the
-keys/values precomputed by _ln_kv_fwd (kv_precompute), masks (holes, a fully masked sequence), causal and not, the final norm, odd S,
+keys/values precomputed by _ln_kv_fwd (kv_precompute), with it the online softmax over key blocks (key_block) and
+narrower FFN chunks (ffn_block), masks (holes, a fully masked sequence), causal and not, the final norm, odd S,
 d_model that is not a power of two, head_dim 8 and 80, fp16 and bf16 operands.
 """
 
@@ -101,21 +102,43 @@ def test_precomputed_keys_and_values_match_fp64(shape, mask_kind):
     check(y, want, torch.float16)
 
 
+@pytest.mark.parametrize("blocks", [{}, {"key_block": 16, "ffn_block": 32}], ids=["whole-sequence", "key-blocks"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_precomputed_keys_and_values_with_final_norm(dtype):
+def test_precomputed_keys_and_values_with_final_norm(dtype, blocks):
+    """32-row query tiles; with 16-key blocks the causal bound cuts inside a tile. Causal and not."""
     B, S, d, H, ffn = SHAPES["S128"]
     w = weights(d, ffn, dtype, seed=6)
     final = ((1 + 0.1 * torch.randn(d)).to(DEVICE), (0.1 * torch.randn(d)).to(DEVICE))
     x = torch.randn(B, S, d, device=DEVICE)
     mask = make_mask("holes", B, S)
-    y = fused_layer(x, w, num_heads=H, causal=True, mask=mask, final=final, out_dtype=torch.float32, block_m=32,
-                    kv_precompute=True)
-    want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=True, mask=mask,
-                                 final=final)
-    check(y, want, dtype)
+    for causal in (True, False):
+        y = fused_layer(x, w, num_heads=H, causal=causal, mask=mask, final=final, out_dtype=torch.float32,
+                        block_m=32, kv_precompute=True, **blocks)
+        want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal,
+                                     mask=mask, final=final)
+        check(y, want, dtype)
 
 
-@pytest.mark.parametrize("variant, bound", [({"kv_precompute": True}, 1e-3)], ids=["kv-precompute"])
+@pytest.mark.parametrize("mask_kind", ["none", "holes", "one_empty"])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_key_blocks_match_fp64(shape, mask_kind):
+    """key_block: the precomputed keys 16 at a time with an online softmax (a causal tile stops at its last
+    query), FFN columns 16 at a time; S=1 and 7 fit in one key block, S=33 and 128 take several."""
+    B, S, d, H, ffn = SHAPES[shape]
+    causal = S % 2 == 1 or shape == "S128"
+    w = weights(d, ffn, torch.float16, seed=7)
+    x = torch.randn(B, S, d, device=DEVICE)
+    mask = make_mask(mask_kind, B, S)
+    y = fused_layer(x, w, num_heads=H, causal=causal, mask=mask, block_m=16, kv_precompute=True, key_block=16,
+                    ffn_block=16)
+    want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal, mask=mask)
+    check(y, want, torch.float16)
+
+
+@pytest.mark.parametrize("variant, bound", [({"kv_precompute": True}, 1e-3),
+                                            ({"kv_precompute": True, "key_block": 16, "ffn_block": 16}, 2e-3),
+                                            ({"ffn_block": 16}, 1e-3)],
+                         ids=["kv-precompute", "key-blocks", "ffn-block"])
 def test_variants_give_the_same_layer(variant, bound):
     """The kv_precompute variant computes the same layer as the default kernel, to accumulation order."""
     B, S, d, H, ffn = SHAPES["S33-hd16"]
@@ -132,6 +155,17 @@ def test_block_m_beyond_the_checked_range_is_refused(block_m):
     w = weights(d, ffn, torch.float16)
     with pytest.raises(ValueError, match=f"block_m must be at most {MAX_BLOCK_M}"):
         fused_layer(torch.randn(B, S, d, device=DEVICE), w, num_heads=H, causal=True, block_m=block_m)
+
+
+def test_block_sizes_are_checked():
+    B, S, d, H, ffn = SHAPES["S33-hd16"]
+    w = weights(d, ffn, torch.float16)
+    x = torch.randn(B, S, d, device=DEVICE)
+    with pytest.raises(ValueError, match="key_block=16 .* needs kv_precompute=True"):
+        fused_layer(x, w, num_heads=H, causal=True, key_block=16)
+    for name, value in (("key_block", 24), ("ffn_block", 8), ("key_block", 0)):
+        with pytest.raises(ValueError, match=f"{name} must be a power of two of at least 16"):
+            fused_layer(x, w, num_heads=H, causal=True, kv_precompute=True, **{name: value})
 
 
 def test_bad_inputs_are_named():

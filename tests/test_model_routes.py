@@ -137,3 +137,21 @@ def test_long_row_sdpa_attention_with_masks(mask_kind, causal, attention, monkey
     assert opt.last_route.attention == attention, str(opt.last_route)
     check_official(r, y, f"sdpa-attention route, mask={mask_kind} causal={causal}")
     assert torch.equal(y[~mask], torch.zeros_like(y[~mask])), "invalid rows are not exactly zero"
+
+
+@pytest.mark.parametrize("mask_kind", ["all_true", "left", "one_empty"])
+def test_fused_route_with_the_policy_key_and_ffn_blocks(mask_kind, monkeypatch):
+    """A fused.launch entry with kv_precompute, key_block and ffn_block: the model hands them to the kernel and
+    the whole model still passes the official check against the reference (masks on the key-blocked path)."""
+    if "fused" not in CPU_ROUTES:
+        pytest.skip("the fused route does not serve a CPU tensor here (TRITON_INTERPRET unset)")
+    launch = [{"max_tokens": None, "block_m": 16, "num_warps": 4, "num_stages": 1, "kv_precompute": True,
+               "key_block": 16, "ffn_block": 16}]
+    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "launch": launch})
+    cfg = cfg_of(CFG_MAIN)
+    ref, opt = build_pair(cfg, "fused")
+    x, mask = make_inputs(cfg, mask_kind)
+    with torch.no_grad():
+        r, y = ref(x, mask), opt(x, mask)
+    assert (opt.last_route.key_block, opt.last_route.ffn_block) == (16, 16)
+    check_official(r, y, f"route=fused key_block=16 mask={mask_kind}")

@@ -275,3 +275,18 @@ def test_policy_can_precompute_keys_and_values(monkeypatch):
     assert route.as_dict()["kv_precompute"] is True
     assert select_route(shape, torch.float32, "cpu", forced="fused", interpret=True).kv_precompute
     assert not select_route(shape, torch.float32, "cuda", forced="triton").kv_precompute
+
+
+def test_policy_can_set_key_and_ffn_blocks(monkeypatch):
+    """fused.launch entries may set key_block and ffn_block; absent, the route carries 0 (the kernel's default)."""
+    shape = Shape(batch_size=8, seq_len=128, d_model=64, num_heads=4, ffn_dim=64, num_layers=1, causal=True)
+    launch = {"max_tokens": None, "block_m": 32, "num_warps": 4, "num_stages": 2, "kv_precompute": True}
+    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "launch": [launch]})
+    route = select_route(shape, torch.float32, "cuda")
+    assert (route.key_block, route.ffn_block) == (0, 0) and "key_block" not in str(route)
+    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"],
+                                                   "launch": [{**launch, "key_block": 32, "ffn_block": 16}]})
+    route = select_route(shape, torch.float32, "cuda")
+    assert (route.key_block, route.ffn_block) == (32, 16)
+    assert "key_block=32 ffn_block=16" in str(route) and route.as_dict()["key_block"] == 32
+    assert select_route(shape, torch.float32, "cuda", forced="graph").key_block == 0

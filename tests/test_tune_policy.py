@@ -17,6 +17,8 @@ def record(row, cfg, ms, err=1e-3, err_masked=1e-3, error=None):
     r = {"row": row, "block_m": cfg[0], "num_warps": cfg[1], "num_stages": cfg[2]}
     if len(cfg) > 3:
         r["kv_precompute"] = cfg[3]
+    if len(cfg) > 4:
+        r["key_block"], r["ffn_block"] = cfg[4], cfg[5]
     if error:
         return {**r, "error": error}
     return {**r, "ms": ms, "max_abs_error": err, "max_abs_error_masked": err_masked}
@@ -91,3 +93,20 @@ def test_precomputed_keys_and_values_are_written_when_they_win(tmp_path):
     assert policy["fused"]["launch"] == [
         {"max_tokens": 4096, "block_m": 16, "num_warps": 4, "num_stages": 1},
         {"max_tokens": None, "block_m": 32, "num_warps": 4, "num_stages": 2, "kv_precompute": True}]
+
+
+def test_key_and_ffn_blocks_are_written_when_they_win(tmp_path):
+    """A key-blocked configuration that is fastest and as accurate lands in the policy with its block sizes; a
+    sweep record of the kernel's defaults (key_block None) writes none."""
+    blocked = (32, 4, 2, True, 32, 32)
+    fused = []
+    for row in (2, 12):
+        fused += [record(row, BASE, 0.10), record(row, (16, 4, 1, False, None, None), 0.07)]
+    for row in (5, 11):
+        fused += [record(row, BASE, 0.10), record(row, (32, 4, 2, True), 0.06), record(row, blocked, 0.05)]
+    done, policy = tune(tmp_path, fused)
+    assert done.returncode == 0, done.stderr
+    assert policy["fused"]["launch"] == [
+        {"max_tokens": 4096, "block_m": 16, "num_warps": 4, "num_stages": 1},
+        {"max_tokens": None, "block_m": 32, "num_warps": 4, "num_stages": 2, "kv_precompute": True,
+         "key_block": 32, "ffn_block": 32}]

@@ -124,10 +124,11 @@ def load(inputs):
 
 
 def route_label(detail, route=None):
-    """A short label of a route (`fused(32,4,2)+kv`, `graph`, `triton+sdpa`, `reference (forced)`).
+    """A short label of a route (`fused(32,4,2)+kv`, `fused(32,4,2)+kv+k32+f32`, `graph`, `triton+sdpa`,
+    `reference (forced)`).
 
-    `detail` is Route.as_dict() from a result (fields beyond name, launch, kv_precompute, attention and forced
-    are ignored); without it the route string's name (before the first '/') is used; None without either."""
+    `detail` is Route.as_dict() from a result (fields beyond name, launch, kv_precompute, key_block, ffn_block,
+    attention and forced are ignored); without it the route string's name (before the first '/') is used; None without either."""
     if isinstance(detail, dict) and detail.get("name"):
         label = str(detail["name"])
         launch = detail.get("launch") or []
@@ -135,6 +136,9 @@ def route_label(detail, route=None):
             label += "(" + ",".join(str(v) for v in launch) + ")"
         if detail.get("kv_precompute"):
             label += "+kv"
+        for short, field in (("k", "key_block"), ("f", "ffn_block")):
+            if detail.get(field):
+                label += f"+{short}{detail[field]}"
         attention = detail.get("attention")
         if attention and attention != "triton":
             label += f"+{attention}"

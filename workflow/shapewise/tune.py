@@ -32,8 +32,10 @@ ROW6_TOKENS_X_D = TOKENS[6] * OFFICIAL[6]["d_model"]
 
 
 def config_of(record):
-    """(block_m, num_warps, num_stages, kv_precompute) of a sweep record (older sweeps: no kv_precompute)."""
-    return (record["block_m"], record["num_warps"], record["num_stages"], record.get("kv_precompute", False))
+    """(block_m, num_warps, num_stages, kv_precompute, key_block, ffn_block) of a sweep record (older sweeps: no
+    kv_precompute, and no block sizes: 0 = the kernel's default)."""
+    return (record["block_m"], record["num_warps"], record["num_stages"], record.get("kv_precompute", False),
+            record.get("key_block") or 0, record.get("ffn_block") or 0)
 
 
 def qualifying(records):
@@ -90,6 +92,9 @@ def main(sweep_path, policy_path=None):
             entry["max_heads"] = most
         if cfg[3]:
             entry["kv_precompute"] = True
+        for key, value in (("key_block", cfg[4]), ("ffn_block", cfg[5])):
+            if value:
+                entry[key] = value
         launch.append(entry)
     launch[-1]["max_tokens"] = None  # the last entry covers every shape
     launch[-1].pop("max_heads", None)
