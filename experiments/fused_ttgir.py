@@ -23,6 +23,7 @@ from shapewise.kernels.fused_layer import _fused_layer_fwd, _ln_kv_fwd
 
 FP16_POINTERS = ("Wqkv", "Bqkv", "Wo", "Bo", "Win", "Bin", "Wout", "Bout", "KV")
 INTS = ("stride_xb", "stride_xs", "stride_yb", "stride_ys", "stride_mb", "stride_kvb", "stride_kvs", "seq_len",
+        "first_col", "n_cols",
         "d_model", "ffn_dim")
 
 

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One device call that measures what the routing policy is read off, before a pipeline run:
-# the host time of forward on the small rows, the fused kernel's launch sweep (kv_precompute included) and the
-# policy tune_policy.py derives from it. Writes $OUT/host.json, $OUT/sweep.json, $OUT/routing_policy.json
-# (model/routing_policy.json with the sweep's winners; copy it into model/ after reading tune.log).
-# Device call (carry [".whl"]): bash experiments/h200_tune.sh [SWEEP_SECONDS]   (default 400; the sweep saves after every record)
+# the host time of forward on the small rows, the split layer against the model's routes
+# (experiments/h200_split_layer.py, at most SPLIT_SECONDS), the fused kernel's launch sweep (kv_precompute and
+# key blocks included) and the policy tune_policy.py derives from it. Writes $OUT/host.json, $OUT/split.json,
+# $OUT/sweep.json, $OUT/routing_policy.json (model/routing_policy.json with the sweep's winners; copy it into
+# model/ after reading tune.log).
+# Device call (carry [".whl"]): bash experiments/h200_tune.sh [SWEEP_SECONDS] [SPLIT_SECONDS]
+#   (defaults 360 and 100; the sweep and the split experiment save after every record)
 # carry [".whl"]: jsonschema and friends come from the same offline wheels as experiments/h200_pipeline.sh.
 set -uo pipefail
 [ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -12,7 +15,10 @@ nvidia-smi -L
 start=$(date +%s)
 python3 -m experiments.h200_host_probe "$OUT/host.json" 2>&1 | tail -n 20
 echo "host probe done after $(( $(date +%s) - start )) s"
-timeout --signal=INT --kill-after=20 "${1:-400}" python3 -m experiments.h200_sweep "$OUT/sweep.json" --fused-only \
+timeout --signal=INT --kill-after=10 "${2:-100}" python3 -m experiments.h200_split_layer "$OUT/split.json" \
+    > "$OUT/split.log" 2>&1
+echo "split layer exit status $? after $(( $(date +%s) - start )) s"; tail -c 3000 "$OUT/split.log"
+timeout --signal=INT --kill-after=20 "${1:-360}" python3 -m experiments.h200_sweep "$OUT/sweep.json" --fused-only \
     > "$OUT/sweep.log" 2>&1
 echo "sweep exit status $? after $(( $(date +%s) - start )) s"; tail -n 5 "$OUT/sweep.log"
 cp model/routing_policy.json "$OUT/routing_policy.json"

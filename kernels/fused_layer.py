@@ -53,17 +53,9 @@ def fused_layer_reference(x, w, *, num_heads, causal, mask=None, final=None, eps
     if mask is not None:
         s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
     o = (torch.softmax(s, -1).nan_to_num(0.0) @ v).transpose(1, 2).reshape(B, S, d)
-    x = x + o @ w["o_w"].double().t() + w["o_b"].double()
-    n2 = torch.nn.functional.layer_norm(x, (d,), w["n2_w"].double(), w["n2_b"].double(), eps)
-    f = torch.nn.functional.gelu(n2 @ w["in_w"].double().t() + w["in_b"].double())
-    x = x + f @ w["out_w"].double().t() + w["out_b"].double()
-    if mask is not None:
-        x = x.masked_fill(~mask[..., None], 0.0)
-    if final is not None:
-        x = torch.nn.functional.layer_norm(x, (d,), final[0].double(), final[1].double(), eps)
-        if mask is not None:
-            x = x.masked_fill(~mask[..., None], 0.0)
-    return x
+    from .layer_tail import layer_tail_reference  # the rest of the layer (imported here: it imports this module)
+
+    return layer_tail_reference(o, x, w, mask=mask, final=final, eps=eps)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,8 +214,18 @@ def _fused_layer_fwd(
         attn += _mm(o.to(op_ty), wo)
     bo = tl.load(Bo + cols, mask=col_ok, other=0.0).to(tl.float32)
     x1 = xq + attn + bo[None, :]
+    x2 = _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn_dim, eps, BLOCK_M, BLOCK_D,
+                       BLOCK_F)
+    _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
+                HAS_MASK, FINAL_NORM)
 
-    # FFN, chunk by chunk over ffn_dim
+
+@triton.jit
+def _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn_dim, eps,
+                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
+    """x1 + FFN(LayerNorm 2(x1)) for an fp32 [BLOCK_M, BLOCK_D] tile of residual rows (padding columns 0): the
+    FFN chunk by chunk over ffn_dim (bias, exact GELU, bias), operands in the weights' dtype, fp32 sums."""
+    op_ty = Win.dtype.element_ty
     h2 = _layer_norm_rows(x1, N2w, N2b, cols, col_ok, d_model, eps).to(op_ty)
     fcol = tl.arange(0, BLOCK_F)
     ffn = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -238,7 +240,14 @@ def _fused_layer_fwd(
                         mask=f_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_F, BLOCK_D] = W_out^T slice
         ffn += _mm(t.to(op_ty), w_out)
     b_out = tl.load(Bout + cols, mask=col_ok, other=0.0).to(tl.float32)
-    x2 = x1 + ffn + b_out[None, :]
+    return x1 + ffn + b_out[None, :]
+
+
+@triton.jit
+def _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
+                HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr):
+    """Store a tile of rows of sequence b (row r at Y + b * stride_yb + r * stride_ys): invalid rows
+    (Mask[b * stride_mb + r] == 0) as 0, after the final LayerNorm when FINAL_NORM."""
     if HAS_MASK:
         row_valid = tl.load(Mask + b * stride_mb + rows, mask=row_ok, other=0) != 0
         x2 = tl.where(row_valid[:, None], x2, 0.0)
@@ -253,16 +262,18 @@ def _fused_layer_fwd(
 @triton.jit
 def _ln_kv_fwd(
     X,  # pointer to the residual stream in, [B, S, d]
-    KV,  # pointer to the output [B, S, 2d]: LN1(x) @ [W_k; W_v]ᵀ + [b_k; b_v] in the operand dtype
-    Wqkv, Bqkv,  # pointers to the packed QKV weight [3d, d] and bias [3d]: rows d..3d are W_k, then W_v
+    KV,  # pointer to the output [B, S, n_cols]: LN1(x) @ Wqkv[first_col:first_col + n_cols]ᵀ + bias, operand dtype
+    Wqkv, Bqkv,  # pointers to the packed QKV weight [3d, d] and bias [3d]: rows 0..d W_q, d..2d W_k, 2d..3d W_v
     N1w, N1b,  # pointers to LayerNorm 1 weight/bias [d] (fp32)
     stride_xb, stride_xs,  # X strides (elements) for batch and sequence; unit stride along d
-    stride_kvb, stride_kvs,  # KV strides for batch and sequence; unit stride along the 2d columns
+    stride_kvb, stride_kvs,  # KV strides for batch and sequence; unit stride along the n_cols columns
     seq_len, d_model, eps,
+    first_col, n_cols,  # the projection's output columns: d, 2d (keys and values), or 0, 3d (q, k and v)
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Keys and values of every token, once, for _fused_layer_fwd with KV_GLOBAL: the same math as its
-    in-program recomputation (LayerNorm 1 in fp32, operand-dtype dot, fp32 accumulation, bias, rounding)."""
+    """LayerNorm 1 and a column range of the QKV projection of every token, once: keys and values for
+    _fused_layer_fwd with KV_GLOBAL (the same math as its in-program recomputation: LayerNorm 1 in fp32,
+    operand-dtype dot, fp32 accumulation, bias, rounding), or q, k and v for the split layer (ln_qkv)."""
     pid_t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     op_ty = Wqkv.dtype.element_ty
@@ -274,21 +285,49 @@ def _ln_kv_fwd(
                 other=0.0).to(tl.float32)
     h = _layer_norm_rows(x, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
     ncol = tl.arange(0, BLOCK_N)
-    for n0 in range(0, 2 * d_model, BLOCK_N):
+    for n0 in range(0, n_cols, BLOCK_N):
         n = n0 + ncol
-        n_ok = n < 2 * d_model
-        # [BLOCK_D, BLOCK_N] slice of [W_k; W_v]ᵀ: element (c, j) is row d + n0 + j, column c of Wqkv
-        w = tl.load(Wqkv + (d_model + n[None, :]) * d_model + cols[:, None], mask=col_ok[:, None] & n_ok[None, :],
-                    other=0.0)
-        bias = tl.load(Bqkv + d_model + n, mask=n_ok, other=0.0).to(tl.float32)
+        n_ok = n < n_cols
+        # [BLOCK_D, BLOCK_N] slice of Wqkvᵀ: element (c, j) is row first_col + n0 + j, column c of Wqkv
+        w = tl.load(Wqkv + (first_col + n[None, :]) * d_model + cols[:, None],
+                    mask=col_ok[:, None] & n_ok[None, :], other=0.0)
+        bias = tl.load(Bqkv + first_col + n, mask=n_ok, other=0.0).to(tl.float32)
         kv = _mm(h, w) + bias[None, :]
         tl.store(KV + b * stride_kvb + rows[:, None] * stride_kvs + n[None, :], kv.to(KV.dtype.element_ty),
                  mask=row_ok[:, None] & n_ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
-# Launcher and public function
+# Launchers and public functions
 # ----------------------------------------------------------------------------------------------
+def _ln_project(x, w, first_col, n_cols):
+    """LayerNorm 1 of every token of x [B, S, d] and its projection onto rows first_col..first_col + n_cols of
+    the packed QKV weight: [B, S, n_cols] in the weights' dtype (one _ln_kv_fwd launch)."""
+    B, S, d = x.shape
+    out = torch.empty((B, S, n_cols), device=x.device, dtype=w["qkv_w"].dtype)
+    block_t = min(64, max(16, triton.next_power_of_2(S)))
+    _ln_kv_fwd[(triton.cdiv(S, block_t), B)](
+        x, out, w["qkv_w"], w["qkv_b"], w["n1_w"], w["n1_b"], x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        S, d, 1e-5, first_col, n_cols, BLOCK_T=block_t, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=64,
+        num_warps=4, num_stages=1,
+    )
+    return out
+
+
+def ln_qkv(x, w):
+    """LayerNorm 1 and the packed QKV projection of x [B, S, d] (d <= MAX_D_MODEL, unit stride along d) in one
+    kernel: [B, S, 3d] (q, k, v) in the weights' dtype (fp16/bf16), with fp32 statistics and sums. `w` as for
+    fused_layer (qkv_w, qkv_b, n1_w, n1_b)."""
+    B, S, d = x.shape
+    if not MIN_D_MODEL <= d <= MAX_D_MODEL or x.stride(-1) != 1:
+        raise ValueError(f"ln_qkv: x must be [B, S, d] with {MIN_D_MODEL} <= d <= {MAX_D_MODEL} and unit stride "
+                         f"along d, got shape {tuple(x.shape)} strides {x.stride()}")
+    if w["qkv_w"].shape != (3 * d, d) or w["qkv_w"].dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"ln_qkv: qkv_w must be float16/bfloat16 [3d, d] = [{3 * d}, {d}], got "
+                         f"{w['qkv_w'].dtype} {tuple(w['qkv_w'].shape)}")
+    return _ln_project(x, w, 0, 3 * d)
+
+
 MIN_D_MODEL = 16  # the smallest tile Triton's dot takes
 
 
@@ -365,14 +404,7 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
                          f"kv_precompute=True: the key blocks are read from the precomputed keys and values")
     ffn_pad = max(16, triton.next_power_of_2(ffn))
     block_f = _block_size("ffn_block", ffn_block, min(64, ffn_pad), ffn_pad)
-    kv = out  # a placeholder pointer when the layer kernel recomputes K and V itself
-    if kv_precompute:
-        kv = torch.empty((B, S, 2 * d), device=x.device, dtype=op)
-        block_t = min(64, block_s)
-        _ln_kv_fwd[(triton.cdiv(S, block_t), B)](
-            x, kv, w["qkv_w"], w["qkv_b"], w["n1_w"], w["n1_b"], x.stride(0), x.stride(1), kv.stride(0), kv.stride(1),
-            S, d, 1e-5, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_N=64, num_warps=4, num_stages=1,
-        )
+    kv = _ln_project(x, w, d, 2 * d) if kv_precompute else out  # out: a placeholder pointer, never read
     grid = (triton.cdiv(S, block_m), B)
     _fused_layer_fwd[grid](
         x, out, m,

@@ -1,0 +1,101 @@
+"""kernels.layer_tail.layer_tail and kernels.fused_layer.ln_qkv against fp64 references, and the split layer
+they make with flash attention (ln_qkv -> flash_attention -> layer_tail) against fused_layer_reference.
+
+On a CPU the kernels run in the Triton interpreter. Odd S (1, 7, 33), d_model that is not a power of two (48,
+80), head_dim 80, ffn_dim not a multiple of the FFN block, masks with holes and a fully masked sequence, the
+final norm, fp16 and bf16 operands.
+"""
+
+import pytest
+import torch
+from test_fused_layer import DEVICE, TOL, check, make_mask, weights
+
+from shapewise.kernels.attention import flash_attention
+from shapewise.kernels.fused_layer import fused_layer_reference, ln_qkv
+from shapewise.kernels.layer_tail import layer_tail, layer_tail_reference
+
+# (B, S, d_model, num_heads, ffn_dim)
+SHAPES = {
+    "S1": (3, 1, 32, 2, 32),
+    "S7-d48-H3": (2, 7, 48, 3, 80),
+    "S33-hd16": (2, 33, 64, 4, 96),
+    "hd80": (1, 16, 80, 1, 80),
+}
+
+
+@pytest.mark.parametrize("final", [False, True], ids=["layer", "last-layer"])
+@pytest.mark.parametrize("mask_kind", ["none", "holes", "one_empty"])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_layer_tail_matches_fp64(shape, mask_kind, final):
+    B, S, d, H, ffn = SHAPES[shape]
+    w = weights(d, ffn, torch.float16, seed=11)
+    x = torch.randn(B, S, d, device=DEVICE)
+    o = torch.randn(B, S, d, device=DEVICE).to(torch.float16)
+    mask = make_mask(mask_kind, B, S)
+    norm = ((1 + 0.1 * torch.randn(d)).to(DEVICE), (0.1 * torch.randn(d)).to(DEVICE)) if final else None
+    y = layer_tail(o, x, w, mask=mask, final=norm, out_dtype=torch.float32, block_m=16, ffn_block=16)
+    want = layer_tail_reference(o, x, w, mask=mask, final=norm)
+    check(y, want, torch.float16)
+    if mask is not None and (~mask).any():
+        assert y[~mask].abs().max().item() == 0.0, "invalid rows are not exactly zero"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_ln_qkv_matches_fp64(dtype):
+    B, S, d, H, ffn = SHAPES["S7-d48-H3"]
+    w = weights(d, ffn, dtype, seed=12)
+    x = torch.randn(B, S, d, device=DEVICE)
+    qkv = ln_qkv(x, w)
+    assert qkv.shape == (B, S, 3 * d) and qkv.dtype == dtype
+    h = torch.nn.functional.layer_norm(x.double(), (d,), w["n1_w"].double(), w["n1_b"].double(), 1e-5)
+    want = h @ w["qkv_w"].double().t() + w["qkv_b"].double()
+    atol, rtol = TOL[dtype]
+    assert ((qkv.double() - want).abs() <= atol + rtol * want.abs()).all()
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "holes", "one_empty"])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_split_layer_is_the_layer(shape, mask_kind):
+    """ln_qkv, our flash attention and layer_tail compose to one whole layer (fused_layer_reference, fp64)."""
+    B, S, d, H, ffn = SHAPES[shape]
+    causal = S % 2 == 1
+    w = weights(d, ffn, torch.float16, seed=13)
+    x = torch.randn(B, S, d, device=DEVICE)
+    mask = make_mask(mask_kind, B, S)
+    q, k, v = ln_qkv(x, w).view(B, S, 3, H, d // H).unbind(2)
+    o = flash_attention(q, k, v, causal=causal, key_mask=mask, precision="fp16")
+    y = layer_tail(o.view(B, S, d), x, w, mask=mask)
+    want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal, mask=mask)
+    check(y, want, torch.float16)
+
+
+def test_bad_inputs_are_named():
+    B, S, d, H, ffn = SHAPES["S7-d48-H3"]
+    w = weights(d, ffn, torch.float16)
+    x = torch.randn(B, S, d, device=DEVICE)
+    o = torch.randn(B, S, d, device=DEVICE).to(torch.float16)
+    with pytest.raises(ValueError, match="d_model must be in"):
+        layer_tail(torch.zeros(1, 2, 256, dtype=torch.float16), torch.zeros(1, 2, 256), w)
+    with pytest.raises(ValueError, match="contiguous"):
+        layer_tail(o.transpose(0, 1), x.transpose(0, 1), w)
+    with pytest.raises(TypeError, match="share a float16/bfloat16 dtype"):
+        layer_tail(o.float(), x, w)
+    with pytest.raises(ValueError, match="mask must be bool"):
+        layer_tail(o, x, w, mask=torch.ones(B, S, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="ln_qkv: qkv_w must be"):
+        ln_qkv(x, {**w, "qkv_w": w["qkv_w"].float()})
+
+
+def test_the_split_layer_experiment_computes_the_model():
+    """experiments/h200_split_layer.py's split_forward on a small model passes the official check against the
+    reference (all-True and holes masks): what it times on the H200 is the model's function."""
+    from model_helpers import build_pair, cfg_of, check_official, make_inputs
+
+    from experiments.h200_split_layer import split_forward
+
+    cfg = cfg_of((2, 33, 64, 4, 96, 2))
+    ref, opt = build_pair(cfg, "auto")
+    for mask_kind in ("all_true", "holes"):
+        x, mask = make_inputs(cfg, mask_kind)
+        with torch.no_grad():
+            check_official(ref(x, mask), split_forward(opt, x, mask), f"split layer, mask {mask_kind}")
