@@ -10,12 +10,13 @@ twice and written once, q/k/v written and read, and the attention output written
 Predicted (experiments/NOTES.md, session 7): row 6 12.65 -> 6-8 ms, row 13 0.97 -> 0.55-0.7 ms.
 
 Per row (d_model <= 128 only): the optimized model on the reference's weights (seed 0), x from
-generate_random_case (seed 1234) and the official call's all-True mask. The split layer runs on the model's own
-derived fp16 weights, captured in a CUDA graph that reads x and the mask in place, its output cloned (what the
-model's graph routes do). Accuracy: both against the reference (fp32, TF32 off) at the official and strict
-tolerances. Timing: 20 warm-up calls of each, then 5 rounds alternating the two, 100 calls each, a CUDA event
-pair per call (the timing job's timer); medians. On rows under ~100 µs the model's forward also pays its host
-path (tens of µs) that the bare replay does not: compare those with care. OUT.json is written after every row.
+generate_random_case (seed 1234) and the official call's all-True mask, against a second optimized model on the
+same weights with the policy's split_layer.max_d_model set for this process (the model's own split-layer path,
+`UserOptimizedTransformer._forward_split`), its route forced to `graph` where the first one's is fused or graph
+and to `triton` where it is triton: the same host path either way. Accuracy: both against the reference (fp32,
+TF32 off) at the official and strict tolerances. Timing: 20 warm-up calls of each, then 5 rounds alternating the
+two, 100 calls each, a CUDA event pair per call (the timing job's timer); medians. OUT.json is written after
+every row.
 """
 from __future__ import annotations
 
@@ -27,46 +28,31 @@ import torch
 
 from experiments.h200_mask_cost import build, official
 from shapewise.jobs.device import time_calls
-from shapewise.kernels.attention import flash_attention
-from shapewise.kernels.fused_layer import MAX_D_MODEL, ln_qkv
-from shapewise.kernels.layer_tail import layer_tail
-from shapewise.kernels.mask import prefix_lengths
-from shapewise.model import TOLERANCES, BaselineTransformer, compare_outputs, generate_random_case
-
-NAMES = ("qkv_w", "qkv_b", "o_w", "o_b", "in_w", "in_b", "out_w", "out_b", "n1_w", "n1_b", "n2_w", "n2_b")
-
-
-def split_forward(model, x, mask):
-    """The model's forward as split layers, on its derived weights in the operand precision of its policy."""
-    cfg = model.config
-    B, S, d = x.shape
-    H = cfg.num_heads
-    w = model._weights_for("bf16" if x.dtype == torch.bfloat16 else "fp16", True)
-    prefix = None if mask is None else prefix_lengths(mask)
-    res = x
-    for i in range(cfg.num_layers):
-        wi = {n: w[f"{i}.{n}"] for n in NAMES}
-        q, k, v = ln_qkv(res, wi).view(B, S, 3, H, d // H).unbind(2)
-        o = flash_attention(q, k, v, causal=cfg.causal, key_mask=mask,
-                            precision="bf16" if x.dtype == torch.bfloat16 else "fp16", mask_prefix_lengths=prefix)
-        last = i == cfg.num_layers - 1
-        res = layer_tail(o.view(B, S, d), res, wi, mask=mask, final=(w["final_w"], w["final_b"]) if last else None,
-                         out_dtype=x.dtype)
-    return res
+from shapewise.kernels.fused_layer import MAX_D_MODEL
+from shapewise.model import (
+    TOLERANCES,
+    BaselineTransformer,
+    UserOptimizedTransformer,
+    compare_outputs,
+    generate_random_case,
+    routing,
+)
 
 
-def captured(fn):
-    """fn() captured once in a CUDA graph (after two warm-up calls on a side stream); returns a replay + clone."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return lambda: (graph.replay(), out.clone())[1]
+def split_model(opt, cfg, x, mask):
+    """A second model on opt's weights whose route runs split layers, and its first output. The policy's
+    split_layer.max_d_model is set only for that first call (which picks and keeps the route of this input
+    signature); the route is forced to `graph` where opt's is fused or graph, else `triton` (eager, as opt's)."""
+    other = UserOptimizedTransformer(cfg, route="triton" if opt.last_route.name == "triton" else "graph")
+    other.load_state_dict(opt.state_dict(), strict=True)
+    other = other.to("cuda").eval()
+    before = routing.POLICY["split_layer"]
+    routing.POLICY["split_layer"] = {"max_d_model": MAX_D_MODEL}
+    try:
+        y = other(x, mask)
+    finally:
+        routing.POLICY["split_layer"] = before
+    return other, y
 
 
 def accuracy(ref_out, out):
@@ -82,8 +68,8 @@ def row_result(n, row):
     with torch.inference_mode():
         y_model = opt(x, mask)
         out["route"] = str(opt.last_route)
-        split = captured(lambda: split_forward(opt, x, mask))
-        y_split = split()
+        split, y_split = split_model(opt, cfg, x, mask)
+        out["route_split"] = str(split.last_route)
         ref = BaselineTransformer(cfg).to("cuda").eval()
         ref.load_state_dict(opt.state_dict(), strict=True)
         before = torch.backends.cuda.matmul.allow_tf32
@@ -92,7 +78,7 @@ def row_result(n, row):
         torch.backends.cuda.matmul.allow_tf32 = before
         out["accuracy_model"] = accuracy(y_ref, y_model)
         out["accuracy_split"] = accuracy(y_ref, y_split)
-        calls = {"model": lambda: opt(x, mask), "split": split}
+        calls = {"model": lambda: opt(x, mask), "split": lambda: split(x, mask)}
         for fn in calls.values():
             time_calls(fn, torch.device("cuda"), 20)
         times = {k: [] for k in calls}

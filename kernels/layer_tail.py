@@ -4,8 +4,8 @@ Per block of BLOCK_M tokens: the out-projection of the attention output, the res
 FFN chunk by chunk (bias, exact GELU, bias), the second residual add, invalid rows zeroed and, for the last
 layer, the final LayerNorm. With `fused_layer.ln_qkv` (LayerNorm 1 and the QKV projection) before it and flash
 attention between, a layer is three kernels whose only global traffic is the residual stream, q/k/v and the
-attention output: the "split layer" of experiments/h200_split_layer.py. A token's row must fit one tile
-(d_model <= 128). Matmul operands fp16 or bf16, accumulation and statistics fp32.
+attention output: the split layer of the triton and graph routes (model/routing.py, `split_layer`; the policy's
+`split_layer.max_d_model` turns it on). A token's row must fit one tile (d_model <= 128). Matmul operands fp16 or bf16, accumulation and statistics fp32.
 """
 from __future__ import annotations
 
@@ -72,6 +72,13 @@ def _layer_tail_fwd(
 # ----------------------------------------------------------------------------------------------
 # Launcher and public function
 # ----------------------------------------------------------------------------------------------
+def why_unsupported(d_model: int) -> str | None:
+    """Why `layer_tail` (and with it the split layer) cannot serve this width, or None when it can."""
+    if not MIN_D_MODEL <= d_model <= MAX_D_MODEL:
+        return f"the layer tail serves {MIN_D_MODEL} <= d_model <= {MAX_D_MODEL}, got d_model={d_model}"
+    return None
+
+
 def layer_tail(o, x, w, *, mask=None, final=None, out_dtype=None, block_m=32, ffn_block=32, num_warps=8,
                num_stages=2):
     """The layer after attention: `o` [B, S, d] (the attention output, weights' dtype) and `x` [B, S, d] (the
@@ -81,8 +88,9 @@ def layer_tail(o, x, w, *, mask=None, final=None, out_dtype=None, block_m=32, ff
     Default launch: 32 tokens, 8 warps, 32 FFN columns per step, which ptxas (sm_90a, d_model 128) compiles
     without spills, masked or not; 4 warps spill 76-208 bytes per thread."""
     B, S, d = x.shape
-    if not MIN_D_MODEL <= d <= MAX_D_MODEL:
-        raise ValueError(f"layer_tail: d_model must be in [{MIN_D_MODEL}, {MAX_D_MODEL}], got {d}")
+    why = why_unsupported(d)
+    if why:
+        raise ValueError(f"layer_tail: {why}")
     if o.shape != x.shape or not (o.is_contiguous() and x.is_contiguous()):
         raise ValueError(f"layer_tail: o and x must be contiguous [B, S, d] of one shape, got o {tuple(o.shape)} "
                          f"and x {tuple(x.shape)}")

@@ -61,6 +61,7 @@ def working_set_bytes(config, dtype, route, sdpa_mask: bool = False, captured: b
     - sdpa: e * (8d + 2f) (residual, normalized, packed qkv, attention out and its reshape, projection, FFN);
     - triton / graph: 4d (fp32 residual) + a * (6d + 2f) (normalized input, qkv, attention out, its reshape, the
       projection, and the FFN's linear and GELU outputs: the peak of the eager sequence) + 4H (softmax statistics);
+      split layers (4d + 4ad: the next residual, qkv and the attention out) allocate less, and take this bound;
     - fused: e * 2d (the layer's input and output residual), + a * 2d with precomputed keys/values;
     plus B * S * S * (1 + a) with `sdpa_mask` (the boolean mask broadcast over queries and its additive form), the
     route's weight copies in operand precision, and with `captured` the static input and output and mask

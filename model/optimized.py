@@ -33,7 +33,11 @@ OPTIMIZATIONS = (
     "fused_layernorm",  # our Triton residual add + LayerNorm (off: separate PyTorch add and layer_norm)
     "packed_qkv",  # one QKV GEMM over a packed weight (off: three GEMMs)
     "direct_input",  # a captured graph reads the caller's x and mask in place once their addresses repeat (off: copy in)
+    "split_layer",  # where the policy says so: a layer as LN+QKV, our attention and one tail kernel (off: unfused)
 )
+# Switches without which the split layer does not run: it reads the packed QKV weight and runs our attention (and
+# it needs fp16/bf16 operands: with reduced_precision off, fp32 inputs keep fp32 operands and the unfused layer).
+_SPLIT_NEEDS = ("split_layer", "packed_qkv", "flash_attention")
 
 
 def switches_used(route, input_dtype, device_type: str) -> tuple:
@@ -51,6 +55,8 @@ def switches_used(route, input_dtype, device_type: str) -> tuple:
         used.update(("cuda_graph", "direct_input"))
     if route.name == "fused":
         used.add("fused_layer")
+    elif route.split_layer:  # triton, graph as split layers: each switch of _SPLIT_NEEDS turns them off
+        used.update(_SPLIT_NEEDS)
     else:  # triton, graph
         used.update(("fused_layernorm", "packed_qkv"))
         if route.attention == "triton":
@@ -146,6 +152,9 @@ class UserOptimizedTransformer(BaselineTransformer):
                 route = replace(route, precision="fp32", reason=route.reason + "; reduced_precision disabled")
             elif self.precision is not None:
                 route = replace(route, precision=self.precision, reason=route.reason + "; precision set by caller")
+        if route.split_layer and (route.precision not in ("fp16", "bf16") or self.disabled & set(_SPLIT_NEEDS)):
+            off = sorted(self.disabled & set(_SPLIT_NEEDS)) or [f"{route.precision} operands"]
+            route = replace(route, split_layer=False, reason=route.reason + f"; no split layer: {', '.join(off)}")
         if route.name == "fused" and "fused_layer" in self.disabled:
             raise RouteUnavailable("route 'fused' was forced, but the fused_layer optimization is disabled")
         if route.name == "fused" and route.precision not in ("fp16", "bf16"):
@@ -287,6 +296,9 @@ class UserOptimizedTransformer(BaselineTransformer):
                                        mask_prefix_lengths=prefix)
             return _sdpa(q, k, v, cfg.causal, sdpa_mask)
 
+        if route.split_layer:
+            return self._forward_split(x, mask, w, prefix, precision)
+
         with _matmul_precision(precision):
             _, h = add_ln(x, None, "0.n1", last=True)  # normalize only: the input stays the residual
             res = x
@@ -300,6 +312,27 @@ class UserOptimizedTransformer(BaselineTransformer):
                 res, h = add_ln(res, y, "final" if last else f"{i + 1}.n1", row_mask=mask,
                                 out_dtype=x.dtype if last else act, last=last)
         return h
+
+    def _forward_split(self, x, mask, w, prefix, precision):
+        """Each layer as three kernels: LayerNorm 1 with the packed QKV projection, our attention, and the rest of
+        the layer (out-projection, residual, LayerNorm 2, FFN, residual, zeroed rows; the final LayerNorm last)."""
+        from shapewise.kernels.attention import flash_attention
+        from shapewise.kernels.fused_layer import ln_qkv
+        from shapewise.kernels.layer_tail import layer_tail
+
+        cfg = self.config
+        B, S, d = x.shape
+        names = ("qkv_w", "qkv_b", "o_w", "o_b", "in_w", "in_b", "out_w", "out_b", "n1_w", "n1_b", "n2_w", "n2_b")
+        res = x.contiguous()
+        for i in range(cfg.num_layers):
+            wi = {n: w[f"{i}.{n}"] for n in names}
+            q, k, v = ln_qkv(res, wi).view(B, S, 3, cfg.num_heads, cfg.head_dim).unbind(2)
+            o = flash_attention(q, k, v, causal=cfg.causal, key_mask=mask, precision=precision,
+                                mask_prefix_lengths=prefix)
+            last = i == cfg.num_layers - 1
+            res = layer_tail(o.view(B, S, d), res, wi, mask=mask,
+                             final=(w["final_w"], w["final_b"]) if last else None, out_dtype=x.dtype)
+        return res
 
     def _forward_fused(self, x, mask, route):
         from shapewise.kernels.fused_layer import fused_layer

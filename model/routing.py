@@ -9,6 +9,10 @@ Routes:
 - `fused`: one Triton kernel per layer (kernels/fused_layer.py) where a sequence fits on chip
   (seq_len <= 128, d_model <= 128), fp16/bf16 operands; captured in a CUDA graph on CUDA.
 
+The `triton` and `graph` routes run a layer as our attention between cuBLAS GEMMs and fused residual+LayerNorm
+passes, or, where the policy's `split_layer.max_d_model` covers d_model (null: never), as the split layer: three
+kernels per layer (LayerNorm 1 + QKV, our attention, kernels/layer_tail.py for the rest), `Route.split_layer`.
+
 The policy (thresholds and precisions) lives in `routing_policy.json` beside this file, read off the
 H200 accuracy and ablation tables; `select_route` itself is pure: same inputs, same Route.
 """
@@ -47,6 +51,7 @@ class Route:
     kv_precompute: bool = False  # fused route: keys/values computed once per layer by a second kernel (policy)
     key_block: int = 0  # fused route with kv_precompute: keys per online-softmax step (policy; 0: the whole sequence)
     ffn_block: int = 0  # fused route: FFN columns per step (policy; 0: the kernel's default)
+    split_layer: bool = False  # triton/graph routes: each layer as ln_qkv, our attention and layer_tail (policy)
 
     def __str__(self) -> str:
         how = "forced" if self.forced else "auto"
@@ -54,7 +59,8 @@ class Route:
         launch = f" launch={self.launch}" if self.launch else ""
         kv = " kv=precomputed" if self.kv_precompute else ""
         blocks = "".join(f" {n}={v}" for n, v in (("key_block", self.key_block), ("ffn_block", self.ffn_block)) if v)
-        return f"{self.name}/{self.precision}{attn}{launch}{kv}{blocks} ({how}: {self.reason})"
+        split = " split-layer" if self.split_layer else ""
+        return f"{self.name}/{self.precision}{attn}{launch}{kv}{blocks}{split} ({how}: {self.reason})"
 
     def as_dict(self) -> dict:  # JSON-ready: the launch tuple as a list
         return {**asdict(self), "launch": list(self.launch)}
@@ -118,6 +124,18 @@ def _fused_pays(shape: Shape) -> bool:
             and (hi is None or shape.tokens <= hi) and (heads is None or shape.num_heads <= heads))
 
 
+def _with_split_layer(route: Route, shape: Shape) -> Route:
+    """The triton/graph `route` with the split layer where the policy's `split_layer.max_d_model` (null: never)
+    covers d_model, the operands are fp16/bf16 and the attention is our kernel; else `route` itself."""
+    from shapewise.kernels.layer_tail import why_unsupported as tail_unsupported  # the kernel owns its limits
+
+    most = POLICY["split_layer"]["max_d_model"]
+    if (route.name not in ("triton", "graph") or most is None or shape.d_model > most or route.attention != "triton"
+            or route.precision not in ("fp16", "bf16") or tail_unsupported(shape.d_model)):
+        return route
+    return replace(route, split_layer=True, reason=route.reason + f"; split layer (d_model <= {most})")
+
+
 def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool) -> str | None:
     """Why route `name` cannot serve this input, or None if it can."""
     dev, dt = _device_type(device), _dtype_name(dtype)
@@ -163,7 +181,8 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
             raise RouteUnavailable(why)
         if forced == "fused":
             return _fused_route("fused", _precision_for(forced, dt, shape), "forced by the caller", shape, forced=True)
-        return Route(forced, _precision_for(forced, dt, shape), "forced by the caller", forced=True)
+        return _with_split_layer(Route(forced, _precision_for(forced, dt, shape), "forced by the caller", forced=True),
+                                 shape)
 
     dev = _device_type(device)
     if dev != "cuda":
@@ -176,12 +195,13 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
                             f"short, narrow, launch-bound shape: one kernel per layer (tokens*d = {size})", shape)
     graph = POLICY["graph"]
     if shape.tokens * shape.d_model <= graph["max_tokens_x_d_model"]:
-        return Route("graph", _precision_for("graph", dt, shape),
-                     f"launch-bound (tokens*d = {shape.tokens * shape.d_model} <= {graph['max_tokens_x_d_model']})")
+        return _with_split_layer(Route(
+            "graph", _precision_for("graph", dt, shape),
+            f"launch-bound (tokens*d = {shape.tokens * shape.d_model} <= {graph['max_tokens_x_d_model']})"), shape)
     route = Route("triton", _precision_for("triton", dt, shape),
                   f"compute/memory-bound (tokens*d = {shape.tokens * shape.d_model})")
     sdpa_from = POLICY["attention"]["sdpa_from_seq_len"]
     if sdpa_from is not None and shape.seq_len >= sdpa_from:
         how = "" if mask_kind == "none" else " (causal prefix masks; other masks: our kernel, decided per call)"
         route = replace(route, attention="sdpa", reason=route.reason + f"; SDPA attention from seq_len {sdpa_from}{how}")
-    return route
+    return _with_split_layer(route, shape)

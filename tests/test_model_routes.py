@@ -155,3 +155,38 @@ def test_fused_route_with_the_policy_key_and_ffn_blocks(mask_kind, monkeypatch):
         r, y = ref(x, mask), opt(x, mask)
     assert (opt.last_route.key_block, opt.last_route.ffn_block) == (16, 16)
     check_official(r, y, f"route=fused key_block=16 mask={mask_kind}")
+
+
+
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_split_layer_route_matches_baseline(mask_kind, causal, monkeypatch):
+    """The policy's split layer (ln_qkv, our attention, layer_tail per layer) on the triton route: the official check
+    against the reference for every mask kind, invalid rows exactly 0."""
+    if "triton" not in CPU_ROUTES:
+        pytest.skip("the triton route does not serve a CPU tensor here (TRITON_INTERPRET unset)")
+    monkeypatch.setitem(routing.POLICY, "split_layer", {"max_d_model": 128})
+    cfg = cfg_of(CFG_MAIN, causal)
+    ref, opt = build_pair(cfg, "triton")
+    x, mask = make_inputs(cfg, mask_kind)
+    with torch.no_grad():
+        r, y = ref(x, mask), opt(x, mask)
+    assert opt.last_route.split_layer, opt.last_route
+    check_official(r, y, f"split layer, mask={mask_kind} causal={causal}")
+    if mask is not None and (~mask).any():
+        assert y[~mask].abs().max().item() == 0.0, "invalid rows are not exactly zero"
+
+
+@pytest.mark.parametrize("switch", ["split_layer", "packed_qkv", "flash_attention", "reduced_precision"])
+def test_split_layer_needs_its_switches(switch, monkeypatch):
+    """Each switch the split layer needs, turned off, runs the unfused layer instead (and says why); still exact."""
+    if "triton" not in CPU_ROUTES:
+        pytest.skip("the triton route does not serve a CPU tensor here (TRITON_INTERPRET unset)")
+    monkeypatch.setitem(routing.POLICY, "split_layer", {"max_d_model": 128})
+    cfg = cfg_of(CFG_SEQ7)
+    ref, opt = build_pair(cfg, "triton", disable=(switch,))
+    x, mask = make_inputs(cfg, "holes")
+    with torch.no_grad():
+        r, y = ref(x, mask), opt(x, mask)
+    assert not opt.last_route.split_layer and "no split layer" in opt.last_route.reason
+    check_official(r, y, f"split layer off by {switch}")

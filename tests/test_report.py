@@ -287,6 +287,7 @@ def test_route_label():
     assert report_data.route_label({"name": "graph", "launch": [], "attention": "triton"}) == "graph"
     assert report_data.route_label({**ROUTE, "key_block": 32, "ffn_block": 16}) == "fused(32,4,2)+kv+k32+f16"
     assert report_data.route_label({**ROUTE, "key_block": 0, "ffn_block": 0}) == "fused(32,4,2)+kv"
+    assert report_data.route_label({"name": "graph", "launch": [], "split_layer": True}) == "graph+split"
     assert report_data.route_label({"name": "triton", "attention": "sdpa", "new_field": 3}) == "triton+sdpa"
     assert report_data.route_label({"name": "reference", "forced": True}) == "reference (forced)"
     assert report_data.route_label(None, "graph/fp16 (auto: launch-bound)") == "graph"

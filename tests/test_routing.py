@@ -290,3 +290,26 @@ def test_policy_can_set_key_and_ffn_blocks(monkeypatch):
     assert (route.key_block, route.ffn_block) == (32, 16)
     assert "key_block=32 ffn_block=16" in str(route) and route.as_dict()["key_block"] == 32
     assert select_route(shape, torch.float32, "cuda", forced="graph").key_block == 0
+
+
+def test_policy_can_split_layers(monkeypatch):
+    """split_layer.max_d_model: triton/graph routes up to that width (and within the tail kernel's limit) run split
+    layers, forced ones too; null means never; fused routes and SDPA attention never split."""
+    small = Shape(batch_size=64, seq_len=1024, d_model=128, num_heads=4, ffn_dim=128, num_layers=4, causal=True)
+    wide = Shape(batch_size=64, seq_len=128, d_model=1024, num_heads=4, ffn_dim=1024, num_layers=4, causal=True)
+    monkeypatch.setitem(routing.POLICY, "split_layer", {"max_d_model": None})
+    assert not select_route(small, torch.float32, "cuda").split_layer
+    monkeypatch.setitem(routing.POLICY, "split_layer", {"max_d_model": 4096})
+    route = select_route(small, torch.float32, "cuda")
+    assert route.name == "graph" and route.split_layer and "split-layer" in str(route)
+    assert route.as_dict()["split_layer"] is True and "split layer" in route.reason
+    assert not select_route(wide, torch.float32, "cuda").split_layer  # beyond the tail kernel's d_model
+    assert select_route(small, torch.float32, "cpu", forced="triton", interpret=True).split_layer
+    fused = Shape(batch_size=8, seq_len=128, d_model=64, num_heads=4, ffn_dim=64, num_layers=1, causal=True)
+    assert select_route(fused, torch.float32, "cuda").name == "fused"
+    assert not select_route(fused, torch.float32, "cuda").split_layer
+    big = Shape(batch_size=256, seq_len=1024, d_model=128, num_heads=4, ffn_dim=128, num_layers=4, causal=True)
+    assert select_route(big, torch.float32, "cuda").split_layer  # the triton route
+    monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": 512})
+    long_row = select_route(big, torch.float32, "cuda")
+    assert long_row.name == "triton" and long_row.attention == "sdpa" and not long_row.split_layer

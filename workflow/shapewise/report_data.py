@@ -124,11 +124,11 @@ def load(inputs):
 
 
 def route_label(detail, route=None):
-    """A short label of a route (`fused(32,4,2)+kv`, `fused(32,4,2)+kv+k32+f32`, `graph`, `triton+sdpa`,
-    `reference (forced)`).
+    """A short label of a route (`fused(32,4,2)+kv`, `fused(32,4,2)+kv+k32+f32`, `graph`, `graph+split`,
+    `triton+sdpa`, `reference (forced)`).
 
     `detail` is Route.as_dict() from a result (fields beyond name, launch, kv_precompute, key_block, ffn_block,
-    attention and forced are ignored); without it the route string's name (before the first '/') is used; None without either."""
+    split_layer, attention and forced are ignored); without it the route string's name (before the first '/') is used; None without either."""
     if isinstance(detail, dict) and detail.get("name"):
         label = str(detail["name"])
         launch = detail.get("launch") or []
@@ -139,6 +139,8 @@ def route_label(detail, route=None):
         for short, field in (("k", "key_block"), ("f", "ffn_block")):
             if detail.get(field):
                 label += f"+{short}{detail[field]}"
+        if detail.get("split_layer"):
+            label += "+split"
         attention = detail.get("attention")
         if attention and attention != "triton":
             label += f"+{attention}"
