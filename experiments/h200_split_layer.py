@@ -95,7 +95,8 @@ def row_result(n, row):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
-    p.add_argument("--rows", default="6,13,5,11,9,10,1,3,4,7,12,2")
+    p.add_argument("--rows", default="6,13,5,11,9,10,1,3,12", help="official rows, in the order run (default: the "
+                   "rows behind the best public solution first)")
     a = p.parse_args()
     torch.set_float32_matmul_precision("high")
     rows = official()
