@@ -1,6 +1,7 @@
 """The split layer against the model's current route, per official row: is it faster, and does it pass?
 
 Usage (CUDA machine): python -m experiments.h200_split_layer OUT.json [--rows 6,13,...]
+       (CPU, a check of this script: TRITON_INTERPRET=1 python -m experiments.h200_split_layer OUT.json --tiny)
 
 The split layer is three kernels per layer: `fused_layer.ln_qkv` (LayerNorm 1 and the packed QKV projection),
 our flash attention, and `layer_tail.layer_tail` (out-projection, residual, LayerNorm 2, FFN, residual, invalid
@@ -26,17 +27,32 @@ import statistics
 
 import torch
 
-from experiments.h200_mask_cost import build, official
+from experiments.h200_mask_cost import FIELDS, official
 from shapewise.jobs.device import time_calls
 from shapewise.kernels.fused_layer import MAX_D_MODEL
 from shapewise.model import (
     TOLERANCES,
     BaselineTransformer,
+    TransformerConfig,
     UserOptimizedTransformer,
     compare_outputs,
     generate_random_case,
     routing,
 )
+
+# --tiny: a small stand-in row on the CPU (Triton's interpreter, route triton), a few calls: checks the script.
+TINY = {"id": "tiny", "batch_size": 2, "seq_len": 33, "d_model": 64, "num_heads": 4, "ffn_dim": 96, "num_layers": 2}
+COUNTS = {"cuda": (20, 5, 100), "cpu": (1, 2, 2)}  # warm-up calls, rounds, calls per round
+
+
+def build(row, device, route="auto"):
+    """The optimized model on the reference's weights (seed 0), on `device`."""
+    cfg = TransformerConfig(**{f: row[f] for f in FIELDS}, causal=row.get("causal", True))
+    torch.manual_seed(0)
+    ref = BaselineTransformer(cfg)
+    opt = UserOptimizedTransformer(cfg, route=route)
+    opt.load_state_dict(ref.state_dict(), strict=True)
+    return cfg, opt.to(device).eval()
 
 
 def split_model(opt, cfg, x, mask):
@@ -45,7 +61,7 @@ def split_model(opt, cfg, x, mask):
     signature); the route is forced to `graph` where opt's is fused or graph, else `triton` (eager, as opt's)."""
     other = UserOptimizedTransformer(cfg, route="triton" if opt.last_route.name == "triton" else "graph")
     other.load_state_dict(opt.state_dict(), strict=True)
-    other = other.to("cuda").eval()
+    other = other.to(x.device).eval()
     before = routing.POLICY["split_layer"]
     routing.POLICY["split_layer"] = {"max_d_model": MAX_D_MODEL}
     try:
@@ -60,17 +76,17 @@ def accuracy(ref_out, out):
     return {name: compare_outputs(ref_out, out, **tol).as_dict() for name, tol in TOLERANCES.items()}
 
 
-def row_result(n, row):
-    cfg, opt = build(row)
-    x, _ = generate_random_case(cfg, "cuda", torch.float32, 1234)
-    mask = torch.ones(x.shape[:2], dtype=torch.bool, device="cuda")
+def row_result(n, row, device, route="auto"):
+    cfg, opt = build(row, device, route)
+    x, _ = generate_random_case(cfg, device.type, torch.float32, 1234)
+    mask = torch.ones(x.shape[:2], dtype=torch.bool, device=device)
     out = {"row": n}
     with torch.inference_mode():
         y_model = opt(x, mask)
         out["route"] = str(opt.last_route)
         split, y_split = split_model(opt, cfg, x, mask)
         out["route_split"] = str(split.last_route)
-        ref = BaselineTransformer(cfg).to("cuda").eval()
+        ref = BaselineTransformer(cfg).to(device).eval()
         ref.load_state_dict(opt.state_dict(), strict=True)
         before = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -78,16 +94,18 @@ def row_result(n, row):
         torch.backends.cuda.matmul.allow_tf32 = before
         out["accuracy_model"] = accuracy(y_ref, y_model)
         out["accuracy_split"] = accuracy(y_ref, y_split)
+        warmup, rounds, calls_per_round = COUNTS[device.type]
         calls = {"model": lambda: opt(x, mask), "split": lambda: split(x, mask)}
         for fn in calls.values():
-            time_calls(fn, torch.device("cuda"), 20)
+            time_calls(fn, device, warmup)
         times = {k: [] for k in calls}
-        for _ in range(5):
+        for _ in range(rounds):
             for k, fn in calls.items():
-                times[k] += time_calls(fn, torch.device("cuda"), 100)
+                times[k] += time_calls(fn, device, calls_per_round)
     for k, v in times.items():
         out[f"{k}_median_ms"] = statistics.median(v)
-        out[f"{k}_round_medians_ms"] = [statistics.median(v[i:i + 100]) for i in range(0, len(v), 100)]
+        out[f"{k}_round_medians_ms"] = [statistics.median(v[i:i + calls_per_round])
+                                        for i in range(0, len(v), calls_per_round)]
     out["split_over_model"] = out["split_median_ms"] / out["model_median_ms"]
     return out
 
@@ -97,23 +115,28 @@ def main():
     p.add_argument("out")
     p.add_argument("--rows", default="6,13,5,11,9,10,1,3,12", help="official rows, in the order run (default: the "
                    "rows behind the best public solution first)")
+    p.add_argument("--tiny", action="store_true", help="a small stand-in row on the CPU instead (checks the script)")
     a = p.parse_args()
     torch.set_float32_matmul_precision("high")
-    rows = official()
+    device = torch.device("cpu" if a.tiny else "cuda")
+    rows = {0: TINY} if a.tiny else official()
     results = []
-    for n in (int(r) for r in a.rows.split(",")):
+    for n in [0] if a.tiny else [int(r) for r in a.rows.split(",")]:
         if rows[n]["d_model"] > MAX_D_MODEL:
             continue
         try:
-            rec = row_result(n, rows[n])
+            rec = row_result(n, rows[n], device, route="triton" if a.tiny else "auto")
         except Exception as e:  # one row's failure is a result too; the next rows still run
             rec = {"row": n, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         results.append(rec)
         print(json.dumps(rec)[:600], flush=True)
         with open(a.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": results}, f, indent=1)
-        torch.cuda.empty_cache()
+            name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+            json.dump({"device": name, "rows": results}, f, indent=1)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return 1 if any("error" in r for r in results) else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -85,3 +85,27 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="ln_qkv: qkv_w must be"):
         ln_qkv(x, {**w, "qkv_w": w["qkv_w"].float()})
 
+
+
+def test_the_split_layer_experiment_runs_on_a_tiny_row(tmp_path):
+    """experiments/h200_split_layer.py as the device call runs it (`python -m`), on its tiny CPU row: the split
+    twin takes the split layer, the first model does not (the policy is set only for the twin's first call), and
+    both pass the official check against the reference."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "split.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(root / "workflow"), str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "experiments.h200_split_layer", str(out), "--tiny"], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "split-layer" in row["route_split"] and "split-layer" not in row["route"], row
+    for key in ("accuracy_model", "accuracy_split"):
+        assert row[key]["official"]["failed_elements"] == 0, row[key]
+    assert row["split_median_ms"] > 0 and row["model_median_ms"] > 0
