@@ -27,13 +27,12 @@ import statistics
 
 import torch
 
-from experiments.h200_mask_cost import FIELDS, official
+from experiments.h200_mask_cost import build, official
 from shapewise.jobs.device import time_calls
 from shapewise.kernels.fused_layer import MAX_D_MODEL
 from shapewise.model import (
     TOLERANCES,
     BaselineTransformer,
-    TransformerConfig,
     UserOptimizedTransformer,
     compare_outputs,
     generate_random_case,
@@ -43,16 +42,6 @@ from shapewise.model import (
 # --tiny: a small stand-in row on the CPU (Triton's interpreter, route triton), a few calls: checks the script.
 TINY = {"id": "tiny", "batch_size": 2, "seq_len": 33, "d_model": 64, "num_heads": 4, "ffn_dim": 96, "num_layers": 2}
 COUNTS = {"cuda": (20, 5, 100), "cpu": (1, 2, 2)}  # warm-up calls, rounds, calls per round
-
-
-def build(row, device, route="auto"):
-    """The optimized model on the reference's weights (seed 0), on `device`."""
-    cfg = TransformerConfig(**{f: row[f] for f in FIELDS}, causal=row.get("causal", True))
-    torch.manual_seed(0)
-    ref = BaselineTransformer(cfg)
-    opt = UserOptimizedTransformer(cfg, route=route)
-    opt.load_state_dict(ref.state_dict(), strict=True)
-    return cfg, opt.to(device).eval()
 
 
 def split_model(opt, cfg, x, mask):

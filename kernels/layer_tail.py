@@ -5,7 +5,8 @@ FFN chunk by chunk (bias, exact GELU, bias), the second residual add, invalid ro
 layer, the final LayerNorm. With `fused_layer.ln_qkv` (LayerNorm 1 and the QKV projection) before it and flash
 attention between, a layer is three kernels whose only global traffic is the residual stream, q/k/v and the
 attention output: the split layer of the triton and graph routes (model/routing.py, `split_layer`; the policy's
-`split_layer.max_d_model` turns it on). A token's row must fit one tile (d_model <= 128). Matmul operands fp16 or bf16, accumulation and statistics fp32.
+`split_layer.max_d_model` turns it on). A token's row must fit one tile (d_model <= 128). Matmul operands fp16 or
+bf16, accumulation and statistics fp32.
 """
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ def _layer_tail_fwd(
     x1 = x + _mm(o.to(Wo.dtype.element_ty), wo) + bo[None, :]
     x2 = _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn_dim, eps, BLOCK_M, BLOCK_D,
                        BLOCK_F)
+    # rows index the flat [N, d] output and [N] mask: one "sequence" (b = 0), row stride d_model, mask stride 1
     _store_rows(x2, Y, Mask, 0, 0, d_model, 1, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps, HAS_MASK,
                 FINAL_NORM)
 

@@ -65,6 +65,8 @@ def switches_used(route, input_dtype, device_type: str) -> tuple:
 
 
 MAX_GRAPHS = 8  # captured CUDA graphs kept per model (one per input signature)
+# One layer's derived weights as the per-layer kernels (fused_layer, ln_qkv, layer_tail) take them: "{i}.{name}".
+_LAYER_WEIGHTS = ("qkv_w", "qkv_b", "o_w", "o_b", "in_w", "in_b", "out_w", "out_b", "n1_w", "n1_b", "n2_w", "n2_b")
 _version_of = operator.attrgetter("_version")
 
 
@@ -272,6 +274,8 @@ class UserOptimizedTransformer(BaselineTransformer):
         # The mask, summarized once per forward on the device: per batch element its prefix length, or -1.
         # Our attention kernel reads it and runs prefix (and all-True) rows as fast as unmasked ones.
         prefix = None if mask is None else prefix_lengths(mask)
+        if route.split_layer:
+            return self._forward_split(x, mask, w, prefix, precision)
         ours = "flash_attention" not in self.disabled
         sdpa_mask = mask
         if route.attention == "sdpa" and mask is not None:
@@ -296,9 +300,6 @@ class UserOptimizedTransformer(BaselineTransformer):
                                        mask_prefix_lengths=prefix)
             return _sdpa(q, k, v, cfg.causal, sdpa_mask)
 
-        if route.split_layer:
-            return self._forward_split(x, mask, w, prefix, precision)
-
         with _matmul_precision(precision):
             _, h = add_ln(x, None, "0.n1", last=True)  # normalize only: the input stays the residual
             res = x
@@ -322,10 +323,9 @@ class UserOptimizedTransformer(BaselineTransformer):
 
         cfg = self.config
         B, S, d = x.shape
-        names = ("qkv_w", "qkv_b", "o_w", "o_b", "in_w", "in_b", "out_w", "out_b", "n1_w", "n1_b", "n2_w", "n2_b")
         res = x.contiguous()
         for i in range(cfg.num_layers):
-            wi = {n: w[f"{i}.{n}"] for n in names}
+            wi = {n: w[f"{i}.{n}"] for n in _LAYER_WEIGHTS}
             q, k, v = ln_qkv(res, wi).view(B, S, 3, cfg.num_heads, cfg.head_dim).unbind(2)
             o = flash_attention(q, k, v, causal=cfg.causal, key_mask=mask, precision=precision,
                                 mask_prefix_lengths=prefix)
@@ -340,11 +340,10 @@ class UserOptimizedTransformer(BaselineTransformer):
         cfg = self.config
         w = self._weights_for(route.precision, True)
         block_m, num_warps, num_stages = route.launch
-        names = ("qkv_w", "qkv_b", "o_w", "o_b", "in_w", "in_b", "out_w", "out_b", "n1_w", "n1_b", "n2_w", "n2_b")
         res = x
         for i in range(cfg.num_layers):
             last = i == cfg.num_layers - 1
-            res = fused_layer(res, {n: w[f"{i}.{n}"] for n in names}, num_heads=cfg.num_heads, causal=cfg.causal,
+            res = fused_layer(res, {n: w[f"{i}.{n}"] for n in _LAYER_WEIGHTS}, num_heads=cfg.num_heads, causal=cfg.causal,
                               mask=mask, final=(w["final_w"], w["final_b"]) if last else None, out_dtype=x.dtype,
                               block_m=block_m, num_warps=num_warps, num_stages=num_stages,
                               kv_precompute=route.kv_precompute, key_block=route.key_block or None,
