@@ -5,8 +5,9 @@ Usage: python -m experiments.fused_ptxas [OUT.json]
 For the official rows the fused route serves (1, 3, 4, 5, 7, 9, 10, 11, 12) it compiles `_fused_layer_fwd`
 with the constexprs `kernels.fused_layer.fused_layer` would pass for that row, at the launch the committed
 policy picks (model/routing_policy.json) in each of VARIANTS (kv_precompute on and off, key and FFN blocks), then
-runs the ptxas that ships with Triton (`-v`, sm_90a) on the PTX and records registers per thread and spill bytes. Rows whose kernel spills
-are the first suspects when their per-layer time is out of line with their FLOPs (docs/performance.md).
+runs the ptxas that ships with Triton (`-v`, sm_90a) on the PTX and records registers per thread and spill bytes.
+Rows whose kernel spills are the first suspects when their per-layer time is out of line with their FLOPs
+(docs/performance.md).
 """
 from __future__ import annotations
 

@@ -343,8 +343,9 @@ class UserOptimizedTransformer(BaselineTransformer):
         res = x
         for i in range(cfg.num_layers):
             last = i == cfg.num_layers - 1
-            res = fused_layer(res, {n: w[f"{i}.{n}"] for n in _LAYER_WEIGHTS}, num_heads=cfg.num_heads, causal=cfg.causal,
-                              mask=mask, final=(w["final_w"], w["final_b"]) if last else None, out_dtype=x.dtype,
+            res = fused_layer(res, {n: w[f"{i}.{n}"] for n in _LAYER_WEIGHTS}, num_heads=cfg.num_heads,
+                              causal=cfg.causal, mask=mask, final=(w["final_w"], w["final_b"]) if last else None,
+                              out_dtype=x.dtype,
                               block_m=block_m, num_warps=num_warps, num_stages=num_stages,
                               kv_precompute=route.kv_precompute, key_block=route.key_block or None,
                               ffn_block=route.ffn_block or None)

@@ -128,7 +128,8 @@ def route_label(detail, route=None):
     `triton+sdpa`, `reference (forced)`).
 
     `detail` is Route.as_dict() from a result (fields beyond name, launch, kv_precompute, key_block, ffn_block,
-    split_layer, attention and forced are ignored); without it the route string's name (before the first '/') is used; None without either."""
+    split_layer, attention and forced are ignored); without it the route string's name (before the first '/') is
+    used; None without either."""
     if isinstance(detail, dict) and detail.get("name"):
         label = str(detail["name"])
         launch = detail.get("launch") or []
