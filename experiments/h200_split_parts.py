@@ -1,0 +1,100 @@
+"""The split layer's three kernels timed one by one, and the layer tail's launch configurations, per row.
+
+Usage (CUDA machine): python -m experiments.h200_split_parts OUT.json [--rows 6,13,10]
+
+Why: session 8's split experiment (experiments/h200/session8/split.json) measured row 6 at 12.07 ms with the split
+layer against a predicted 6-8 ms. Its bytes per layer (x fp32 read twice and written once, q/k/v fp16 written
+and read, the attention output written and read: about 4.6 GB on row 6) take about 1.15 ms at 4 TB/s, 4.6 ms for
+four layers; the measured time is 2.6 times that. This finds which kernel holds the rest, and whether the tail's
+tile (32 tokens per program reloads the three 128x128 weights 40 000 times per layer on row 6) is the cause.
+
+Per row: one layer's `ln_qkv`, `flash_attention` (default launch) and `layer_tail` under each configuration in
+TAIL_CONFIGS, each timed as a CUDA graph of 10 launches (replay time / 10, median), with its bytes and GB/s; the
+tail's max abs error against its fp64 reference on the first 64 sequences. OUT.json is written after each record.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from experiments.h200_probe import median_ms
+from experiments.h200_sweep import shape_of, weights
+from shapewise.kernels.attention import flash_attention
+from shapewise.kernels.fused_layer import ln_qkv
+from shapewise.kernels.layer_tail import layer_tail, layer_tail_reference
+
+# (block_m, ffn_block, num_warps, num_stages); the first is layer_tail's default
+TAIL_CONFIGS = [(32, 32, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (16, 32, 4, 2),
+                (32, 128, 8, 2), (64, 128, 8, 1)]
+
+
+def graph_ms(fn, reps):
+    """Median time of one `fn()`: a CUDA graph of 10 back-to-back calls, replayed `reps` times, / 10."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    return median_ms(graph.replay, warmup=2, iters=reps) / 10
+
+
+def parts(row, out, save):
+    B, S, d, H, ffn = shape_of(row)
+    w, wref = weights(d, ffn, "cuda")
+    x = torch.randn(B, S, d, device="cuda", generator=torch.Generator("cuda").manual_seed(row))
+    mask = torch.ones(B, S, dtype=torch.bool, device="cuda")
+    reps = 5 if B * S > 10**6 else 30
+    N = B * S
+    qkv = ln_qkv(x, w)
+    q, k, v = qkv.view(B, S, 3, H, d // H).unbind(2)
+    o = flash_attention(q, k, v, causal=True, key_mask=mask).reshape(B, S, d).contiguous()
+    rec = {"row": row, "shape": [B, S, d, H, ffn]}
+    for name, fn, nbytes in (
+            ("ln_qkv", lambda: ln_qkv(x, w), N * d * 4 + N * 3 * d * 2),
+            ("attention", lambda: flash_attention(q, k, v, causal=True, key_mask=mask), N * 4 * d * 2),
+            ("attention_unmasked", lambda: flash_attention(q, k, v, causal=True), N * 4 * d * 2)):
+        ms = graph_ms(fn, reps)
+        rec[name] = {"ms": ms, "bytes": nbytes, "GB_per_s": nbytes / ms / 1e6}
+        print(row, name, rec[name], flush=True)
+    rec["tail"] = []
+    sample = slice(0, min(B, 64))
+    want = layer_tail_reference(o[sample], x[sample], wref, mask=mask[sample])
+    tail_bytes = N * d * (2 + 4 + 4)
+    for bm, fb, warps, stages in TAIL_CONFIGS:
+        t = {"block_m": bm, "ffn_block": fb, "num_warps": warps, "num_stages": stages}
+        try:
+            run = dict(mask=mask, block_m=bm, ffn_block=fb, num_warps=warps, num_stages=stages)
+            got = layer_tail(o, x, w, **run)
+            t["max_abs_error"] = (got[sample].double() - want).abs().max().item()
+            t["ms"] = graph_ms(lambda: layer_tail(o, x, w, **run), reps)
+            t["GB_per_s"] = tail_bytes / t["ms"] / 1e6
+        except Exception as e:  # a configuration that does not compile is a result too
+            t["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rec["tail"].append(t)
+        print(row, "tail", t, flush=True)
+        save()
+    out["rows"].append(rec)
+    save()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--rows", default="6,13,10")
+    args = ap.parse_args()
+    out = {"device": torch.cuda.get_device_name(), "tail_configs": TAIL_CONFIGS, "rows": []}
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+    with torch.inference_mode():
+        for row in (int(r) for r in args.rows.split(",")):
+            parts(row, out, save)
+
+
+if __name__ == "__main__":
+    main()
