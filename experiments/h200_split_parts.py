@@ -84,7 +84,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--rows", default="6,13,10")
+    ap.add_argument("--tail", help="tail configurations instead of TAIL_CONFIGS: bm/fb/warps/stages,...")
     args = ap.parse_args()
+    if args.tail:
+        TAIL_CONFIGS[:] = [tuple(int(v) for v in c.split("/")) for c in args.tail.split(",")]
     out = {"device": torch.cuda.get_device_name(), "tail_configs": TAIL_CONFIGS, "rows": []}
 
     def save():
