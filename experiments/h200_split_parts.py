@@ -18,12 +18,12 @@ import argparse
 import json
 
 import torch
-
-from experiments.h200_probe import median_ms
-from experiments.h200_sweep import shape_of, weights
 from shapewise.kernels.attention import flash_attention
 from shapewise.kernels.fused_layer import ln_qkv
 from shapewise.kernels.layer_tail import layer_tail, layer_tail_reference
+
+from experiments.h200_probe import median_ms
+from experiments.h200_sweep import shape_of, weights
 
 # (block_m, ffn_block, num_warps, num_stages); the first is layer_tail's default
 TAIL_CONFIGS = [(32, 32, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (16, 32, 4, 2),

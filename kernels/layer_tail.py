@@ -81,14 +81,15 @@ def why_unsupported(d_model: int) -> str | None:
     return None
 
 
-def layer_tail(o, x, w, *, mask=None, final=None, out_dtype=None, block_m=32, ffn_block=32, num_warps=8,
-               num_stages=2):
+def layer_tail(o, x, w, *, mask=None, final=None, out_dtype=None, block_m=64, ffn_block=32, num_warps=4,
+               num_stages=3):
     """The layer after attention: `o` [B, S, d] (the attention output, weights' dtype) and `x` [B, S, d] (the
     residual into the layer), both contiguous; `w` with o_w, o_b, in_w, in_b, out_w, out_b (fp16/bf16) and n2_w,
     n2_b (fp32), as for fused_layer. Returns the fp32 residual [B, S, d], or with `final=(weight, bias)` the final
     LayerNorm of it in `out_dtype` (default x's dtype). Rows where `mask` (bool [B, S]) is False are 0.
-    Default launch: 32 tokens, 8 warps, 32 FFN columns per step, which ptxas (sm_90a, d_model 128) compiles
-    without spills, masked or not; 4 warps spill 76-208 bytes per thread."""
+    Default launch: 64 tokens, 4 warps, 32 FFN columns per step, 3 stages, the fastest of 16 launches on the H200
+    (experiments/h200/session8/parts*.json, d_model 128): on row 6's shape 1.01 ms per layer against 1.79 ms for
+    32 tokens with 8 warps (which ptxas compiles without spills; 4 warps spill, and win all the same)."""
     B, S, d = x.shape
     why = why_unsupported(d)
     if why:
