@@ -10,8 +10,8 @@ Routes:
   (seq_len <= 128, d_model <= 128), fp16/bf16 operands; captured in a CUDA graph on CUDA.
 
 The `triton` and `graph` routes run a layer as our attention between cuBLAS GEMMs and fused residual+LayerNorm
-passes, or, where the policy's `split_layer.max_d_model` covers d_model (null: never), as the split layer: three
-kernels per layer (LayerNorm 1 + QKV, our attention, kernels/layer_tail.py for the rest), `Route.split_layer`.
+passes, or, where the policy's `split_layer.max_d_model` covers d_model (null: never) and the input has at least
+`split_layer.min_tokens` tokens, as the split layer: three kernels per layer (LayerNorm 1 + QKV, our attention, kernels/layer_tail.py for the rest), `Route.split_layer`.
 
 The policy (thresholds and precisions) lives in `routing_policy.json` beside this file, read off the
 H200 accuracy and ablation tables; `select_route` itself is pure: same inputs, same Route.
@@ -126,14 +126,18 @@ def _fused_pays(shape: Shape) -> bool:
 
 def _with_split_layer(route: Route, shape: Shape) -> Route:
     """The triton/graph `route` with the split layer where the policy's `split_layer.max_d_model` (null: never)
-    covers d_model, the operands are fp16/bf16 and the attention is our kernel; else `route` itself."""
+    covers d_model, batch_size*seq_len is at least `split_layer.min_tokens` (null or absent: any), the operands
+    are fp16/bf16 and the attention is our kernel; else `route` itself."""
     from shapewise.kernels.layer_tail import why_unsupported as tail_unsupported  # the kernel owns its limits
 
-    most = POLICY["split_layer"]["max_d_model"]
-    if (route.name not in ("triton", "graph") or most is None or shape.d_model > most or route.attention != "triton"
-            or route.precision not in ("fp16", "bf16") or tail_unsupported(shape.d_model)):
+    split = POLICY["split_layer"]
+    most, fewest = split["max_d_model"], split.get("min_tokens") or 1
+    if (route.name not in ("triton", "graph") or most is None or shape.d_model > most or shape.tokens < fewest
+            or route.attention != "triton" or route.precision not in ("fp16", "bf16")
+            or tail_unsupported(shape.d_model)):
         return route
-    return replace(route, split_layer=True, reason=route.reason + f"; split layer (d_model <= {most})")
+    return replace(route, split_layer=True,
+                   reason=route.reason + f"; split layer (d_model <= {most}, tokens >= {fewest})")
 
 
 def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool) -> str | None:

@@ -215,7 +215,8 @@ def test_fused_launch_follows_the_policy_buckets(monkeypatch):
 def test_fused_launch_entries_can_bound_the_heads(monkeypatch):
     """A launch entry with max_heads serves only shapes with at most that many heads; others fall through to the
     next entry that covers them."""
-    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "max_heads": None, "launch": [
+    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "max_heads": None,
+                                                   "max_tokens_x_d_model": 2**24, "launch": [
         {"max_tokens": 8192, "max_heads": 4, "block_m": 32, "num_warps": 4, "num_stages": 2},
         {"max_tokens": None, "block_m": 32, "num_warps": 4, "num_stages": 1, "kv_precompute": True}]})
     few = Shape(batch_size=64, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=1, causal=True)
@@ -232,7 +233,7 @@ def test_fused_only_inside_the_policy_bounds(monkeypatch, tokens, heads, fused):
     """fused.min_tokens / max_tokens / max_heads bound where `auto` picks the fused route; outside them the
     graph route serves; a forced fused route still serves any shape the kernel supports."""
     monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "min_tokens": 256,
-                                                   "max_tokens": 8192, "max_heads": 4})
+                                                   "max_tokens": 8192, "max_heads": 4, "max_tokens_x_d_model": 2**24})
     shape = Shape(batch_size=tokens, seq_len=1, d_model=16 * heads, num_heads=heads, ffn_dim=64, num_layers=1,
                   causal=True)
     assert select_route(shape, torch.float32, "cuda").name == ("fused" if fused else "graph")
@@ -243,11 +244,15 @@ def test_fused_only_inside_the_policy_bounds(monkeypatch, tokens, heads, fused):
 
 
 # The committed policy against the routes the H200 measured fastest per official row (reports/h200: the
-# fused_layer and flash_attention ablations, session 3; the fused sweep, session 4). A policy edit that changes one of these must say why.
-OFFICIAL_ROUTES = {1: "fused", 2: "graph", 3: "fused", 4: "fused", 5: "fused", 6: "triton", 7: "fused",
-                   8: "graph", 9: "fused", 10: "fused", 11: "fused", 12: "fused", 13: "graph", 14: "triton"}
-# Rows 5 and 11 went back to fused with kv_precompute after the session-4 sweep (reports/h200/session4/).
-OFFICIAL_KV = {5, 11}
+# fused_layer and flash_attention ablations, session 3; the fused sweep, session 4; the split-layer experiment,
+# session 8). A policy edit that changes one of these must say why.
+OFFICIAL_ROUTES = {1: "graph", 2: "graph", 3: "fused", 4: "fused", 5: "graph", 6: "triton", 7: "fused",
+                   8: "graph", 9: "graph", 10: "graph", 11: "graph", 12: "fused", 13: "graph", 14: "triton"}
+# Session 8 (experiments/h200/session8/split-*.json): the split layer beat the fused kernel on rows 5, 9, 10 and 11
+# (tied on row 1: tokens*d above fused.max_tokens_x_d_model = 2**18 leave the fused route) and the unfused layer on
+# rows 6 and 13; it lost on row 2 (128 tokens, below split_layer.min_tokens).
+OFFICIAL_SPLIT = {1, 5, 6, 9, 10, 11, 13}
+OFFICIAL_KV = set()  # the kv_precompute entry (rows 5 and 11 until session 8) serves no official row now
 
 
 def test_committed_policy_routes_the_official_rows_as_measured():
@@ -260,6 +265,7 @@ def test_committed_policy_routes_the_official_rows_as_measured():
         assert route.name == OFFICIAL_ROUTES[n], f"official row {n}: {route}"
         assert route.attention == ("sdpa" if n == 14 else "triton"), f"official row {n}: {route}"
         assert route.kv_precompute == (n in OFFICIAL_KV), f"official row {n}: {route}"
+        assert route.split_layer == (n in OFFICIAL_SPLIT), f"official row {n}: {route}"
 
 
 def test_policy_can_precompute_keys_and_values(monkeypatch):
@@ -313,3 +319,19 @@ def test_policy_can_split_layers(monkeypatch):
     monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": 512})
     long_row = select_route(big, torch.float32, "cuda")
     assert long_row.name == "triton" and long_row.attention == "sdpa" and not long_row.split_layer
+
+
+def test_split_layer_has_a_token_floor(monkeypatch):
+    """split_layer.min_tokens: fewer tokens than that keep the unfused layer (row 2, 128 tokens, lost 87 -> 95 us
+    with it in session 8); null or absent means no floor."""
+    one = Shape(batch_size=1, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=4, causal=True)
+    eight = dataclasses.replace(one, batch_size=8)  # 1024 tokens
+    monkeypatch.setitem(routing.POLICY, "split_layer", {"max_d_model": 128, "min_tokens": 1024})
+    assert not select_route(one, torch.float32, "cuda").split_layer
+    assert not select_route(one, torch.float32, "cuda", forced="graph").split_layer
+    route = select_route(eight, torch.float32, "cuda", forced="graph")
+    assert route.split_layer and "tokens >= 1024" in route.reason
+    monkeypatch.setitem(routing.POLICY, "split_layer", {"max_d_model": 128, "min_tokens": None})
+    assert select_route(one, torch.float32, "cuda").split_layer
+    monkeypatch.setitem(routing.POLICY, "split_layer", {"max_d_model": 128})
+    assert select_route(one, torch.float32, "cuda").split_layer
