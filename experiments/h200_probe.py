@@ -41,6 +41,18 @@ def median_ms(fn, warmup=10, iters=50):
     return statistics.median(times)
 
 
+def graph_ms(fn, reps):
+    """Median time of one `fn()` without the host's launch cost: a CUDA graph of 10 back-to-back calls (captured
+    after one eager call that compiles and warms), replayed `reps` times, / 10."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    return median_ms(graph.replay, warmup=2, iters=reps) / 10
+
+
 def probe_row(row, precisions, routes, log):
     cfg = TransformerConfig(*OFFICIAL[row], causal=True)
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 
 Usage (CUDA machine): python -m experiments.h200_split_parts OUT.json [--rows 6,13,10]
 
-Why: session 8's split experiment (experiments/h200/session8/split.json) measured row 6 at 12.07 ms with the split
+Why: session 8's split experiment (experiments/h200/session8/split-old-tail.json) measured row 6 at 12.07 ms with the split
 layer against a predicted 6-8 ms. Its bytes per layer (x fp32 read twice and written once, q/k/v fp16 written
 and read, the attention output written and read: about 4.6 GB on row 6) take about 1.15 ms at 4 TB/s, 4.6 ms for
 four layers; the measured time is 2.6 times that. This finds which kernel holds the rest, and whether the tail's
@@ -22,26 +22,15 @@ from shapewise.kernels.attention import flash_attention
 from shapewise.kernels.fused_layer import ln_qkv
 from shapewise.kernels.layer_tail import layer_tail, layer_tail_reference
 
-from experiments.h200_probe import median_ms
+from experiments.h200_probe import graph_ms
 from experiments.h200_sweep import shape_of, weights
 
-# (block_m, ffn_block, num_warps, num_stages); the first is layer_tail's default
+# (block_m, ffn_block, num_warps, num_stages); the first was layer_tail's default before session 8
 TAIL_CONFIGS = [(32, 32, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (16, 32, 4, 2),
                 (32, 128, 8, 2), (64, 128, 8, 1)]
 
 
-def graph_ms(fn, reps):
-    """Median time of one `fn()`: a CUDA graph of 10 back-to-back calls, replayed `reps` times, / 10."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    return median_ms(graph.replay, warmup=2, iters=reps) / 10
-
-
-def parts(row, out, save):
+def parts(row, tail_configs, out, save):
     B, S, d, H, ffn = shape_of(row)
     w, wref = weights(d, ffn, "cuda")
     x = torch.randn(B, S, d, device="cuda", generator=torch.Generator("cuda").manual_seed(row))
@@ -63,7 +52,7 @@ def parts(row, out, save):
     sample = slice(0, min(B, 64))
     want = layer_tail_reference(o[sample], x[sample], wref, mask=mask[sample])
     tail_bytes = N * d * (2 + 4 + 4)
-    for bm, fb, warps, stages in TAIL_CONFIGS:
+    for bm, fb, warps, stages in tail_configs:
         t = {"block_m": bm, "ffn_block": fb, "num_warps": warps, "num_stages": stages}
         try:
             run = dict(mask=mask, block_m=bm, ffn_block=fb, num_warps=warps, num_stages=stages)
@@ -86,9 +75,9 @@ def main():
     ap.add_argument("--rows", default="6,13,10")
     ap.add_argument("--tail", help="tail configurations instead of TAIL_CONFIGS: bm/fb/warps/stages,...")
     args = ap.parse_args()
-    if args.tail:
-        TAIL_CONFIGS[:] = [tuple(int(v) for v in c.split("/")) for c in args.tail.split(",")]
-    out = {"device": torch.cuda.get_device_name(), "tail_configs": TAIL_CONFIGS, "rows": []}
+    configs = ([tuple(int(v) for v in c.split("/")) for c in args.tail.split(",")] if args.tail
+               else TAIL_CONFIGS)
+    out = {"device": torch.cuda.get_device_name(), "tail_configs": configs, "rows": []}
 
     def save():
         with open(args.out, "w") as f:
@@ -96,7 +85,7 @@ def main():
 
     with torch.inference_mode():
         for row in (int(r) for r in args.rows.split(",")):
-            parts(row, out, save)
+            parts(row, configs, out, save)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from experiments.h200_probe import median_ms
+from experiments.h200_probe import graph_ms, median_ms
 from shapewise.kernels.attention import attention_reference, flash_attention
 from shapewise.kernels.fused_layer import fused_layer, fused_layer_reference
 from shapewise.model import TransformerConfig, UserOptimizedTransformer
@@ -81,11 +81,8 @@ def measure_fused(case, **launch):
     rec = {"max_abs_error": (y[case["sample"]].double() - case["want"]).abs().max().item(),
            "max_abs_error_masked": (ym.double() - case["want_masked"]).abs().max().item()}
     if case["x"].is_cuda:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(10):
-                fused_layer(case["x"], case["w"], **run)
-        rec["ms"] = median_ms(graph.replay, warmup=2, iters=5 if case["x"].shape[0] > 1000 else 30) / 10
+        rec["ms"] = graph_ms(lambda: fused_layer(case["x"], case["w"], **run),
+                             5 if case["x"].shape[0] > 1000 else 30)
         rec["timer"] = "graph replay of 10 launches / 10"
     return rec
 
