@@ -11,8 +11,7 @@ Routes:
 
 The `triton` and `graph` routes run a layer as our attention between cuBLAS GEMMs and fused residual+LayerNorm
 passes, or, where the policy's `split_layer.max_d_model` covers d_model (null: never) and the input has at least
-`split_layer.min_tokens` tokens, as the split layer: three kernels per layer (LayerNorm 1 + QKV, our attention,
-kernels/layer_tail.py for the rest), `Route.split_layer`.
+`split_layer.min_tokens` tokens, as the split layer: three kernels per layer (LayerNorm 1 + QKV, our attention, kernels/layer_tail.py for the rest), `Route.split_layer`.
 
 The policy (thresholds and precisions) lives in `routing_policy.json` beside this file, read off the
 H200 accuracy and ablation tables; `select_route` itself is pure: same inputs, same Route.
