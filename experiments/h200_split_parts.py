@@ -1,14 +1,15 @@
 """The split layer's three kernels timed one by one, and the layer tail's launch configurations, per row.
 
-Usage (CUDA machine): python -m experiments.h200_split_parts OUT.json [--rows 6,13,10]
+Usage (CUDA machine): python -m experiments.h200_split_parts OUT.json [--rows 6,13,10] [--tail ...] [--ln ...]
 
-Why: session 8's split experiment (experiments/h200/session8/split-old-tail.json) measured row 6 at 12.07 ms with the split
-layer against a predicted 6-8 ms. Its bytes per layer (x fp32 read twice and written once, q/k/v fp16 written
+Why: session 8's split experiment (experiments/h200/session8/split-old-tail.json) measured row 6 at 12.07 ms with
+the split layer against a predicted 6-8 ms. Its bytes per layer (x fp32 read twice and written once, q/k/v fp16 written
 and read, the attention output written and read: about 4.6 GB on row 6) take about 1.15 ms at 4 TB/s, 4.6 ms for
 four layers; the measured time is 2.6 times that. This finds which kernel holds the rest, and whether the tail's
 tile (32 tokens per program reloads the three 128x128 weights 40 000 times per layer on row 6) is the cause.
 
-Per row: one layer's `ln_qkv`, `flash_attention` (default launch) and `layer_tail` under each configuration in
+Per row: one layer's `ln_qkv` under each launch of LN_CONFIGS (session 9: column blocks where tokens are few),
+`ln_qkv` (default launch), `flash_attention` (default launch) and `layer_tail` under each configuration in
 TAIL_CONFIGS, each timed as a CUDA graph of 10 launches (replay time / 10, median), with its bytes and GB/s; the
 tail's max abs error against its fp64 reference on the first 64 sequences. OUT.json is written after each record.
 """
@@ -30,7 +31,12 @@ TAIL_CONFIGS = [(32, 32, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2),
                 (32, 128, 8, 2), (64, 128, 8, 1)]
 
 
-def parts(row, tail_configs, out, save):
+# ln_qkv launches (block_t, col_blocks, num_warps); None: the launcher's default (kernels/fused_layer.py)
+LN_CONFIGS = [(None, None, 4), (64, 1, 4), (64, 3, 4), (64, 6, 4), (32, 1, 4), (32, 3, 4), (32, 6, 4), (16, 6, 4),
+              (16, 3, 4), (64, 6, 2)]
+
+
+def parts(row, tail_configs, out, save, ln_configs=LN_CONFIGS):
     B, S, d, H, ffn = shape_of(row)
     w, wref = weights(d, ffn, "cuda")
     x = torch.randn(B, S, d, device="cuda", generator=torch.Generator("cuda").manual_seed(row))
@@ -40,7 +46,18 @@ def parts(row, tail_configs, out, save):
     qkv = ln_qkv(x, w)
     q, k, v = qkv.view(B, S, 3, H, d // H).unbind(2)
     o = flash_attention(q, k, v, causal=True, key_mask=mask).reshape(B, S, d).contiguous()
-    rec = {"row": row, "shape": [B, S, d, H, ffn]}
+    rec = {"row": row, "shape": [B, S, d, H, ffn], "ln_qkv_launches": []}
+    for block_t, col_blocks, warps in ln_configs:
+        t = {"block_t": block_t, "col_blocks": col_blocks, "num_warps": warps}
+        try:
+            run = dict(block_t=block_t, col_blocks=col_blocks, num_warps=warps)
+            t["max_abs_diff_to_default"] = (ln_qkv(x, w, **run).float() - qkv.float()).abs().max().item()
+            t["ms"] = graph_ms(lambda: ln_qkv(x, w, **run), reps)
+            t["GB_per_s"] = (N * d * 4 + N * 3 * d * 2) / t["ms"] / 1e6
+        except Exception as e:  # a configuration that does not compile is a result too
+            t["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rec["ln_qkv_launches"].append(t)
+        print(row, "ln_qkv", t, flush=True)
     for name, fn, nbytes in (
             ("ln_qkv", lambda: ln_qkv(x, w), N * d * 4 + N * 3 * d * 2),
             ("attention", lambda: flash_attention(q, k, v, causal=True, key_mask=mask), N * 4 * d * 2),
@@ -74,10 +91,13 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--rows", default="6,13,10")
     ap.add_argument("--tail", help="tail configurations instead of TAIL_CONFIGS: bm/fb/warps/stages,...")
+    ap.add_argument("--ln", help="ln_qkv launches instead of LN_CONFIGS: block_t/col_blocks/warps,... (0: default)")
     args = ap.parse_args()
     configs = ([tuple(int(v) for v in c.split("/")) for c in args.tail.split(",")] if args.tail
                else TAIL_CONFIGS)
-    out = {"device": torch.cuda.get_device_name(), "tail_configs": configs, "rows": []}
+    ln_configs = ([tuple(int(v) or None for v in c.split("/")) for c in args.ln.split(",")] if args.ln
+                  else LN_CONFIGS)
+    out = {"device": torch.cuda.get_device_name(), "tail_configs": configs, "ln_configs": ln_configs, "rows": []}
 
     def save():
         with open(args.out, "w") as f:
@@ -85,7 +105,7 @@ def main():
 
     with torch.inference_mode():
         for row in (int(r) for r in args.rows.split(",")):
-            parts(row, configs, out, save)
+            parts(row, configs, out, save, ln_configs)
 
 
 if __name__ == "__main__":

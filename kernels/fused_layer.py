@@ -269,13 +269,18 @@ def _ln_kv_fwd(
     stride_kvb, stride_kvs,  # KV strides for batch and sequence; unit stride along the n_cols columns
     seq_len, d_model, eps,
     first_col, n_cols,  # the projection's output columns: d, 2d (keys and values), or 0, 3d (q, k and v)
+    cols_per_program,  # this program's share of the n_cols columns (a multiple of BLOCK_N): grid axis 2 splits them
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """LayerNorm 1 and a column range of the QKV projection of every token, once: keys and values for
     _fused_layer_fwd with KV_GLOBAL (the same math as its in-program recomputation: LayerNorm 1 in fp32,
-    operand-dtype dot, fp32 accumulation, bias, rounding), or q, k and v for the split layer (ln_qkv)."""
+    operand-dtype dot, fp32 accumulation, bias, rounding), or q, k and v for the split layer (ln_qkv). A program
+    takes BLOCK_T tokens and columns [program_id(2) * cols_per_program, + cols_per_program) of n_cols; with
+    several column blocks each recomputes its tokens' LayerNorm (cheap) so that few tokens still fill the GPU."""
     pid_t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    c_lo = tl.program_id(2) * cols_per_program
+    c_hi = tl.minimum(n_cols, c_lo + cols_per_program)
     op_ty = Wqkv.dtype.element_ty
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_D)
@@ -285,9 +290,9 @@ def _ln_kv_fwd(
                 other=0.0).to(tl.float32)
     h = _layer_norm_rows(x, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
     ncol = tl.arange(0, BLOCK_N)
-    for n0 in range(0, n_cols, BLOCK_N):
+    for n0 in range(c_lo, c_hi, BLOCK_N):
         n = n0 + ncol
-        n_ok = n < n_cols
+        n_ok = n < c_hi
         # [BLOCK_D, BLOCK_N] slice of Wqkvᵀ: element (c, j) is row first_col + n0 + j, column c of Wqkv
         w = tl.load(Wqkv + (first_col + n[None, :]) * d_model + cols[:, None],
                     mask=col_ok[:, None] & n_ok[None, :], other=0.0)
@@ -300,24 +305,50 @@ def _ln_kv_fwd(
 # ----------------------------------------------------------------------------------------------
 # Launchers and public functions
 # ----------------------------------------------------------------------------------------------
-def _ln_project(x, w, first_col, n_cols):
+# _ln_project's launch: 64 columns per step; programs of 64 tokens, or 32 or 16 where even one program per column
+# step leaves fewer than LN_PROJECT_MIN_PROGRAMS // 2 programs (about one per SM of the H200's 132); then as many
+# column blocks as it takes for LN_PROJECT_MIN_PROGRAMS programs. Measured on the H200
+# (experiments/h200/session9/parts.json): 128 tokens 3.7 -> 2.9 us, 8192 tokens 8.8 -> 8.3 us, 1.28 M tokens as before.
+LN_PROJECT_BLOCK_N = 64
+LN_PROJECT_MIN_PROGRAMS = 264
+
+
+def _ln_project_grid(B, S, n_cols, block_t=None, col_blocks=None):
+    """(block_t, cols_per_program, grid) of an _ln_kv_fwd launch over B sequences of S tokens and n_cols columns
+    (defaults: the rule above; block_t at most S's power of two, at least 16)."""
+    steps = triton.cdiv(n_cols, LN_PROJECT_BLOCK_N)
+    if block_t is None:
+        for block_t in (64, 32, 16):
+            if block_t <= max(16, triton.next_power_of_2(S)) and (
+                    triton.cdiv(S, block_t) * B * steps >= LN_PROJECT_MIN_PROGRAMS // 2):
+                break
+    token_blocks = triton.cdiv(S, block_t)
+    if col_blocks is None:
+        col_blocks = triton.cdiv(LN_PROJECT_MIN_PROGRAMS, token_blocks * B)
+    steps_per_program = triton.cdiv(steps, max(1, min(col_blocks, steps)))
+    return (block_t, steps_per_program * LN_PROJECT_BLOCK_N,
+            (token_blocks, B, triton.cdiv(steps, steps_per_program)))
+
+
+def _ln_project(x, w, first_col, n_cols, block_t=None, col_blocks=None, num_warps=4):
     """LayerNorm 1 of every token of x [B, S, d] and its projection onto rows first_col..first_col + n_cols of
-    the packed QKV weight: [B, S, n_cols] in the weights' dtype (one _ln_kv_fwd launch)."""
+    the packed QKV weight: [B, S, n_cols] in the weights' dtype (one _ln_kv_fwd launch; `_ln_project_grid`)."""
     B, S, d = x.shape
     out = torch.empty((B, S, n_cols), device=x.device, dtype=w["qkv_w"].dtype)
-    block_t = min(64, max(16, triton.next_power_of_2(S)))
-    _ln_kv_fwd[(triton.cdiv(S, block_t), B)](
+    block_t, cols_per_program, grid = _ln_project_grid(B, S, n_cols, block_t, col_blocks)
+    _ln_kv_fwd[grid](
         x, out, w["qkv_w"], w["qkv_b"], w["n1_w"], w["n1_b"], x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        S, d, 1e-5, first_col, n_cols, BLOCK_T=block_t, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=64,
-        num_warps=4, num_stages=1,
+        S, d, 1e-5, first_col, n_cols, cols_per_program, BLOCK_T=block_t,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=LN_PROJECT_BLOCK_N, num_warps=num_warps, num_stages=1,
     )
     return out
 
 
-def ln_qkv(x, w):
+def ln_qkv(x, w, *, block_t=None, col_blocks=None, num_warps=4):
     """LayerNorm 1 and the packed QKV projection of x [B, S, d] (d <= MAX_D_MODEL, unit stride along d) in one
     kernel: [B, S, 3d] (q, k, v) in the weights' dtype (fp16/bf16), with fp32 statistics and sums. `w` as for
-    fused_layer (qkv_w, qkv_b, n1_w, n1_b)."""
+    fused_layer (qkv_w, qkv_b, n1_w, n1_b). block_t, col_blocks, num_warps: the launch (None: `_ln_project_grid`'s
+    defaults), for experiments."""
     B, S, d = x.shape
     if not MIN_D_MODEL <= d <= MAX_D_MODEL or x.stride(-1) != 1:
         raise ValueError(f"ln_qkv: x must be [B, S, d] with {MIN_D_MODEL} <= d <= {MAX_D_MODEL} and unit stride "
@@ -325,7 +356,7 @@ def ln_qkv(x, w):
     if w["qkv_w"].shape != (3 * d, d) or w["qkv_w"].dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"ln_qkv: qkv_w must be float16/bfloat16 [3d, d] = [{3 * d}, {d}], got "
                          f"{w['qkv_w'].dtype} {tuple(w['qkv_w'].shape)}")
-    return _ln_project(x, w, 0, 3 * d)
+    return _ln_project(x, w, 0, 3 * d, block_t, col_blocks, num_warps)
 
 
 MIN_D_MODEL = 16  # the smallest tile Triton's dot takes

@@ -81,15 +81,30 @@ def why_unsupported(d_model: int) -> str | None:
     return None
 
 
-def layer_tail(o, x, w, *, mask=None, final=None, out_dtype=None, block_m=64, ffn_block=32, num_warps=4,
+# The default launch: 64 tokens per program where that still gives TAIL_MIN_PROGRAMS programs (about one per SM of
+# the H200), else 32, else 16: a few tokens (row 2 has 128) spread over more programs instead of two.
+TAIL_BLOCK_M = (64, 32, 16)
+TAIL_MIN_PROGRAMS = 128
+
+
+def tail_block_m(n_tokens: int) -> int:
+    """The default tokens per program of a layer_tail launch over n_tokens tokens (TAIL_BLOCK_M, TAIL_MIN_PROGRAMS)."""
+    for block_m in TAIL_BLOCK_M:
+        if triton.cdiv(n_tokens, block_m) >= TAIL_MIN_PROGRAMS:
+            return block_m
+    return TAIL_BLOCK_M[-1]
+
+
+def layer_tail(o, x, w, *, mask=None, final=None, out_dtype=None, block_m=None, ffn_block=32, num_warps=4,
                num_stages=3):
     """The layer after attention: `o` [B, S, d] (the attention output, weights' dtype) and `x` [B, S, d] (the
     residual into the layer), both contiguous; `w` with o_w, o_b, in_w, in_b, out_w, out_b (fp16/bf16) and n2_w,
     n2_b (fp32), as for fused_layer. Returns the fp32 residual [B, S, d], or with `final=(weight, bias)` the final
     LayerNorm of it in `out_dtype` (default x's dtype). Rows where `mask` (bool [B, S]) is False are 0.
-    Default launch: 64 tokens, 4 warps, 32 FFN columns per step, 3 stages, the fastest of 16 launches on the H200
-    (experiments/h200/session8/parts*.json, d_model 128): on row 6's shape 1.01 ms per layer against 1.79 ms for
-    32 tokens with 8 warps (which ptxas compiles without spills; 4 warps spill, and win all the same)."""
+    Default launch: `tail_block_m` tokens (64 from 8192 tokens), 4 warps, 32 FFN columns per step, 3 stages, the
+    fastest of 16 launches on the H200 (experiments/h200/session8/parts*.json, d_model 128): on row 6's shape
+    1.01 ms per layer against 1.79 ms for 32 tokens with 8 warps (which ptxas compiles without spills; 4 warps
+    spill, and win all the same)."""
     B, S, d = x.shape
     why = why_unsupported(d)
     if why:
@@ -110,6 +125,7 @@ def layer_tail(o, x, w, *, mask=None, final=None, out_dtype=None, block_m=64, ff
     m = mask.contiguous().view(torch.int8) if mask is not None else out
     nf_w, nf_b = final if final is not None else (w["n2_w"], w["n2_b"])
     n_tokens = B * S
+    block_m = block_m or tail_block_m(n_tokens)
     ffn_pad = max(16, triton.next_power_of_2(ffn))
     _layer_tail_fwd[(triton.cdiv(n_tokens, block_m),)](
         o, x, out, m, w["o_w"], w["o_b"], w["in_w"], w["in_b"], w["out_w"], w["out_b"], w["n2_w"], w["n2_b"],

@@ -111,9 +111,10 @@ def estimate_memory_bytes(config, dtype: torch.dtype, which: str) -> int:
         acts = tokens * (6 * d + 2 * f) * elem
         return int(weights + io + peak_scores + acts)
     if which == "optimized":
-        from .routing import Route  # the route's fields only; routing imports no torch
+        from .routing import POLICY, Route  # the route's fields only; routing imports no torch
 
-        general = Route("triton", "bf16" if dtype == torch.bfloat16 else "fp16", "estimate")
+        operands = POLICY["low_precision_operands"].get(str(dtype).replace("torch.", ""), "fp16")
+        general = Route("triton", operands, "estimate")
         return int(weights + io + working_set_bytes(cfg, dtype, general))
     raise ValueError(f"estimate_memory_bytes: which must be 'reference' or 'optimized', got {which!r}")
 

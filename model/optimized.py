@@ -7,6 +7,11 @@ registered, and refreshed in place when a source parameter's version counter or 
 edits (`p.copy_`, `p.mul_` under no_grad), `p.data = t`, `load_state_dict` (also with assign=True) and
 `.to()` are all seen. Not seen: writes through `p.data` (`p.data.copy_(t)`), which PyTorch does not count
 on the parameter's version counter; call `refresh_weights()` after those.
+
+Operand precision: the route's (model/routing.py). Where that is fp16 for an input that is not float16 (float32
+inputs, and bfloat16 inputs, whose bf16 weights convert to fp16 exactly within fp16's range), the model checks
+once per weight version that every parameter lies within FP16_SAFE_ABS, and runs bf16 operands (fp32's range)
+where one does not; the route's reason names the parameter. A `precision=` set by the caller is not checked.
 """
 from __future__ import annotations
 
@@ -65,6 +70,14 @@ def switches_used(route, input_dtype, device_type: str) -> tuple:
 
 
 MAX_GRAPHS = 8  # captured CUDA graphs kept per model (one per input signature)
+# The largest parameter magnitude for which fp16 operands are used on an input that is not float16 (beyond it: bf16
+# operands). fp16's largest finite value is 65504 (just under 2**16). LayerNorm's normalized activations are at most
+# sqrt(d_model - 1) in magnitude, below 2**5 up to d_model 1024 (the widest official row); times a gain or a weight
+# of at most 2**11, one such product stays within fp16's range. Real weights are orders of magnitude smaller
+# (PyTorch initializes Linear weights within 1/sqrt(fan_in), LayerNorm gains at 1), so the check catches weights on
+# another scale (unnormalized or rescaled checkpoints), not ordinary ones. It is a screen, not a proof: a sum of
+# many large aligned products can still overflow, and shows as inf in the output.
+FP16_SAFE_ABS = 2.0**11
 # One layer's derived weights as the per-layer kernels (fused_layer, ln_qkv, layer_tail) take them: "{i}.{name}".
 _LAYER_WEIGHTS = ("qkv_w", "qkv_b", "o_w", "o_b", "in_w", "in_b", "out_w", "out_b", "n1_w", "n1_b", "n2_w", "n2_b")
 _version_of = operator.attrgetter("_version")
@@ -98,7 +111,7 @@ class UserOptimizedTransformer(BaselineTransformer):
             raise ValueError(f"UserOptimizedTransformer: precision must be one of {tuple(_OPERAND_DTYPE)}, "
                              f"got {precision!r}")
         self.route = route
-        self.precision = precision  # overrides the policy's operand precision for float32 inputs
+        self.precision = precision  # overrides the policy's operand precision for float32 inputs (not range-checked)
         self.disabled = disabled
         self.last_route = None
         self._routes = {}  # input signature -> Route
@@ -106,6 +119,7 @@ class UserOptimizedTransformer(BaselineTransformer):
         self._weight_versions = None
         self._param_list = None  # the parameters, listed once (walking the module tree costs ~100 us)
         self._graphs = {}  # input signature -> captured graph and its static tensors
+        self._fp16_range = None  # the last range check: (weight versions, its verdict); None: no route asked yet
         # Memory (model/memory.py): the user's cap on the device memory this process may hold (argument, else env
         # SHAPEWISE_MEMORY_BUDGET_GB, read here once); the plan of each (input signature, cap, memory fraction).
         self.memory_budget_bytes = user_budget_bytes(memory_budget_bytes)
@@ -130,6 +144,11 @@ class UserOptimizedTransformer(BaselineTransformer):
                 return self._forward_streamed(x, valid_token_mask, plan)
         key = (x.shape, x.dtype, x.device, valid_token_mask is None)
         route = self._routes.get(key)
+        if route is None or route.name not in ("reference", "sdpa"):
+            # Before the route is taken: edited weights are derived again here, and edits that move a parameter
+            # across FP16_SAFE_ABS drop the routes chosen under the old verdict (this one too: selected again).
+            self._refresh_weights()
+            route = self._routes.get(key)
         if route is None:
             route = self._select(x, valid_token_mask)
             self._routes[key] = route
@@ -138,7 +157,6 @@ class UserOptimizedTransformer(BaselineTransformer):
             return super().forward(x, valid_token_mask)
         if route.name == "sdpa":
             return self._forward_sdpa(x, valid_token_mask)
-        self._refresh_weights()
         if self._captures(route, x):
             return self._forward_graph(x, valid_token_mask, route)
         with torch.no_grad():
@@ -149,11 +167,19 @@ class UserOptimizedTransformer(BaselineTransformer):
         shape = Shape(x.shape[0], x.shape[1], cfg.d_model, cfg.num_heads, cfg.ffn_dim, cfg.num_layers, cfg.causal)
         route = select_route(shape, x.dtype, x.device, "none" if mask is None else "general", forced=self.route,
                              allow_fused="fused_layer" not in self.disabled)
+        caller_precision = False
         if x.dtype == torch.float32 and route.name in ("triton", "graph", "fused"):
             if "reduced_precision" in self.disabled:
                 route = replace(route, precision="fp32", reason=route.reason + "; reduced_precision disabled")
             elif self.precision is not None:
                 route = replace(route, precision=self.precision, reason=route.reason + "; precision set by caller")
+                caller_precision = True
+        if route.precision == "fp16" and x.dtype != torch.float16 and not caller_precision:
+            offender = self._fp16_offender()  # the weights converted to fp16 (and activations scaled by them)
+            if offender is not None:
+                name, peak = offender
+                route = replace(route, precision="bf16", reason=route.reason + (
+                    f"; bf16 operands: max |{name}| = {peak:.4g} > FP16_SAFE_ABS = {FP16_SAFE_ABS:g} (fp16 range)"))
         if route.split_layer and (route.precision not in ("fp16", "bf16") or self.disabled & set(_SPLIT_NEEDS)):
             off = sorted(self.disabled & set(_SPLIT_NEEDS)) or [f"{route.precision} operands"]
             route = replace(route, split_layer=False, reason=route.reason + f"; no split layer: {', '.join(off)}")
@@ -187,8 +213,11 @@ class UserOptimizedTransformer(BaselineTransformer):
         return ptrs, tuple(map(_version_of, params))
 
     def refresh_weights(self) -> None:
-        """Rebuild the derived weights from the parameters now (after edits PyTorch cannot see)."""
+        """Rebuild the derived weights from the parameters now (after edits PyTorch cannot see), and check them
+        against FP16_SAFE_ABS again where a route asked."""
         self._param_list, self._weight_versions = None, None
+        if self._fp16_range is not None:  # versions that cannot match: the range is measured again
+            self._fp16_range = (None, self._fp16_range[1])
         self._refresh_weights()
 
     def load_state_dict(self, *args, **kwargs):  # assign=True swaps Parameter objects: list them again
@@ -204,6 +233,27 @@ class UserOptimizedTransformer(BaselineTransformer):
                 for name, fresh in self._derive(precision, packed).items():
                     cache[name].copy_(fresh)  # in place: captured graphs keep reading the same buffers
         self._weight_versions = versions
+        if self._fp16_range is not None:  # some route's precision rests on the range check: check the new weights
+            self._fp16_offender()
+
+    def _fp16_offender(self):
+        """(name, max |value|) of the parameter furthest beyond FP16_SAFE_ABS, or None when all lie within it.
+
+        Measured once per weight version (one host sync). When the verdict changes, the routes and graphs chosen
+        under the old one are dropped, with the derived weights of their precision: each input signature selects
+        its route again. The memory plans stay: fp16 and bf16 operands take the same bytes."""
+        versions = self._versions()
+        if self._fp16_range is not None and self._fp16_range[0] == versions:
+            return self._fp16_range[1]
+        named = list(self.named_parameters())
+        with torch.no_grad():
+            peaks = torch.stack([p.detach().abs().amax().float() for _, p in named]).tolist()  # the host sync
+        worst = max(range(len(named)), key=peaks.__getitem__)
+        offender = (named[worst][0], peaks[worst]) if peaks[worst] > FP16_SAFE_ABS else None
+        if self._fp16_range is not None and _name_of(self._fp16_range[1]) != _name_of(offender):
+            self._routes, self._graphs, self._weights = {}, {}, {}
+        self._fp16_range = (versions, offender)
+        return offender
 
     def _weights_for(self, precision: str, packed: bool):
         cache = self._weights.get((precision, packed))
@@ -234,7 +284,7 @@ class UserOptimizedTransformer(BaselineTransformer):
 
     def _apply(self, fn, *args, **kwargs):  # .to(), .cuda(), .half(): derived state is rebuilt lazily
         self._weights, self._weight_versions, self._graphs, self._routes = {}, None, {}, {}
-        self._param_list, self._memory_plans = None, {}
+        self._param_list, self._memory_plans, self._fp16_range = None, {}, None
         return super()._apply(fn, *args, **kwargs)
 
     # -------------------------------------------------------------------------------------------
@@ -496,6 +546,10 @@ class UserOptimizedTransformer(BaselineTransformer):
         other = "".join(f"; chunks of {b}: {r}" for b, r in routes[1:])
         self.last_route = replace(first, reason=f"{first.reason}; {plan.reason}{other}")
         return out
+
+
+def _name_of(offender):
+    return None if offender is None else offender[0]
 
 
 def _addresses(x, mask):

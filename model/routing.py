@@ -9,9 +9,17 @@ Routes:
 - `fused`: one Triton kernel per layer (kernels/fused_layer.py) where a sequence fits on chip
   (seq_len <= 128, d_model <= 128), fp16/bf16 operands; captured in a CUDA graph on CUDA.
 
+Operand precision (`Route.precision`; accumulation is fp32 always, and the kernel routes keep an fp32 residual
+stream and fp32 LayerNorm statistics): `reference` and `sdpa` run PyTorch in the input dtype. The kernel routes
+take it from the policy: `low_precision_operands` per float16/bfloat16 input (bfloat16 inputs get fp16 operands:
+bf16's 8 mantissa bits failed the accuracy contract), `fp32_precision` for float32 inputs. The output is in the
+input dtype on every route. fp16 operands for an input that is not float16 can overflow on out-of-range weights:
+the model checks its weights (UserOptimizedTransformer, model/optimized.py) and falls back to bf16 operands.
+
 The `triton` and `graph` routes run a layer as our attention between cuBLAS GEMMs and fused residual+LayerNorm
 passes, or, where the policy's `split_layer.max_d_model` covers d_model (null: never) and the input has at least
-`split_layer.min_tokens` tokens, as the split layer: three kernels per layer (LayerNorm 1 + QKV, our attention, kernels/layer_tail.py for the rest), `Route.split_layer`.
+`split_layer.min_tokens` tokens (null: any), as the split layer: three kernels per layer (LayerNorm 1 + QKV, our
+attention, kernels/layer_tail.py for the rest), `Route.split_layer`.
 
 The policy (thresholds and precisions) lives in `routing_policy.json` beside this file, read off the
 H200 accuracy and ablation tables; `select_route` itself is pure: same inputs, same Route.
@@ -71,16 +79,20 @@ def _dtype_name(dtype) -> str:
 
 
 def _device_type(device) -> str:
-    return device if isinstance(device, str) and ":" not in device else getattr(device, "type", str(device).split(":")[0])
+    if isinstance(device, str) and ":" not in device:
+        return device
+    return getattr(device, "type", str(device).split(":")[0])
+
+
+# The precision of PyTorch's own matmuls in each low-precision dtype: what `reference` and `sdpa` run.
+_NATIVE_PRECISION = {"float16": "fp16", "bfloat16": "bf16"}
 
 
 def _precision_for(name: str, dtype: str, shape: Shape) -> str:
-    if dtype == "float16":
-        return "fp16"
-    if dtype == "bfloat16":
-        return "bf16"
-    if name in ("reference", "sdpa"):
-        return "fp32"
+    if name in ("reference", "sdpa"):  # PyTorch in the input dtype (exact fp32 for float32 inputs)
+        return _NATIVE_PRECISION.get(dtype, "fp32")
+    if dtype in POLICY["low_precision_operands"]:
+        return POLICY["low_precision_operands"][dtype]
     rules = POLICY["fp32_precision"]
     for rule in rules["by_d_model_at_least"]:
         if shape.d_model >= rule["d_model"]:
@@ -116,11 +128,14 @@ def _fused_route(name: str, precision: str, reason: str, shape: Shape, forced: b
 
 def _fused_pays(shape: Shape) -> bool:
     """Whether the policy expects the fused route to beat the graph route here: tokens*d_model up to
-    `fused.max_tokens_x_d_model`, batch_size*seq_len in [`fused.min_tokens`, `fused.max_tokens`] (null: no
-    bound) and at most `fused.max_heads` heads (null: any), as the fused_layer ablation measured."""
+    `fused.max_tokens_x_d_model`, seq_len*d_model (one sequence's activations, which one program of the fused
+    kernel holds) up to `fused.max_seq_len_x_d_model`, batch_size*seq_len in [`fused.min_tokens`,
+    `fused.max_tokens`] and at most `fused.max_heads` heads (each null or absent: no bound), as measured."""
     fused = POLICY["fused"]
     lo, hi, heads = fused.get("min_tokens") or 1, fused.get("max_tokens"), fused.get("max_heads")
+    per_sequence = fused.get("max_seq_len_x_d_model")
     return (shape.tokens * shape.d_model <= fused["max_tokens_x_d_model"] and shape.tokens >= lo
+            and (per_sequence is None or shape.seq_len * shape.d_model <= per_sequence)
             and (hi is None or shape.tokens <= hi) and (heads is None or shape.num_heads <= heads))
 
 
@@ -207,5 +222,6 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
     sdpa_from = POLICY["attention"]["sdpa_from_seq_len"]
     if sdpa_from is not None and shape.seq_len >= sdpa_from:
         how = "" if mask_kind == "none" else " (causal prefix masks; other masks: our kernel, decided per call)"
-        route = replace(route, attention="sdpa", reason=route.reason + f"; SDPA attention from seq_len {sdpa_from}{how}")
+        route = replace(route, attention="sdpa",
+                        reason=route.reason + f"; SDPA attention from seq_len {sdpa_from}{how}")
     return _with_split_layer(route, shape)

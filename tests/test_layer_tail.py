@@ -8,11 +8,18 @@ final norm, fp16 and bf16 operands.
 
 import pytest
 import torch
+import triton
 from test_fused_layer import DEVICE, TOL, check, make_mask, weights
 
 from shapewise.kernels.attention import flash_attention
-from shapewise.kernels.fused_layer import fused_layer_reference, ln_qkv
-from shapewise.kernels.layer_tail import layer_tail, layer_tail_reference
+from shapewise.kernels.fused_layer import (
+    LN_PROJECT_BLOCK_N,
+    LN_PROJECT_MIN_PROGRAMS,
+    _ln_project_grid,
+    fused_layer_reference,
+    ln_qkv,
+)
+from shapewise.kernels.layer_tail import TAIL_BLOCK_M, TAIL_MIN_PROGRAMS, layer_tail, layer_tail_reference, tail_block_m
 
 # (B, S, d_model, num_heads, ffn_dim)
 SHAPES = {
@@ -40,17 +47,46 @@ def test_layer_tail_matches_fp64(shape, mask_kind, final):
         assert y[~mask].abs().max().item() == 0.0, "invalid rows are not exactly zero"
 
 
+# ln_qkv launches: (block_t, col_blocks); None: the launcher's default. d 80: 240 columns in four 64-column steps,
+# the last one partial; 3 column blocks of 2 steps leave the last block one step.
+LN_LAUNCHES = [(None, None), (16, 1), (16, 2), (16, 3), (16, 4)]
+
+
+@pytest.mark.parametrize("launch", LN_LAUNCHES, ids=[f"{t}x{c}" for t, c in LN_LAUNCHES])
+@pytest.mark.parametrize("shape", ["S7-d48-H3", "hd80"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_ln_qkv_matches_fp64(dtype):
-    B, S, d, H, ffn = SHAPES["S7-d48-H3"]
+def test_ln_qkv_matches_fp64(dtype, shape, launch):
+    B, S, d, H, ffn = SHAPES[shape]
     w = weights(d, ffn, dtype, seed=12)
     x = torch.randn(B, S, d, device=DEVICE)
-    qkv = ln_qkv(x, w)
+    block_t, col_blocks = launch
+    qkv = ln_qkv(x, w, block_t=block_t, col_blocks=col_blocks)
     assert qkv.shape == (B, S, 3 * d) and qkv.dtype == dtype
     h = torch.nn.functional.layer_norm(x.double(), (d,), w["n1_w"].double(), w["n1_b"].double(), 1e-5)
     want = h @ w["qkv_w"].double().t() + w["qkv_b"].double()
     atol, rtol = TOL[dtype]
     assert ((qkv.double() - want).abs() <= atol + rtol * want.abs()).all()
+
+
+@pytest.mark.parametrize("B, S, n_cols", [(1, 128, 384), (64, 128, 384), (10000, 128, 384), (2, 7, 240),
+                                           (3, 1, 96), (1, 100000, 3072)])
+def test_ln_project_grid_covers_every_column_once(B, S, n_cols):
+    """The default launch: every column in exactly one column block, whole 64-column steps per block, and column
+    blocks only while the tokens alone give fewer than LN_PROJECT_MIN_PROGRAMS programs."""
+    block_t, per, grid = _ln_project_grid(B, S, n_cols)
+    assert grid[:2] == (triton.cdiv(S, block_t), B)
+    assert per % LN_PROJECT_BLOCK_N == 0 and (grid[2] - 1) * per < n_cols <= grid[2] * per
+    if grid[0] * B >= LN_PROJECT_MIN_PROGRAMS:
+        assert grid[2] == 1
+    else:
+        assert grid[0] * B * grid[2] >= min(LN_PROJECT_MIN_PROGRAMS, grid[0] * B * triton.cdiv(n_cols, 64)) // 2
+
+
+@pytest.mark.parametrize("n_tokens, want", [(1, 16), (128, 16), (4064, 16), (4065, 32), (8128, 32), (8129, 64),
+                                            (1_280_000, 64)])
+def test_tail_block_m_keeps_the_gpu_busy(n_tokens, want):
+    assert tail_block_m(n_tokens) == want
+    assert triton.cdiv(n_tokens, want) >= TAIL_MIN_PROGRAMS or want == TAIL_BLOCK_M[-1]
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "holes", "one_empty"])

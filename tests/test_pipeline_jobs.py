@@ -114,8 +114,9 @@ def test_report_names_rows_that_ran_a_shorter_protocol():
 
 @pytest.mark.slow
 def test_ablation_records_switches_the_route_does_not_use_and_configured_time_skips(tmp_path):
-    """Forced triton route on the CPU: fused_layer and cuda_graph are not applicable (not run, not a pass);
-    a switch in the protocol's `skip` mapping is a time skip with its reason; the others run and are checked."""
+    """Forced triton route on the CPU (split layers: the policy's split_layer covers d_model 32 at any token count):
+    fused_layer, cuda_graph and fused_layernorm are not applicable (not run, not a pass); a switch in the protocol's
+    `skip` mapping is a time skip with its reason; the others run and are checked."""
     row = normalize_row({"id": "abl-row", "batch_size": 2, "seq_len": 7, "d_model": 32, "num_heads": 2,
                          "ffn_dim": 32, "num_layers": 1, "trials": 1, "route": "triton"})
     job(tmp_path, "preflight", "--device", "cpu", "--row", row_json(row), "--headroom", "0.85", "--out", "pre.json")
@@ -126,26 +127,26 @@ def test_ablation_records_switches_the_route_does_not_use_and_configured_time_sk
     abl = json.loads((tmp_path / "abl.json").read_text())
     by = {v["variant"]: v for v in abl["variants"]}
     assert abl["status"] == "ok" and by["all-on"]["route_detail"]["name"] == "triton"
-    assert abl["switches_used"] == ["reduced_precision", "flash_attention", "fused_layernorm", "packed_qkv"]
-    for name in ("fused_layer", "cuda_graph"):
+    assert abl["switches_used"] == ["reduced_precision", "flash_attention", "packed_qkv", "split_layer"]
+    for name in ("fused_layer", "cuda_graph", "fused_layernorm"):
         assert by[name]["skipped"] == "not-applicable" and "median_ms" not in by[name] and "passed" not in by[name]
     assert by["packed_qkv"] == {"variant": "packed_qkv", "disable": ["packed_qkv"], "skipped": "time",
                                 "reason": "too slow here"}
-    for name in ("reduced_precision", "flash_attention", "fused_layernorm"):
+    for name in ("reduced_precision", "flash_attention", "split_layer"):
         assert by[name]["passed"] and by[name]["median_ms"] > 0 and "skipped" not in by[name]
     assert by["reduced_precision"]["route_detail"]["precision"] == "fp32"
 
 
 def test_roofline_peak_is_the_fastest_rate_the_row_may_use():
     """float32 rows may run fp16 operands (routing policy): their floor takes the fastest of TF32/fp16/bf16;
-    fp16 rows take the fp16 rate; a CPU float32 row the plain fp32 rate."""
+    fp16 rows take the fp16 rate, bf16 rows the faster of fp16 and bf16; a CPU float32 row the plain fp32 rate."""
     from shapewise.jobs.microbench import peaks
 
     gemm = {"fp32": {"tflop_per_s": 51.0}, "tf32": {"tflop_per_s": 402.0}, "fp16": {"tflop_per_s": 739.0},
             "bf16": {"tflop_per_s": 700.0}}
     cuda = {"device": "cuda", "gemm": gemm, "copy": {"gb_per_s": 4000.0}}
     assert peaks(cuda, "float32") == (739.0e12, 4000.0e9)
-    assert peaks(cuda, "bfloat16")[0] == 700.0e12
+    assert peaks(cuda, "bfloat16")[0] == 739.0e12  # fp16 operands (routing policy) or bf16: the faster
     assert peaks({**cuda, "device": "cpu"}, "float32")[0] == 51.0e12
     assert peaks({**cuda, "gemm": {"tf32": {"tflop_per_s": 402.0}}}, "float32")[0] == 402.0e12
     assert peaks({**cuda, "gemm": {}}, "float16") == (None, 4000.0e9)

@@ -166,11 +166,29 @@ def test_route_explains_itself(device, dtype):
 
 
 @pytest.mark.parametrize("name", ROUTES)
-def test_precision_follows_low_precision_dtypes(name):
-    """fp16/bf16 inputs never get a higher- or other-precision operand type than their own."""
-    for dtype, expect in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
-        r = select_route(SHAPES[2], dtype, "cuda", "none", forced=name, interpret=False)
-        assert r.precision == expect, f"{name} {dtype}: precision {r.precision}"
+def test_low_precision_inputs_get_fp16_operands_on_kernel_routes(name):
+    """float16 and bfloat16 inputs run fp16 operands on every kernel route (bf16's 8 mantissa bits failed the
+    accuracy contract on the H200; fp16 passed), auto or forced, with or without the split layer; `reference` and
+    `sdpa` run PyTorch in the input dtype."""
+    native = name in ("reference", "sdpa")
+    for dtype, expect in ((torch.float16, "fp16"), (torch.bfloat16, "bf16" if native else "fp16")):
+        for shape in (SHAPES[0], SHAPES[2], SHAPES[3]):  # the split layer's shapes (row 6) too
+            r = select_route(shape, dtype, "cuda", "none", forced=name, interpret=False)
+            assert r.precision == expect, f"{name} {dtype}: precision {r.precision}"
+            auto = select_route(shape, dtype, "cuda", "none", interpret=False)
+            assert auto.precision == "fp16", f"auto {dtype}: {auto}"
+
+
+def test_low_precision_operands_come_from_the_policy(monkeypatch):
+    """The policy's low_precision_operands is the one owner of the rule: changing it changes the kernel routes'
+    precision (and the split layer still runs on either 16-bit type), never that of reference and sdpa."""
+    monkeypatch.setitem(routing.POLICY, "low_precision_operands", {"float16": "fp16", "bfloat16": "bf16"})
+    split = select_route(SHAPES[3], torch.bfloat16, "cuda", "none", forced="graph", interpret=False)
+    assert split.precision == "bf16" and split.split_layer
+    assert select_route(SHAPES[2], torch.bfloat16, "cuda", "none", forced="fused").precision == "bf16"
+    assert select_route(SHAPES[2], torch.float16, "cuda", "none", forced="triton").precision == "fp16"
+    assert select_route(SHAPES[2], torch.bfloat16, "cuda", "none", forced="sdpa").precision == "bf16"
+    assert select_route(SHAPES[2], torch.float32, "cuda", "none", forced="triton").precision == "fp16"
 
 
 def test_reference_route_is_exact_fp32():
@@ -193,10 +211,15 @@ def test_policy_can_send_long_attention_to_sdpa(monkeypatch):
     assert select_route(long_row, torch.float32, "cuda").attention == "triton"
 
 
+def _fused_any_length():
+    """The committed fused policy without its per-sequence bound (the tests below use 128 x 64 sequences)."""
+    return {**routing.POLICY["fused"], "max_seq_len_x_d_model": None}
+
+
 def test_fused_launch_follows_the_policy_buckets(monkeypatch):
     """fused.launch: the first entry whose max_tokens covers batch*seq gives the fused kernel's launch
     configuration, and the route carries it (so every result records which configuration ran)."""
-    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "launch": [
+    monkeypatch.setitem(routing.POLICY, "fused", {**_fused_any_length(), "launch": [
         {"max_tokens": 1024, "block_m": 16, "num_warps": 4, "num_stages": 2},
         {"max_tokens": None, "block_m": 64, "num_warps": 4, "num_stages": 1}]})
     small = Shape(batch_size=8, seq_len=128, d_model=64, num_heads=4, ffn_dim=64, num_layers=1, causal=True)
@@ -206,16 +229,29 @@ def test_fused_launch_follows_the_policy_buckets(monkeypatch):
     assert route.name == "fused" and route.launch == (64, 4, 1) and "launch=(64, 4, 1)" in str(route)
     assert select_route(large, torch.float32, "cpu", forced="fused", interpret=True).launch == (64, 4, 1)
     assert select_route(large, torch.float32, "cuda", forced="triton").launch == ()
-    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "launch": [
+    monkeypatch.setitem(routing.POLICY, "fused", {**_fused_any_length(), "launch": [
         {"max_tokens": 1024, "block_m": 16, "num_warps": 4, "num_stages": 2}]})
     with pytest.raises(ValueError, match="max_tokens null"):
         select_route(large, torch.float32, "cuda")
 
 
+def test_fused_only_up_to_the_per_sequence_size(monkeypatch):
+    """fused.max_seq_len_x_d_model: one program of the fused kernel holds a sequence's activations; longer or wider
+    sequences go to the graph route (rows 3 and 4, 128 x 128, since session 9), null means no bound."""
+    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "max_seq_len_x_d_model": 4096})
+    short = Shape(batch_size=64, seq_len=32, d_model=128, num_heads=4, ffn_dim=128, num_layers=4, causal=True)
+    longer = dataclasses.replace(short, batch_size=16, seq_len=128)
+    assert select_route(short, torch.float32, "cuda").name == "fused"
+    assert select_route(longer, torch.float32, "cuda").name == "graph"
+    assert select_route(longer, torch.float32, "cuda", forced="fused").name == "fused"
+    monkeypatch.setitem(routing.POLICY, "fused", _fused_any_length())
+    assert select_route(longer, torch.float32, "cuda").name == "fused"
+
+
 def test_fused_launch_entries_can_bound_the_heads(monkeypatch):
     """A launch entry with max_heads serves only shapes with at most that many heads; others fall through to the
     next entry that covers them."""
-    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "max_heads": None,
+    monkeypatch.setitem(routing.POLICY, "fused", {**_fused_any_length(), "max_heads": None,
                                                    "max_tokens_x_d_model": 2**24, "launch": [
         {"max_tokens": 8192, "max_heads": 4, "block_m": 32, "num_warps": 4, "num_stages": 2},
         {"max_tokens": None, "block_m": 32, "num_warps": 4, "num_stages": 1, "kv_precompute": True}]})
@@ -232,13 +268,13 @@ def test_fused_launch_entries_can_bound_the_heads(monkeypatch):
 def test_fused_only_inside_the_policy_bounds(monkeypatch, tokens, heads, fused):
     """fused.min_tokens / max_tokens / max_heads bound where `auto` picks the fused route; outside them the
     graph route serves; a forced fused route still serves any shape the kernel supports."""
-    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "min_tokens": 256,
+    monkeypatch.setitem(routing.POLICY, "fused", {**_fused_any_length(), "min_tokens": 256,
                                                    "max_tokens": 8192, "max_heads": 4, "max_tokens_x_d_model": 2**24})
     shape = Shape(batch_size=tokens, seq_len=1, d_model=16 * heads, num_heads=heads, ffn_dim=64, num_layers=1,
                   causal=True)
     assert select_route(shape, torch.float32, "cuda").name == ("fused" if fused else "graph")
     assert select_route(shape, torch.float32, "cuda", forced="fused").name == "fused"
-    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "min_tokens": None,
+    monkeypatch.setitem(routing.POLICY, "fused", {**_fused_any_length(), "min_tokens": None,
                                                    "max_tokens": None, "max_heads": None})
     assert select_route(shape, torch.float32, "cuda").name == "fused"
 
@@ -246,12 +282,14 @@ def test_fused_only_inside_the_policy_bounds(monkeypatch, tokens, heads, fused):
 # The committed policy against the routes the H200 measured fastest per official row (reports/h200: the
 # fused_layer and flash_attention ablations, session 3; the fused sweep, session 4; the split-layer experiment,
 # session 8). A policy edit that changes one of these must say why.
-OFFICIAL_ROUTES = {1: "graph", 2: "graph", 3: "fused", 4: "fused", 5: "graph", 6: "triton", 7: "fused",
+OFFICIAL_ROUTES = {1: "graph", 2: "graph", 3: "graph", 4: "graph", 5: "graph", 6: "triton", 7: "fused",
                    8: "graph", 9: "graph", 10: "graph", 11: "graph", 12: "fused", 13: "graph", 14: "triton"}
 # Session 8 (experiments/h200/session8/split-*.json): the split layer beat the fused kernel on rows 5, 9, 10 and 11
 # (tied on row 1: tokens*d above fused.max_tokens_x_d_model = 2**18 leave the fused route) and the unfused layer on
-# rows 6 and 13; it lost on row 2 (128 tokens, below split_layer.min_tokens).
-OFFICIAL_SPLIT = {1, 5, 6, 9, 10, 11, 13}
+# rows 6 and 13. Session 9 (experiments/h200/session9/split.json, launches sized to the token count): it beat the
+# fused kernel on rows 3 and 4 (seq_len*d 16384, above fused.max_seq_len_x_d_model) and the unfused layer on row 2
+# (no token floor any more); the fused kernel kept rows 7 and 12 (seq_len*d 4096).
+OFFICIAL_SPLIT = {1, 2, 3, 4, 5, 6, 9, 10, 11, 13}
 OFFICIAL_KV = set()  # the kv_precompute entry (rows 5 and 11 until session 8) serves no official row now
 
 
@@ -272,7 +310,7 @@ def test_policy_can_precompute_keys_and_values(monkeypatch):
     """fused.launch entries may set kv_precompute; the route carries it (and says so), other routes never do."""
     shape = Shape(batch_size=8, seq_len=128, d_model=64, num_heads=4, ffn_dim=64, num_layers=1, causal=True)
     launch = [{"max_tokens": None, "block_m": 32, "num_warps": 4, "num_stages": 2}]
-    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "launch": launch})
+    monkeypatch.setitem(routing.POLICY, "fused", {**_fused_any_length(), "launch": launch})
     assert select_route(shape, torch.float32, "cuda").kv_precompute is False
     monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"],
                                                    "launch": [{**launch[0], "kv_precompute": True}]})
@@ -287,7 +325,7 @@ def test_policy_can_set_key_and_ffn_blocks(monkeypatch):
     """fused.launch entries may set key_block and ffn_block; absent, the route carries 0 (the kernel's default)."""
     shape = Shape(batch_size=8, seq_len=128, d_model=64, num_heads=4, ffn_dim=64, num_layers=1, causal=True)
     launch = {"max_tokens": None, "block_m": 32, "num_warps": 4, "num_stages": 2, "kv_precompute": True}
-    monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "launch": [launch]})
+    monkeypatch.setitem(routing.POLICY, "fused", {**_fused_any_length(), "launch": [launch]})
     route = select_route(shape, torch.float32, "cuda")
     assert (route.key_block, route.ffn_block) == (0, 0) and "key_block" not in str(route)
     monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"],
@@ -311,7 +349,7 @@ def test_policy_can_split_layers(monkeypatch):
     assert route.as_dict()["split_layer"] is True and "split layer" in route.reason
     assert not select_route(wide, torch.float32, "cuda").split_layer  # beyond the tail kernel's d_model
     assert select_route(small, torch.float32, "cpu", forced="triton", interpret=True).split_layer
-    fused = Shape(batch_size=8, seq_len=128, d_model=64, num_heads=4, ffn_dim=64, num_layers=1, causal=True)
+    fused = Shape(batch_size=8, seq_len=32, d_model=64, num_heads=4, ffn_dim=64, num_layers=1, causal=True)
     assert select_route(fused, torch.float32, "cuda").name == "fused"
     assert not select_route(fused, torch.float32, "cuda").split_layer
     big = Shape(batch_size=256, seq_len=1024, d_model=128, num_heads=4, ffn_dim=128, num_layers=4, causal=True)
@@ -322,8 +360,8 @@ def test_policy_can_split_layers(monkeypatch):
 
 
 def test_split_layer_has_a_token_floor(monkeypatch):
-    """split_layer.min_tokens: fewer tokens than that keep the unfused layer (row 2, 128 tokens, lost 87 -> 95 us
-    with it in session 8); null or absent means no floor."""
+    """split_layer.min_tokens: fewer tokens than that keep the unfused layer (session 8 had 1024: row 2, 128 tokens,
+    lost 87 -> 95 us with the split layer then; null since session 9's launches); null or absent means no floor."""
     one = Shape(batch_size=1, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=4, causal=True)
     eight = dataclasses.replace(one, batch_size=8)  # 1024 tokens
     monkeypatch.setitem(routing.POLICY, "split_layer", {"max_d_model": 128, "min_tokens": 1024})

@@ -22,8 +22,10 @@ ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Which microbench GEMM entries bound a row's matmuls: the fastest of them. An
 # fp32 row may run on TF32 tensor cores, and the routing policy runs fp32 rows
 # with fp16 operands (fp32 accumulation), so its floor takes the fp16/bf16
-# rate when that is higher: a floor is a lower bound on time.
-PEAK_ENTRIES = {"float32": ("tf32", "fp16", "bf16"), "float16": ("fp16",), "bfloat16": ("bf16",)}
+# rate when that is higher: a floor is a lower bound on time. bfloat16 rows run fp16
+# operands too (routing policy, low_precision_operands), or bf16 ones where weights
+# exceed fp16's range.
+PEAK_ENTRIES = {"float32": ("tf32", "fp16", "bf16"), "float16": ("fp16",), "bfloat16": ("fp16", "bf16")}
 
 
 def flops(batch_size, seq_len, d_model, ffn_dim, num_layers, causal=True, **_):
