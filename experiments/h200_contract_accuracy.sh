@@ -6,6 +6,8 @@
 set -uo pipefail
 [ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/workflow PYTHONUNBUFFERED=1
+# a standalone job holds a GPU slot of a one-GPU pool, as the pipeline passes it (workflow/shapewise/gpuslots.py)
+export SHAPEWISE_PIPELINE_GPUS=${SHAPEWISE_PIPELINE_GPUS:-0}
 dir="$OUT/contract-accuracy"
 mkdir -p "$dir"
 for id in ${ROWS:?name the contract rows in ROWS}; do
