@@ -1,0 +1,87 @@
+"""Where the official call's all-True mask costs time, kernel by kernel (issue #12 item 2).
+
+Usage (CUDA machine): python -m experiments.h200_mask_parts OUT.json [--rows 1,5,10,13,6,8]
+
+experiments/h200/session9/mask-after.json measured model(x, all-True mask) 2-5 % slower than model(x) on rows 1, 5,
+6 and 8 (rows 1-13 on the routes of cba9ddd). Per row, each kernel the mask touches, timed as a CUDA graph of 10
+launches (experiments.h200_probe.graph_ms), without and with the mask as the model passes it:
+- attention: unmasked; key_mask with its prefix summary (what the model runs); key_lengths = S (the prefix path
+  without a mask), and the autotuner's choice for each (Triton's cache of `_attention_fwd_tuned`);
+- the mask's prefix summary (`prefix_lengths`, one launch per forward);
+- the split layer's tail (rows with d_model <= 128) or the unfused route's add+LayerNorm with its row mask (row 8).
+OUT.json is written after every row.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from shapewise.kernels import attention as attention_module
+from shapewise.kernels.attention import flash_attention
+from shapewise.kernels.fused_layer import MAX_D_MODEL, ln_qkv
+from shapewise.kernels.layer_tail import layer_tail
+from shapewise.kernels.layernorm import add_layernorm
+from shapewise.kernels.mask import prefix_lengths
+
+from experiments.h200_probe import graph_ms
+from experiments.h200_sweep import shape_of, weights
+
+
+def tuned_configs():
+    """The attention autotuner's choice per key so far: {key: config}."""
+    cache = getattr(attention_module._attention_fwd_tuned, "cache", {})
+    return {str(k): str(v) for k, v in cache.items()}
+
+
+def row_parts(row):
+    B, S, d, H, ffn = shape_of(row)
+    D = d // H
+    reps = 5 if B * S > 10**6 else 30
+    g = torch.Generator("cuda").manual_seed(row)
+    x = torch.randn(B, S, d, device="cuda", generator=g)
+    mask = torch.ones(B, S, dtype=torch.bool, device="cuda")
+    prefix = prefix_lengths(mask)
+    lengths = torch.full((B,), S, dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", generator=g).half() for _ in range(3))
+    rec = {"row": row, "shape": [B, S, d, H, ffn]}
+    runs = {
+        "attention_unmasked": lambda: flash_attention(q, k, v, causal=True),
+        "attention_mask_prefix": lambda: flash_attention(q, k, v, causal=True, key_mask=mask,
+                                                         mask_prefix_lengths=prefix),
+        "attention_key_lengths": lambda: flash_attention(q, k, v, causal=True, key_lengths=lengths),
+        "prefix_lengths": lambda: prefix_lengths(mask),
+    }
+    if d <= MAX_D_MODEL:
+        w, _ = weights(d, ffn, "cuda")
+        o = ln_qkv(x, w)[..., :d].contiguous()
+        runs["tail_unmasked"] = lambda: layer_tail(o, x, w)
+        runs["tail_mask"] = lambda: layer_tail(o, x, w, mask=mask)
+    else:
+        branch = torch.randn(B, S, d, device="cuda", generator=g).half()
+        nw, nb = torch.ones(d, device="cuda"), torch.zeros(d, device="cuda")
+        runs["add_ln_unmasked"] = lambda: add_layernorm(x, branch, nw, nb, out_dtype=torch.float16)
+        runs["add_ln_row_mask"] = lambda: add_layernorm(x, branch, nw, nb, out_dtype=torch.float16, row_mask=mask)
+    for name, fn in runs.items():
+        rec[name + "_us"] = graph_ms(fn, reps) * 1000
+        print(row, name, round(rec[name + "_us"], 2), flush=True)
+    rec["attention_configs"] = tuned_configs()
+    return rec
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--rows", default="1,5,10,13,6,8")
+    args = ap.parse_args()
+    out = {"device": torch.cuda.get_device_name(), "rows": []}
+    with torch.inference_mode():
+        for row in (int(r) for r in args.rows.split(",")):
+            out["rows"].append(row_parts(row))
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
