@@ -33,12 +33,13 @@ def official():
     return {int(r["id"].rsplit("-", 1)[1]): r for r in rows}
 
 
-def build(row, device="cuda", route="auto"):
-    """The row's config and the optimized model (route `route`) on the reference's weights (seed 0), on `device`."""
+def build(row, device="cuda", route="auto", disable=()):
+    """The row's config and the optimized model (route `route`, optimizations `disable` off) on the reference's
+    weights (seed 0), on `device`."""
     cfg = TransformerConfig(**{f: row[f] for f in FIELDS}, causal=row.get("causal", True))
     torch.manual_seed(0)
     ref = BaselineTransformer(cfg)
-    opt = UserOptimizedTransformer(cfg, route=route)
+    opt = UserOptimizedTransformer(cfg, route=route, disable=disable)
     opt.load_state_dict(ref.state_dict(), strict=True)
     return cfg, opt.to(device).eval()
 

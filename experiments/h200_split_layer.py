@@ -10,9 +10,10 @@ twice and written once, q/k/v written and read, and the attention output written
 4.6 GB per layer against about 10 GB on the triton route (cuBLAS GEMMs, add+LayerNorm and GELU passes).
 Predicted (experiments/NOTES.md, session 7): row 6 12.65 -> 6-8 ms, row 13 0.97 -> 0.55-0.7 ms.
 
-Per row (d_model <= 128 only): the optimized model on the reference's weights (seed 0), x from
-generate_random_case (seed 1234) and the official call's all-True mask, against a second optimized model on the
-same weights with the policy's split_layer.max_d_model set for this process (the model's own split-layer path,
+Per row (d_model <= 128 only): the optimized model with its split_layer optimization off (the route the policy
+takes without it) on the reference's weights (seed 0), x from generate_random_case (seed 1234) and the official
+call's all-True mask, against a second optimized model on the same weights with the policy's split_layer.max_d_model
+set for this process (the model's own split-layer path,
 `UserOptimizedTransformer._forward_split`), its route forced to `graph` where the first one's is fused or graph
 and to `triton` where it is triton: the same host path either way. Accuracy: both against the reference (fp32,
 TF32 off) at the official and strict tolerances. Timing: 20 warm-up calls of each, then 5 rounds alternating the
@@ -66,7 +67,8 @@ def accuracy(ref_out, out):
 
 
 def row_result(n, row, device, route="auto"):
-    cfg, opt = build(row, device, route)
+    # the model without the split layer: since session 9 the policy splits every row up to d_model 128 itself
+    cfg, opt = build(row, device, route, disable=("split_layer",))
     x, _ = generate_random_case(cfg, device.type, torch.float32, 1234)
     mask = torch.ones(x.shape[:2], dtype=torch.bool, device=device)
     out = {"row": n}

@@ -125,8 +125,8 @@ def test_bad_inputs_are_named():
 
 def test_the_split_layer_experiment_runs_on_a_tiny_row(tmp_path):
     """experiments/h200_split_layer.py as the device call runs it (`python -m`), on its tiny CPU row: the split
-    twin takes the split layer, the first model does not (the policy is set only for the twin's first call), and
-    both pass the official check against the reference."""
+    twin takes the split layer, the first model does not (its split_layer optimization is off), and both pass the
+    official check against the reference."""
     import json
     import os
     import subprocess
