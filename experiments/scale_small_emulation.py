@@ -162,6 +162,18 @@ def attention(q, k, v, rounds, B, S, H, D):
     return o.permute(0, 2, 1, 3).reshape(B, S, H * D)
 
 
+def _gpu_row(trials):
+    """contract-scale-small's config and the pipeline row the GPU checks build their models from."""
+    from shapewise.model import TransformerConfig
+
+    config = TransformerConfig(batch_size=16, seq_len=256, d_model=256, num_heads=4, ffn_dim=512, num_layers=2,
+                               causal=True).validate()
+    sizes = {f: getattr(config, f) for f in ("batch_size", "seq_len", "d_model", "num_heads", "ffn_dim", "num_layers",
+                                             "causal")}
+    return config, dict(id="contract-scale-small", dtype="float32", mask="none", padding_ratio=0.0, pass_mask=True,
+                        route="auto", trials=trials, **sizes)
+
+
 def emulate(x, params, final, cfg, rounds):
     """The graph route's forward on x [B, S, d] (fp32 values), rounding at the points in `rounds`."""
     R = lambda t, name: fp16(t) if name in rounds else t  # noqa: E731
@@ -198,17 +210,12 @@ def gpu_check(trials, scales):
 
     from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
     from shapewise.jobs.models import build_models, set_precision
-    from shapewise.model import TOLERANCES, TransformerConfig, compare_outputs
+    from shapewise.model import TOLERANCES, compare_outputs
     from shapewise.model import optimized as opt_module
 
     dev = "cuda"
     print("torch", torch.__version__, torch.cuda.get_device_name(0))
-    config = TransformerConfig(batch_size=16, seq_len=256, d_model=256, num_heads=4, ffn_dim=512, num_layers=2,
-                               causal=True).validate()
-    base = dict(id="contract-scale-small", dtype="float32", mask="none", padding_ratio=0.0, pass_mask=True,
-                route="auto", trials=trials, **{f: getattr(config, f) for f in ("batch_size", "seq_len", "d_model",
-                                                                                 "num_heads", "ffn_dim", "num_layers",
-                                                                                 "causal")})
+    config, base = _gpu_row(trials)
     set_precision(reference=True)
     reference, model = build_models(base, config, dev, disable=("cuda_graph",))
     x0, m0, _ = make_case(dict(base, input_scale=0.01), config, dev, FIRST_TRIAL_SEED)
@@ -314,7 +321,7 @@ def gpu_mixed(trials, scales):
 
     from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
     from shapewise.jobs.models import build_models, set_precision
-    from shapewise.model import TOLERANCES, TransformerConfig, compare_outputs
+    from shapewise.model import TOLERANCES, compare_outputs
 
     att = importlib.import_module("shapewise.kernels.attention")
     original = att.flash_attention
@@ -326,12 +333,7 @@ def gpu_mixed(trials, scales):
         return original(q, k, v, precision=precision, **kw)
 
     att.flash_attention = flash_attention
-    config = TransformerConfig(batch_size=16, seq_len=256, d_model=256, num_heads=4, ffn_dim=512, num_layers=2,
-                               causal=True).validate()
-    base = dict(id="contract-scale-small", dtype="float32", mask="none", padding_ratio=0.0, pass_mask=True,
-                route="auto", trials=trials, **{f: getattr(config, f) for f in ("batch_size", "seq_len", "d_model",
-                                                                                 "num_heads", "ffn_dim", "num_layers",
-                                                                                 "causal")})
+    config, base = _gpu_row(trials)
     set_precision(reference=True)
     reference, all_on = build_models(base, config, "cuda")
     _, fp32 = build_models(base, config, "cuda", disable=("reduced_precision",))
