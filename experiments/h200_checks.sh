@@ -8,8 +8,7 @@
 # review it, commit it as model/routing_policy.json, and measure it in the next call) and $OUT/gpu_tests.log.
 # The tests run the committed policy: what a test log says always matches a commit.
 set -uo pipefail
-[ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/workflow PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+source experiments/device_env.sh
 nvidia-smi -L
 timeout 150 python3 -m experiments.h200_sweep "$OUT/sweep.json" 2>&1 | tail -n 80
 cp model/routing_policy.json "$OUT/routing_policy.json"

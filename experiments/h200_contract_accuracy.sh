@@ -4,8 +4,7 @@
 # Device call (carry [".whl"]): ROWS="contract-bf16 contract-bf16-padded" bash experiments/h200_contract_accuracy.sh
 # Writes $OUT/contract-accuracy/<id>.json (the accuracy job's result) and prints one line per row.
 set -uo pipefail
-[ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/workflow PYTHONUNBUFFERED=1
+source experiments/device_env.sh
 # a standalone job holds a GPU slot of a one-GPU pool, as the pipeline passes it (workflow/shapewise/gpuslots.py)
 export SHAPEWISE_PIPELINE_GPUS=${SHAPEWISE_PIPELINE_GPUS:-0}
 dir="$OUT/contract-accuracy"

@@ -10,8 +10,8 @@
 # whole model ($OUT/mask-cost-patched.json).
 # Device call (carry [".whl"]): bash experiments/h200_mask_fix.sh [experiments/patches/NAME.patch ...]
 set -uo pipefail
-[ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/workflow:$PWD PYTHONUNBUFFERED=1
+source experiments/device_env.sh
+export PYTHONPATH=$PYTHONPATH:$PWD  # experiments.*
 for p in "${@:-experiments/patches/attention-one-stage2-loop.patch experiments/patches/split-prefix-in-ln-qkv.patch}"; do
     for one in $p; do patch -p1 --forward < "$one" || exit 1; done
 done

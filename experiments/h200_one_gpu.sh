@@ -21,9 +21,7 @@ budget=${2:-570}
 root=$PWD
 : "${COMMIT:?COMMIT=<full sha of the tree in .runs/>}"
 run=/tmp/one-gpu/$COMMIT
-[ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    "$root"/.whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$run/workflow PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+device_code=$run source experiments/device_env.sh  # the shapewise package of the copied tree
 export TRITON_CACHE_DIR=/tmp/one-gpu/triton-cache
 if [ "$part" = 1 ]; then
     rm -rf /tmp/one-gpu && mkdir -p "$run" "$TRITON_CACHE_DIR" && cp -a "$root/.runs/$COMMIT/." "$run/" || exit 1

@@ -15,8 +15,7 @@
 set -uo pipefail
 budget=${1:-520}
 shift || true
-[ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/workflow PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+source experiments/device_env.sh
 nvidia-smi -L | tee "$OUT/nvidia-smi.txt"
 python3 -m shapewise gpus list
 start=$(date +%s)

@@ -5,8 +5,7 @@
 # Device call: carry [".whl"], command: COMMIT=<sha> bash experiments/h200_repro.sh [RUN1_SECONDS] [RUN2_SECONDS]
 # Back in $OUT: snakemake-run{1,2}.log, compare.txt, timing-runs.tgz (run1/timing, results/timing, the logs).
 set -uo pipefail
-[ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/workflow PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+source experiments/device_env.sh
 nvidia-smi -L | tee "$OUT/nvidia-smi.txt"
 targets=(); for r in 01 02 03 04 05 06 07 08 09 10 11 12 13 14; do targets+=("results/timing/official-$r.json"); done
 for run in 1 2; do

@@ -8,8 +8,7 @@
 # Stops at once when the node has no finished report (a cold node: run h200_pipeline.sh first).
 set -uo pipefail
 [ -f results/report/report.md ] || { echo "no results/report on this node (cold machine?): nothing to rerun"; exit 3; }
-[ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/workflow PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+source experiments/device_env.sh
 start=$(date +%s)
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_official.py -m gpu \
     -k "in_place or (masked and S100 and (all_true or holes or prefix))" > "$OUT/gpu_tests.log" 2>&1

@@ -10,8 +10,8 @@
 #   4. experiments/h200_mask_cost.py: model(x, all-True mask) against model(x), rows 1-13 ($OUT/mask.json).
 # Device call (carry [".whl"]): bash experiments/h200_split_tune.sh
 set -uo pipefail
-[ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/workflow:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+source experiments/device_env.sh
+export PYTHONPATH=$PYTHONPATH:$PWD  # experiments.*
 nvidia-smi -L
 start=$(date +%s)
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, print its tail

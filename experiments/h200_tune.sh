@@ -11,8 +11,7 @@
 #   the second GPU while the sweep runs on the first.
 # carry [".whl"]: jsonschema and friends come from the same offline wheels as experiments/h200_pipeline.sh.
 set -uo pipefail
-[ -d /tmp/site/snakemake ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/workflow PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+source experiments/device_env.sh
 nvidia-smi -L
 start=$(date +%s)
 python3 -m experiments.h200_host_probe "$OUT/host.json" 2>&1 | tail -n 20
