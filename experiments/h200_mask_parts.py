@@ -1,6 +1,6 @@
 """Where the official call's all-True mask costs time, kernel by kernel (issue #12 item 2).
 
-Usage (CUDA machine): python -m experiments.h200_mask_parts OUT.json [--rows 1,5,10,13,6,8]
+Usage (CUDA machine): python -m experiments.h200_mask_parts OUT.json [--rows 1,5,10,13,6,8,7,12]
 
 experiments/h200/session9/mask-after.json measured model(x, all-True mask) 2-5 % slower than model(x) on rows 1, 5,
 6 and 8 (rows 1-13 on the routes of cba9ddd). Per row, each kernel the mask touches, timed as a CUDA graph of 10
@@ -8,7 +8,8 @@ launches (experiments.h200_probe.graph_ms), without and with the mask as the mod
 - attention: unmasked; key_mask with its prefix summary (what the model runs); key_lengths = S (the prefix path
   without a mask), and the autotuner's choice for each (Triton's cache of `_attention_fwd_tuned`);
 - the mask's prefix summary (`prefix_lengths`, one launch per forward);
-- the split layer's tail (rows with d_model <= 128) or the unfused route's add+LayerNorm with its row mask (row 8).
+- the split layer's tail (rows with d_model <= 128) or the unfused route's add+LayerNorm with its row mask (row 8);
+- rows the policy runs fused (7, 12, session 10): one fused layer at the policy's launch, without and with the mask.
 OUT.json is written after every row.
 """
 from __future__ import annotations
@@ -19,10 +20,11 @@ import json
 import torch
 from shapewise.kernels import attention as attention_module
 from shapewise.kernels.attention import flash_attention
-from shapewise.kernels.fused_layer import MAX_D_MODEL, ln_qkv
+from shapewise.kernels.fused_layer import MAX_D_MODEL, fused_layer, ln_qkv
 from shapewise.kernels.layer_tail import layer_tail
 from shapewise.kernels.layernorm import add_layernorm
 from shapewise.kernels.mask import prefix_lengths
+from shapewise.model.routing import Shape, select_route
 
 from experiments.h200_probe import graph_ms
 from experiments.h200_sweep import shape_of, weights
@@ -52,7 +54,16 @@ def row_parts(row):
         "attention_key_lengths": lambda: flash_attention(q, k, v, causal=True, key_lengths=lengths),
         "prefix_lengths": lambda: prefix_lengths(mask),
     }
-    if d <= MAX_D_MODEL:
+    route = select_route(Shape(B, S, d, H, ffn, 4, True), torch.float32, torch.device("cuda"), "general")
+    rec["route"] = str(route)
+    if route.name == "fused":
+        w, _ = weights(d, ffn, "cuda")
+        block_m, warps, stages = route.launch
+        launch = dict(num_heads=H, causal=True, block_m=block_m, num_warps=warps, num_stages=stages,
+                      kv_precompute=route.kv_precompute)
+        runs["fused_unmasked"] = lambda: fused_layer(x, w, **launch)
+        runs["fused_mask"] = lambda: fused_layer(x, w, mask=mask, **launch)
+    elif d <= MAX_D_MODEL:
         w, _ = weights(d, ffn, "cuda")
         o = ln_qkv(x, w)[..., :d].contiguous()
         runs["tail_unmasked"] = lambda: layer_tail(o, x, w)
@@ -72,7 +83,7 @@ def row_parts(row):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--rows", default="1,5,10,13,6,8")
+    ap.add_argument("--rows", default="1,5,10,13,6,8,7,12")
     args = ap.parse_args()
     out = {"device": torch.cuda.get_device_name(), "rows": []}
     with torch.inference_mode():

@@ -95,6 +95,7 @@ def _attention_block(
     stride_ks, stride_vs,  # sequence strides of k and v (elements)
     offs_m, offs_d, start_n, seq_len, key_len,
     qk_scale,
+    load_mask,  # with HAS_KEY_MASK: whether to read the key mask (False for a prefix: key_len says it all)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,  # False: block is fully valid and below the diagonal -> no masks at all
     EVEN_N: tl.constexpr,  # seq_len % BLOCK_N == 0: no bounds checks on key loads
@@ -118,8 +119,8 @@ def _attention_block(
         keep = (offs_n < key_len)[None, :]
         if IS_CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None])
-        if HAS_KEY_MASK:
-            key_ok = tl.load(mask_base + offs_n, mask=offs_n < seq_len, other=0) != 0
+        if HAS_KEY_MASK:  # keys past seq_len are out through key_len <= seq_len; unread ones count as valid
+            key_ok = tl.load(mask_base + offs_n, mask=(offs_n < seq_len) & load_mask, other=1) != 0
             keep = keep & key_ok[None, :]
         s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -167,13 +168,17 @@ def _attention_fwd(
     o_base = O + b.to(tl.int64) * stride_ob + h * stride_oh
     mask_base = KeyMask + b.to(tl.int64) * stride_mb
 
+    m_ok = offs_m < seq_len
+    # The query tile is loaded before the key length is known, so that the two loads are in flight together: a
+    # kernel given lengths (or a mask's prefix summary) then waits one memory round trip before its loop, as an
+    # unmasked one does, not two. A query block past the length loads its tile for nothing (no work follows).
+    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
     key_len = seq_len
     if HAS_KEY_LEN:
         key_len = tl.load(KeyLen + b)
         if HAS_KEY_MASK:  # a prefix length, or -1: this batch element's mask is no prefix
             is_prefix = key_len >= 0
             key_len = tl.where(is_prefix, key_len, seq_len)
-    m_ok = offs_m < seq_len
     o_ptrs = o_base + offs_m[:, None] * stride_os + offs_d[None, :]
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -188,8 +193,7 @@ def _attention_fwd(
         if start_m >= key_len:
             hi = 0  # every query of this block is padding: its rows are written as zeros
     if hi > 0:
-        q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
-        q = _operand(q, PRECISION)
+        q_op = _operand(q, PRECISION)
         # Stage 1: key blocks that are whole, valid and at or below every query's diagonal need no mask.
         # (With a mask and prefix lengths: where the mask is a prefix, keys below its length are all valid.)
         full_hi = key_len
@@ -200,29 +204,20 @@ def _attention_fwd(
             full_hi = tl.where(is_prefix, full_hi, 0)
         for start_n in range(0, full_hi, BLOCK_N):
             acc, m_i, l_i = _attention_block(
-                acc, m_i, l_i, q, k_base, v_base, mask_base, stride_ks, stride_vs,
-                offs_m, offs_d, start_n, seq_len, key_len, qk_scale,
+                acc, m_i, l_i, q_op, k_base, v_base, mask_base, stride_ks, stride_vs,
+                offs_m, offs_d, start_n, seq_len, key_len, qk_scale, False,
                 HEAD_DIM, BLOCK_D, BLOCK_N, False, EVEN_N, IS_CAUSAL, HAS_KEY_MASK, PRECISION)
-        # Stage 2: the diagonal, the ragged end and general masks.
+        # Stage 2: the diagonal, the ragged end and general masks. One loop for prefix and general masks alike (a
+        # prefix skips the mask loads at run time): a second loop for the prefix case made the masked kernel 14 %
+        # slower than the key-length one on an all-True mask (row 6, experiments/h200/session9/mask-parts.json).
+        load_mask = False
         if HAS_KEY_MASK:
-            if is_prefix:  # a prefix: key positions past its length are all the mask hides, no mask loads
-                for start_n in range(full_hi, hi, BLOCK_N):
-                    acc, m_i, l_i = _attention_block(
-                        acc, m_i, l_i, q, k_base, v_base, mask_base, stride_ks, stride_vs,
-                        offs_m, offs_d, start_n, seq_len, key_len, qk_scale,
-                        HEAD_DIM, BLOCK_D, BLOCK_N, True, EVEN_N, IS_CAUSAL, False, PRECISION)
-            else:
-                for start_n in range(full_hi, hi, BLOCK_N):
-                    acc, m_i, l_i = _attention_block(
-                        acc, m_i, l_i, q, k_base, v_base, mask_base, stride_ks, stride_vs,
-                        offs_m, offs_d, start_n, seq_len, key_len, qk_scale,
-                        HEAD_DIM, BLOCK_D, BLOCK_N, True, EVEN_N, IS_CAUSAL, True, PRECISION)
-        else:
-            for start_n in range(full_hi, hi, BLOCK_N):
-                acc, m_i, l_i = _attention_block(
-                    acc, m_i, l_i, q, k_base, v_base, mask_base, stride_ks, stride_vs,
-                    offs_m, offs_d, start_n, seq_len, key_len, qk_scale,
-                    HEAD_DIM, BLOCK_D, BLOCK_N, True, EVEN_N, IS_CAUSAL, False, PRECISION)
+            load_mask = not is_prefix
+        for start_n in range(full_hi, hi, BLOCK_N):
+            acc, m_i, l_i = _attention_block(
+                acc, m_i, l_i, q_op, k_base, v_base, mask_base, stride_ks, stride_vs,
+                offs_m, offs_d, start_n, seq_len, key_len, qk_scale, load_mask,
+                HEAD_DIM, BLOCK_D, BLOCK_N, True, EVEN_N, IS_CAUSAL, HAS_KEY_MASK, PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # keyless rows: acc is 0, so the row is 0
     if HAS_KEY_LEN:

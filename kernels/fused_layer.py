@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from . import INTERPRET
+from .mask import first_mask_block, prefix_length_of_row, summary_block
 
 MAX_SEQ = 128
 MAX_D_MODEL = 128
@@ -151,6 +152,7 @@ def _fused_layer_fwd(
     x_base = X + b * stride_xb
     if HAS_MASK:
         key_ok = key_ok & (tl.load(Mask + b * stride_mb + keys, mask=keys < seq_len, other=0) != 0)
+    row_valid = _rows_valid(Mask, b, stride_mb, rows, row_ok, HAS_MASK)
 
     # LayerNorm 1 of every key row (unless K and V come precomputed) and of this program's query rows
     if not KV_GLOBAL:
@@ -216,7 +218,7 @@ def _fused_layer_fwd(
     x1 = xq + attn + bo[None, :]
     x2 = _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn_dim, eps, BLOCK_M, BLOCK_D,
                        BLOCK_F)
-    _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
+    _store_rows(x2, Y, row_valid, b, stride_yb, stride_ys, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
                 HAS_MASK, FINAL_NORM)
 
 
@@ -244,12 +246,22 @@ def _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn
 
 
 @triton.jit
-def _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
-                HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr):
-    """Store a tile of rows of sequence b (row r at Y + b * stride_yb + r * stride_ys): invalid rows
-    (Mask[b * stride_mb + r] == 0) as 0, after the final LayerNorm when FINAL_NORM."""
+def _rows_valid(Mask, b, stride_mb, rows, row_ok, HAS_MASK: tl.constexpr):
+    """Which rows of sequence b are valid tokens (Mask[b * stride_mb + r] != 0; without a mask, the rows inside the
+    sequence), for _store_rows. Called at a kernel's start: loaded there, the mask's memory round trip overlaps the
+    tile loads instead of stalling the final store (session 10: the tail with a mask was 0.6 us per layer slower on
+    row 5 with the load at the end, experiments/h200/session9/mask-parts.json)."""
     if HAS_MASK:
-        row_valid = tl.load(Mask + b * stride_mb + rows, mask=row_ok, other=0) != 0
+        return tl.load(Mask + b * stride_mb + rows, mask=row_ok, other=0) != 0
+    return row_ok
+
+
+@triton.jit
+def _store_rows(x2, Y, row_valid, b, stride_yb, stride_ys, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
+                HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr):
+    """Store a tile of rows of sequence b (row r at Y + b * stride_yb + r * stride_ys): invalid rows (row_valid
+    False, from _rows_valid) as 0, after the final LayerNorm when FINAL_NORM."""
+    if HAS_MASK:
         x2 = tl.where(row_valid[:, None], x2, 0.0)
     if FINAL_NORM:
         x2 = _layer_norm_rows(x2, NFw, NFb, cols, col_ok, d_model, eps)
@@ -270,7 +282,9 @@ def _ln_kv_fwd(
     seq_len, d_model, eps,
     first_col, n_cols,  # the projection's output columns: d, 2d (keys and values), or 0, 3d (q, k and v)
     cols_per_program,  # this program's share of the n_cols columns (a multiple of BLOCK_N): grid axis 2 splits them
+    Mask, PrefixOut, stride_mb,  # with WRITE_PREFIX: int8 mask [B, S] in, its per-sequence prefix summary out
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    WRITE_PREFIX: tl.constexpr, MASK_BLOCK: tl.constexpr,
 ):
     """LayerNorm 1 and a column range of the QKV projection of every token, once: keys and values for
     _fused_layer_fwd with KV_GLOBAL (the same math as its in-program recomputation: LayerNorm 1 in fp32,
@@ -281,6 +295,10 @@ def _ln_kv_fwd(
     b = tl.program_id(1).to(tl.int64)
     c_lo = tl.program_id(2) * cols_per_program
     c_hi = tl.minimum(n_cols, c_lo + cols_per_program)
+    if WRITE_PREFIX:  # the mask's summary (kernels/mask.py) on the side, by one program per sequence: no launch.
+        # Its first mask block is loaded here, beside x; the summary is finished and stored after the projection.
+        summarizes = (pid_t == 0) & (tl.program_id(2) == 0)
+        mask_head = first_mask_block(Mask + b * stride_mb, seq_len, MASK_BLOCK, summarizes)
     op_ty = Wqkv.dtype.element_ty
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_D)
@@ -300,6 +318,9 @@ def _ln_kv_fwd(
         kv = _mm(h, w) + bias[None, :]
         tl.store(KV + b * stride_kvb + rows[:, None] * stride_kvs + n[None, :], kv.to(KV.dtype.element_ty),
                  mask=row_ok[:, None] & n_ok[None, :])
+    if WRITE_PREFIX:
+        if summarizes:
+            tl.store(PrefixOut + b, prefix_length_of_row(Mask + b * stride_mb, seq_len, mask_head, MASK_BLOCK))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -330,25 +351,33 @@ def _ln_project_grid(B, S, n_cols, block_t=None, col_blocks=None):
             (token_blocks, B, triton.cdiv(steps, steps_per_program)))
 
 
-def _ln_project(x, w, first_col, n_cols, block_t=None, col_blocks=None, num_warps=4):
+def _ln_project(x, w, first_col, n_cols, block_t=None, col_blocks=None, num_warps=4, mask=None):
     """LayerNorm 1 of every token of x [B, S, d] and its projection onto rows first_col..first_col + n_cols of
-    the packed QKV weight: [B, S, n_cols] in the weights' dtype (one _ln_kv_fwd launch; `_ln_project_grid`)."""
+    the packed QKV weight: [B, S, n_cols] in the weights' dtype (one _ln_kv_fwd launch; `_ln_project_grid`).
+    With `mask` (bool [B, S]) the same launch also returns its prefix summary (kernels.mask.prefix_lengths)."""
     B, S, d = x.shape
     out = torch.empty((B, S, n_cols), device=x.device, dtype=w["qkv_w"].dtype)
     block_t, cols_per_program, grid = _ln_project_grid(B, S, n_cols, block_t, col_blocks)
+    if mask is not None:
+        m = mask.contiguous().view(torch.int8)
+        prefix = torch.empty(B, dtype=torch.int32, device=x.device)
+    else:
+        m = prefix = out  # placeholders, never read or written
     _ln_kv_fwd[grid](
         x, out, w["qkv_w"], w["qkv_b"], w["n1_w"], w["n1_b"], x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        S, d, 1e-5, first_col, n_cols, cols_per_program, BLOCK_T=block_t,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=LN_PROJECT_BLOCK_N, num_warps=num_warps, num_stages=1,
+        S, d, 1e-5, first_col, n_cols, cols_per_program, m, prefix, m.stride(0) if mask is not None else 0,
+        BLOCK_T=block_t, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=LN_PROJECT_BLOCK_N,
+        WRITE_PREFIX=mask is not None, MASK_BLOCK=summary_block(S), num_warps=num_warps, num_stages=1,
     )
-    return out
+    return out if mask is None else (out, prefix)
 
 
-def ln_qkv(x, w, *, block_t=None, col_blocks=None, num_warps=4):
+def ln_qkv(x, w, *, block_t=None, col_blocks=None, num_warps=4, mask=None):
     """LayerNorm 1 and the packed QKV projection of x [B, S, d] (d <= MAX_D_MODEL, unit stride along d) in one
     kernel: [B, S, 3d] (q, k, v) in the weights' dtype (fp16/bf16), with fp32 statistics and sums. `w` as for
     fused_layer (qkv_w, qkv_b, n1_w, n1_b). block_t, col_blocks, num_warps: the launch (None: `_ln_project_grid`'s
-    defaults), for experiments."""
+    defaults), for experiments. With `mask` (bool [B, S]): returns (qkv, the mask's prefix summary as
+    kernels.mask.prefix_lengths gives it), computed in the same launch."""
     B, S, d = x.shape
     if not MIN_D_MODEL <= d <= MAX_D_MODEL or x.stride(-1) != 1:
         raise ValueError(f"ln_qkv: x must be [B, S, d] with {MIN_D_MODEL} <= d <= {MAX_D_MODEL} and unit stride "
@@ -356,7 +385,9 @@ def ln_qkv(x, w, *, block_t=None, col_blocks=None, num_warps=4):
     if w["qkv_w"].shape != (3 * d, d) or w["qkv_w"].dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"ln_qkv: qkv_w must be float16/bfloat16 [3d, d] = [{3 * d}, {d}], got "
                          f"{w['qkv_w'].dtype} {tuple(w['qkv_w'].shape)}")
-    return _ln_project(x, w, 0, 3 * d, block_t, col_blocks, num_warps)
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, S)):
+        raise ValueError(f"ln_qkv: mask must be bool [B, S]={B, S}, got {mask.dtype} {tuple(mask.shape)}")
+    return _ln_project(x, w, 0, 3 * d, block_t, col_blocks, num_warps, mask)
 
 
 MIN_D_MODEL = 16  # the smallest tile Triton's dot takes

@@ -25,6 +25,40 @@ def prefix_lengths_reference(mask: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # Triton kernel
 # ----------------------------------------------------------------------------------------------
+_NONE = 2147483647  # "no invalid position": larger than any position
+
+
+@triton.jit
+def first_mask_block(row, seq_len, BLOCK: tl.constexpr, active):
+    """The first BLOCK values of one mask row (int8, unit stride), 0 past seq_len and everywhere where `active` is
+    False: the first step of prefix_length_of_row, which a kernel that summarizes a row on the side loads early,
+    with its own tiles (fused_layer._ln_kv_fwd), so that its latency hides behind theirs."""
+    offs = tl.arange(0, BLOCK)
+    return tl.load(row + offs, mask=(offs < seq_len) & active, other=0)
+
+
+@triton.jit
+def prefix_length_of_row(row, seq_len, first, BLOCK: tl.constexpr):
+    """The prefix length of one mask row (int8, unit stride, 1 = valid) or -1 where it is no prefix: the summary
+    of one batch element, for this kernel and for kernels that compute it on the side. `first`: the row's first
+    BLOCK values, as first_mask_block loads them; the rest of the row is read here."""
+    offs = tl.arange(0, BLOCK)
+    valid = first != 0
+    count = valid.to(tl.int32)
+    first_invalid = tl.where((offs < seq_len) & ~valid, offs, _NONE)
+    for start in range(BLOCK, seq_len, BLOCK):
+        pos = start + offs
+        inside = pos < seq_len
+        valid = tl.load(row + pos, mask=inside, other=0) != 0
+        count += valid.to(tl.int32)
+        first_invalid = tl.minimum(first_invalid, tl.where(inside & ~valid, pos, _NONE))
+    n_valid = tl.sum(count, 0)
+    first_bad = tl.min(first_invalid, 0)
+    # a prefix: every valid token comes before the first invalid one (or there is no invalid one)
+    is_prefix = (first_bad == _NONE) | (first_bad == n_valid)
+    return tl.where(is_prefix, n_valid, -1)
+
+
 @triton.jit
 def _prefix_lengths_fwd(
     Mask,  # pointer to int8 [B, S] (a bool mask viewed as int8), 1 = valid token
@@ -34,20 +68,13 @@ def _prefix_lengths_fwd(
     BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    count = tl.zeros([BLOCK], dtype=tl.int32)
-    first_invalid = tl.full([BLOCK], 2147483647, dtype=tl.int32)
-    for start in range(0, seq_len, BLOCK):
-        pos = start + offs
-        inside = pos < seq_len
-        valid = tl.load(Mask + b * stride_mb + pos, mask=inside, other=0) != 0
-        count += valid.to(tl.int32)
-        first_invalid = tl.minimum(first_invalid, tl.where(inside & ~valid, pos, 2147483647))
-    n_valid = tl.sum(count, 0)
-    first = tl.min(first_invalid, 0)
-    # a prefix: every valid token comes before the first invalid one (or there is no invalid one)
-    is_prefix = (first == 2147483647) | (first == n_valid)
-    tl.store(Out + b, tl.where(is_prefix, n_valid, -1))
+    row = Mask + b * stride_mb
+    tl.store(Out + b, prefix_length_of_row(row, seq_len, first_mask_block(row, seq_len, BLOCK, True), BLOCK))
+
+
+def summary_block(seq_len: int) -> int:
+    """Mask positions read per step of prefix_length_of_row."""
+    return min(1024, max(16, triton.next_power_of_2(seq_len)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -67,6 +94,6 @@ def prefix_lengths(mask: torch.Tensor, out: torch.Tensor | None = None) -> torch
         return out
     m = mask if mask.stride(-1) == 1 else mask.contiguous()
     m = m.view(torch.int8)
-    block = min(1024, max(16, triton.next_power_of_2(S)))
+    block = summary_block(S)
     _prefix_lengths_fwd[(B,)](m, out, m.stride(0), S, BLOCK=block, num_warps=4 if block >= 512 else 1)
     return out

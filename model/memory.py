@@ -111,10 +111,10 @@ def estimate_memory_bytes(config, dtype: torch.dtype, which: str) -> int:
         acts = tokens * (6 * d + 2 * f) * elem
         return int(weights + io + peak_scores + acts)
     if which == "optimized":
-        from .routing import POLICY, Route  # the route's fields only; routing imports no torch
+        from .routing import Route, Shape, _dtype_name, _precision_for  # routing imports no torch
 
-        operands = POLICY["low_precision_operands"].get(str(dtype).replace("torch.", ""), "fp16")
-        general = Route("triton", operands, "estimate")
+        shape = Shape(B, S, d, H, f, L, cfg.causal)
+        general = Route("triton", _precision_for("triton", _dtype_name(dtype), shape), "estimate")
         return int(weights + io + working_set_bytes(cfg, dtype, general))
     raise ValueError(f"estimate_memory_bytes: which must be 'reference' or 'optimized', got {which!r}")
 

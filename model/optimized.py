@@ -234,15 +234,15 @@ class UserOptimizedTransformer(BaselineTransformer):
                     cache[name].copy_(fresh)  # in place: captured graphs keep reading the same buffers
         self._weight_versions = versions
         if self._fp16_range is not None:  # some route's precision rests on the range check: check the new weights
-            self._fp16_offender()
+            self._fp16_offender(versions)
 
-    def _fp16_offender(self):
+    def _fp16_offender(self, versions=None):
         """(name, max |value|) of the parameter furthest beyond FP16_SAFE_ABS, or None when all lie within it.
 
         Measured once per weight version (one host sync). When the verdict changes, the routes and graphs chosen
         under the old one are dropped, with the derived weights of their precision: each input signature selects
         its route again. The memory plans stay: fp16 and bf16 operands take the same bytes."""
-        versions = self._versions()
+        versions = self._versions() if versions is None else versions  # the caller's reading of the weights now
         if self._fp16_range is not None and self._fp16_range[0] == versions:
             return self._fp16_range[1]
         named = list(self.named_parameters())
@@ -323,9 +323,9 @@ class UserOptimizedTransformer(BaselineTransformer):
 
         # The mask, summarized once per forward on the device: per batch element its prefix length, or -1.
         # Our attention kernel reads it and runs prefix (and all-True) rows as fast as unmasked ones.
+        if route.split_layer:  # the first layer's ln_qkv writes the summary in its own launch
+            return self._forward_split(x, mask, w, precision)
         prefix = None if mask is None else prefix_lengths(mask)
-        if route.split_layer:
-            return self._forward_split(x, mask, w, prefix, precision)
         ours = "flash_attention" not in self.disabled
         sdpa_mask = mask
         if route.attention == "sdpa" and mask is not None:
@@ -364,7 +364,7 @@ class UserOptimizedTransformer(BaselineTransformer):
                                 out_dtype=x.dtype if last else act, last=last)
         return h
 
-    def _forward_split(self, x, mask, w, prefix, precision):
+    def _forward_split(self, x, mask, w, precision):
         """Each layer as three kernels: LayerNorm 1 with the packed QKV projection, our attention, and the rest of
         the layer (out-projection, residual, LayerNorm 2, FFN, residual, zeroed rows; the final LayerNorm last)."""
         from shapewise.kernels.attention import flash_attention
@@ -374,9 +374,14 @@ class UserOptimizedTransformer(BaselineTransformer):
         cfg = self.config
         B, S, d = x.shape
         res = x.contiguous()
+        prefix = None
         for i in range(cfg.num_layers):
             wi = {n: w[f"{i}.{n}"] for n in _LAYER_WEIGHTS}
-            q, k, v = ln_qkv(res, wi).view(B, S, 3, cfg.num_heads, cfg.head_dim).unbind(2)
+            if i == 0 and mask is not None:  # the mask's prefix summary comes with layer 0's projection
+                qkv, prefix = ln_qkv(res, wi, mask=mask)
+            else:
+                qkv = ln_qkv(res, wi)
+            q, k, v = qkv.view(B, S, 3, cfg.num_heads, cfg.head_dim).unbind(2)
             o = flash_attention(q, k, v, causal=cfg.causal, key_mask=mask, precision=precision,
                                 mask_prefix_lengths=prefix)
             last = i == cfg.num_layers - 1

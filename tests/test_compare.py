@@ -12,7 +12,8 @@ from shapewise.cli import main as cli_main
 COLUMNS = ["id", "machine", "status", "call", "route", "failed_elements", "total_elements", "max_abs_error",
            "strict_failed_elements", "reference_median_ms", "reference_ci_low_ms", "reference_ci_high_ms",
            "optimized_median_ms", "optimized_ci_low_ms", "optimized_ci_high_ms", "speedup", "speedup_ci_low",
-           "speedup_ci_high", "noisy", "target_ms", "target_met", "optimized_peak_memory_bytes", "io_bytes"]
+           "speedup_ci_high", "noisy", "target_ms", "target_met", "optimized_peak_memory_bytes", "io_bytes",
+           "unmasked_median_ms", "mask_cost", "mask_cost_ci_low", "mask_cost_ci_high"]
 OLD_COLUMNS = ["id", "status", "route", "failed_elements", "total_elements", "max_abs_error",
                "reference_median_ms", "optimized_median_ms", "speedup"]
 H200 = "NVIDIA H200 | software aaaa"

@@ -20,6 +20,7 @@ from shapewise.kernels.fused_layer import (
     ln_qkv,
 )
 from shapewise.kernels.layer_tail import TAIL_BLOCK_M, TAIL_MIN_PROGRAMS, layer_tail, layer_tail_reference, tail_block_m
+from shapewise.kernels.mask import prefix_lengths_reference
 
 # (B, S, d_model, num_heads, ffn_dim)
 SHAPES = {
@@ -66,6 +67,34 @@ def test_ln_qkv_matches_fp64(dtype, shape, launch):
     want = h @ w["qkv_w"].double().t() + w["qkv_b"].double()
     atol, rtol = TOL[dtype]
     assert ((qkv.double() - want).abs() <= atol + rtol * want.abs()).all()
+
+
+def _masks(B, S):
+    """Masks of every kind the summary tells apart, one per batch element of a [B, S] batch (B >= 5): all valid,
+    a prefix, left padding, holes, none valid."""
+    m = torch.ones(B, S, dtype=torch.bool)
+    m[1, S // 2 + 1:] = False
+    m[2, : S // 3 + 1] = False
+    m[3, 1::3] = False
+    m[4] = False
+    return m.to(DEVICE)
+
+
+@pytest.mark.parametrize("launch", [(None, None), (16, 3)], ids=["default", "16x3"])
+@pytest.mark.parametrize("S", [1, 7, 33])
+def test_ln_qkv_writes_the_mask_summary_on_the_side(S, launch):
+    """ln_qkv(..., mask=m) returns the same q/k/v and, from the same launch, kernels.mask's prefix summary."""
+    B, d, ffn = 5, 48, 80
+    w = weights(d, ffn, torch.float16, seed=14)
+    x = torch.randn(B, S, d, device=DEVICE)
+    mask = _masks(B, S)
+    block_t, col_blocks = launch
+    plain = ln_qkv(x, w, block_t=block_t, col_blocks=col_blocks)
+    qkv, summary = ln_qkv(x, w, block_t=block_t, col_blocks=col_blocks, mask=mask)
+    assert torch.equal(qkv, plain)
+    assert summary.dtype == torch.int32 and torch.equal(summary.cpu(), prefix_lengths_reference(mask).cpu())
+    with pytest.raises(ValueError, match="mask"):
+        ln_qkv(x, w, mask=mask.int())
 
 
 @pytest.mark.parametrize("B, S, n_cols", [(1, 128, 384), (64, 128, 384), (10000, 128, 384), (2, 7, 240),

@@ -268,6 +268,31 @@ def test_timing_job_records_protocol_intervals_call_and_identity(tmp_path):
     assert tim["call"] == "model(x, mask)" if row["pass_mask"] else "model(x)"
     assert tim["gpu"] is None and tim["contention"]["checked"] is False
     assert tim["gpu_state"]["before"]["available"] is False and tim["started"] <= tim["finished"]
+    # the official call's all-True mask: the optimized model without it, timed in the same rounds
+    cost, unmasked = tim["mask_cost"], tim["optimized_unmasked"]
+    assert cost["measured"] is True and cost["call"] == "model(x)" and cost["limit"] == 0.03
+    assert len(unmasked["round_medians_ms"]) == tim["stopping"]["rounds_run"]
+    assert cost["ratio"] == pytest.approx(tim["optimized"]["median_ms"] / unmasked["median_ms"])
+    assert cost["ratio_ci"]["low"] <= cost["ratio"] <= cost["ratio_ci"]["high"] or cost["ratio_ci"]["low"] > 0
+    assert cost["within_limit"] == (cost["ratio"] <= 1.03) and cost["route"] == cost["route_unmasked"]
+    assert tim["route"] == cost["route"]
+
+
+def test_mask_cost_is_measured_only_for_an_all_true_mask():
+    from shapewise.jobs.timing import mask_cost
+    from shapewise.stats import summarize
+
+    rounds = {"optimized": [[1.1] * 4, [1.2] * 4, [1.1] * 4], "optimized_unmasked": [[1.0] * 4, [1.1] * 4, [1.0] * 4]}
+    out = mask_cost(rounds, summarize(rounds), "all-true", {"optimized": "r", "optimized_unmasked": "r"})
+    assert out["measured"] and out["ratio"] == pytest.approx(1.1) and out["within_limit"] is False
+    assert out["ratio_ci"]["low"] <= 1.1 <= out["ratio_ci"]["high"]
+    out = mask_cost({"optimized": [[1.0]] * 2, "optimized_unmasked": [[0.98]] * 2},
+                    summarize({"optimized": [[1.0]] * 2, "optimized_unmasked": [[0.98]] * 2}), "all-true", {})
+    assert out["within_limit"] is True
+    for kind, words in (("none", "passes no mask"), ("prefix", "prefix, not all-True"),
+                        ("general", "general, not all-True")):
+        out = mask_cost({"optimized": [[1.0]] * 2}, {}, kind, {})
+        assert out["measured"] is False and words in out["reason"], kind
 
 
 def test_timing_protocol_names_resolve_and_heavy_rows_run_the_official_procedure():

@@ -106,6 +106,11 @@ def _results(row, kind):
                            "max_rounds": 30, "ci_half_width": 0.02, "timer": "cuda events per call",
                            "float32_matmul_precision": "high", "cpus": "per-slot", "core_pick": "fastest-launch"}
         tim["stopping"] = {"rounds_run": 9, "reason": "settled"}
+        # the all-True mask costs 4.5 % here: over the 3 % limit
+        tim["mask_cost"] = {"measured": True, "limit": 0.03, "call": "model(x)", "ratio": 1.045,
+                            "ratio_ci": {"low": 1.03, "high": 1.06, "level": 0.95, "method": "bootstrap"},
+                            "within_limit": False, "unmasked_median_ms": opt_ms / 1.045,
+                            "unmasked_ci_ms": [opt_ms / 1.06, opt_ms / 1.03]}
         tim.update(cpu_affinity=copy.deepcopy(CPU_AFFINITY), core_pick=copy.deepcopy(CORE_PICK))
         tim.update(speedup_ci={"low": ref_ms / opt_ms * 0.9, "high": ref_ms / opt_ms * 1.12, "level": 0.95,
                                "method": "bootstrap"}, noisy=True,
@@ -194,6 +199,9 @@ def test_report_renders_every_row_and_summary_columns(run):
     assert t2["speedup_ci_low"] == "" and t2["noisy"] == "" and t2["reference_ci_low_ms"] == ""
     assert t3["status"] == "resource-skip" and t3["optimized_median_ms"] == "" and t3["route"] == ""
     assert t3["target_met"] == ""
+    assert float(t1["mask_cost"]) == pytest.approx(0.045) and float(t1["mask_cost_ci_low"]) == pytest.approx(0.03)
+    assert float(t1["unmasked_median_ms"]) == pytest.approx(0.23 / 1.045)
+    assert t2["mask_cost"] == "" and t3["mask_cost"] == ""  # t-02 predates the measurement, t-03 did not run
     assert context["counts"] == {"pass": 2, "fail": 0, "resource-skip": 1}
 
     html = (out / "report.html").read_text()
@@ -204,6 +212,11 @@ def test_report_renders_every_row_and_summary_columns(run):
     assert "model(x, mask)" in html and "contended" in html and "GPU 1 (slot 1, lock)" in html
     assert "noisy" in html and "missed" in html
     assert "stable, 9 rounds (settled)" in html and "stable, 9 rounds (settled)" in md
+    # the all-True mask's cost: its table row, the verdict against the limit, the summary sentence
+    assert "| t-01 | 0.230 | 0.220 | +4.5 % [+3.0 %, +6.0 %] | **no** |" in md
+    assert "at most +4.5 % against no mask; within 3.0 % on 0 of 1 row(s)" in md
+    assert "+4.5 % [+3.0 %, +6.0 %]" in html and "within 3.0 % on 0 of 1 row(s)" in html
+    assert "| t-02 | n/a | n/a | n/a (not measured (a result older than the check)) | n/a |" in md
     assert "between 6 and 30" in html or "6–30" in html
     for text in (html, md):
         # tolerances come from the code, not from typed numbers

@@ -27,6 +27,7 @@ SUMMARY_COLUMNS = [
     "strict_failed_elements", "reference_median_ms", "reference_ci_low_ms", "reference_ci_high_ms",
     "optimized_median_ms", "optimized_ci_low_ms", "optimized_ci_high_ms", "speedup", "speedup_ci_low",
     "speedup_ci_high", "noisy", "target_ms", "target_met", "optimized_peak_memory_bytes", "io_bytes",
+    "unmasked_median_ms", "mask_cost", "mask_cost_ci_low", "mask_cost_ci_high",
 ]
 STATUSES = ("pass", "fail", "resource-skip")
 INTEGER_COLUMNS = ("failed_elements", "total_elements", "strict_failed_elements", "optimized_peak_memory_bytes",
@@ -192,6 +193,9 @@ def row_record(item):
     target = _num(row.get("target_ms"))
     gpu = tim.get("gpu") or {}
     contention = tim.get("contention") or {}
+    mask = tim.get("mask_cost") or {}
+    measured = bool(mask.get("measured"))
+    mask_ci = (mask.get("ratio_ci") or {}) if measured else {}
     env = tim.get("environment") or acc.get("environment") or {}
     return {
         "id": row["id"],
@@ -217,7 +221,15 @@ def row_record(item):
         "target_met": (opt_ms <= target) if opt_ms is not None and target is not None else None,
         "optimized_peak_memory_bytes": opt.get("peak_memory_bytes"),
         "io_bytes": roofline.min_bytes(**row)["activations"],
+        # the official call's all-True mask against no mask (timing job, `mask_cost`): ratio of the medians - 1
+        "unmasked_median_ms": _num(mask.get("unmasked_median_ms")) if measured else None,
+        "mask_cost": _minus_one(mask.get("ratio")) if measured else None,
+        "mask_cost_ci_low": _minus_one(mask_ci.get("low")),
+        "mask_cost_ci_high": _minus_one(mask_ci.get("high")),
         # shown in the tables, not in summary.csv
+        "mask_cost_limit": _num(mask.get("limit")),
+        "mask_cost_within": mask.get("within_limit") if measured else None,
+        "mask_cost_reason": None if measured else mask.get("reason", "not measured (a result older than the check)"),
         "route_full": route,
         "reference_rel_spread": _num(ref.get("rel_spread")),
         "optimized_rel_spread": _num(opt.get("rel_spread")),
@@ -243,6 +255,11 @@ def row_record(item):
         "cores_reason": tim["cpu_affinity"].get("reason") if isinstance(tim.get("cpu_affinity"), dict) else None,
         "core_pick": core_pick_label(tim),
     }
+
+
+def _minus_one(ratio):
+    value = _num(ratio)
+    return None if value is None else value - 1.0
 
 
 def gpu_label(gpu):
@@ -350,6 +367,11 @@ def _geomean(series):
     return float(math.exp(values.map(math.log).mean()))
 
 
+def _max(series):
+    values = series.dropna()
+    return None if values.empty else float(values.max())
+
+
 def machine_groups(frame, loaded):
     """One dict per machine (in order of first appearance): counts, geomean speedup, its rows."""
     groups = []
@@ -375,6 +397,10 @@ def machine_groups(frame, loaded):
             "noisy_rows": int((part["noisy"] == True).sum()),  # noqa: E712 (a column of True/False/None)
             "targets": int(part["target_met"].notna().sum()),
             "targets_met": int((part["target_met"] == True).sum()),  # noqa: E712
+            "mask_cost_rows": int(part["mask_cost"].notna().sum()),
+            "mask_cost_within": int((part["mask_cost_within"] == True).sum()),  # noqa: E712
+            "mask_cost_max": _max(part["mask_cost"]),
+            "mask_cost_limit": _max(part["mask_cost_limit"]),
         })
     return groups
 

@@ -79,19 +79,25 @@ def model_summary(rounds):
     }
 
 
-def speedup_interval(reference_rounds, optimized_rounds):
-    """{"low", "high", "level", "method"} of reference median / optimized median, or None (too few rounds)."""
-    _check(reference_rounds, "speedup_interval (reference)")
-    _check(optimized_rounds, "speedup_interval (optimized)")
-    if len(reference_rounds) != len(optimized_rounds):
-        raise ValueError(f"speedup_interval: {len(reference_rounds)} reference rounds but "
-                         f"{len(optimized_rounds)} optimized rounds; the rounds must be paired")
-    if len(reference_rounds) < MIN_ROUNDS:
+def ratio_interval(numerator_rounds, denominator_rounds, names=("numerator", "denominator")):
+    """{"low", "high", "level", "method"} of the paired ratio of two models' medians, or None (too few rounds):
+    round i of both was timed close together, and each resample draws the same round indices for both."""
+    _check(numerator_rounds, f"ratio_interval ({names[0]})")
+    _check(denominator_rounds, f"ratio_interval ({names[1]})")
+    if len(numerator_rounds) != len(denominator_rounds):
+        raise ValueError(f"ratio_interval: {len(numerator_rounds)} {names[0]} rounds but "
+                         f"{len(denominator_rounds)} {names[1]} rounds; the rounds must be paired")
+    if len(numerator_rounds) < MIN_ROUNDS:
         return None
-    draws = _draws(len(reference_rounds))
-    ratios = _resampled_medians(reference_rounds, draws) / _resampled_medians(optimized_rounds, draws)
+    draws = _draws(len(numerator_rounds))
+    ratios = _resampled_medians(numerator_rounds, draws) / _resampled_medians(denominator_rounds, draws)
     low, high = _interval(ratios)
     return {"low": low, "high": high, "level": LEVEL, "method": METHOD}
+
+
+def speedup_interval(reference_rounds, optimized_rounds):
+    """{"low", "high", "level", "method"} of reference median / optimized median, or None (too few rounds)."""
+    return ratio_interval(reference_rounds, optimized_rounds, ("reference", "optimized"))
 
 
 def rel_half_width(low, high, point):
