@@ -25,7 +25,7 @@ def prefix_lengths_reference(mask: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # Triton kernel
 # ----------------------------------------------------------------------------------------------
-_NONE = 2147483647  # "no invalid position": larger than any position
+_NONE = tl.constexpr(2147483647)  # "no invalid position": larger than any position (a constexpr: kernels read it)
 
 
 @triton.jit
