@@ -241,8 +241,40 @@ def _configs():
     return out
 
 
+# Registers per thread the kernel with a key mask (HAS_KEY_MASK) may take, per launch (BLOCK_M, BLOCK_N, BLOCK_D,
+# num_warps, num_stages), where ptxas would otherwise give it enough more than the same launch with key lengths
+# to fit fewer programs on an SM. Read off ptxas for sm_90a (Triton 3.6; `python -m experiments.attention_ptxas`):
+# head_dim 32 on 64x64 tiles takes 122 registers with a mask against 94 with lengths (4 programs of 4 warps per SM
+# instead of 5), and fits 95 without spilling when capped at 96; the H200 ran the all-True mask there 23 % slower
+# than key lengths on official row 6 (experiments/h200/session10/mask-parts.json).
+MASKED_MAX_REGISTERS = {(64, 64, 32, 4, 3): 96, (32, 32, 64, 4, 2): 96}
+
+
+def masked_register_cap(block_m, block_n, block_d, num_warps, num_stages):
+    """The maxnreg of a masked launch (None: ptxas decides), from MASKED_MAX_REGISTERS."""
+    return MASKED_MAX_REGISTERS.get((block_m, block_n, block_d, num_warps, num_stages))
+
+
+def _capped(config, block_d):
+    """`config` with the masked kernel's register cap for its tile, where MASKED_MAX_REGISTERS has one."""
+    cap = masked_register_cap(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], block_d, config.num_warps,
+                              config.num_stages)
+    if cap is None:
+        return config
+    return triton.Config(dict(config.kwargs), num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=cap)
+
+
 def _prune(configs, named_args, **kwargs):
-    """Keep tiles that fit the sequence and the head size; big head dims get small tiles."""
+    """Keep tiles that fit the sequence and the head size; big head dims get small tiles. With a key mask, each
+    kept tile carries its register cap (MASKED_MAX_REGISTERS)."""
+    keep = _prune_tiles(configs, named_args, **kwargs)
+    if kwargs.get("HAS_KEY_MASK", named_args.get("HAS_KEY_MASK")):
+        block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+        keep = [_capped(c, block_d) for c in keep]
+    return keep
+
+
+def _prune_tiles(configs, named_args, **kwargs):
     seq, d = named_args["seq_len"], kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
     precision = kwargs.get("PRECISION", named_args.get("PRECISION"))
     keep = []
@@ -279,7 +311,7 @@ def long_sequence_config(seq_len, block_d, precision_code):
     """The fixed launch of a long sequence: {BLOCK_M, BLOCK_N, num_warps, num_stages}."""
     configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
                for bm, bn, w, s in LONG_SEQUENCE_TILES]
-    kept = _prune(configs, {"seq_len": seq_len}, BLOCK_D=block_d, PRECISION=precision_code)
+    kept = _prune_tiles(configs, {"seq_len": seq_len}, BLOCK_D=block_d, PRECISION=precision_code)
     c = kept[0]
     return {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
 
@@ -386,9 +418,11 @@ def flash_attention(q, k, v, *, causal: bool, key_lengths=None, key_mask=None, p
         config = long_sequence_config(S, block_d, consts["PRECISION"])
     if config is not None:
         bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+        warps, stages = config.get("num_warps", 4), config.get("num_stages", 2)
+        cap = masked_register_cap(bm, bn, block_d, warps, stages) if key_mask is not None else None
         grid = (triton.cdiv(S, bm), B * H)
-        _attention_fwd[grid](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, EVEN_N=S % bn == 0,
-                             num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2))
+        _attention_fwd[grid](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, EVEN_N=S % bn == 0, num_warps=warps,
+                             num_stages=stages, maxnreg=cap)
         return out
 
     def grid(meta):

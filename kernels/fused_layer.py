@@ -152,7 +152,6 @@ def _fused_layer_fwd(
     x_base = X + b * stride_xb
     if HAS_MASK:
         key_ok = key_ok & (tl.load(Mask + b * stride_mb + keys, mask=keys < seq_len, other=0) != 0)
-    row_valid = _rows_valid(Mask, b, stride_mb, rows, row_ok, HAS_MASK)
 
     # LayerNorm 1 of every key row (unless K and V come precomputed) and of this program's query rows
     if not KV_GLOBAL:
@@ -218,7 +217,7 @@ def _fused_layer_fwd(
     x1 = xq + attn + bo[None, :]
     x2 = _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn_dim, eps, BLOCK_M, BLOCK_D,
                        BLOCK_F)
-    _store_rows(x2, Y, row_valid, b, stride_yb, stride_ys, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
+    _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
                 HAS_MASK, FINAL_NORM)
 
 
@@ -246,22 +245,12 @@ def _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn
 
 
 @triton.jit
-def _rows_valid(Mask, b, stride_mb, rows, row_ok, HAS_MASK: tl.constexpr):
-    """Which rows of sequence b are valid tokens (Mask[b * stride_mb + r] != 0; without a mask, the rows inside the
-    sequence), for _store_rows. Called at a kernel's start: loaded there, the mask's memory round trip overlaps the
-    tile loads instead of stalling the final store (session 10: the tail with a mask was 0.6 us per layer slower on
-    row 5 with the load at the end, experiments/h200/session9/mask-parts.json)."""
-    if HAS_MASK:
-        return tl.load(Mask + b * stride_mb + rows, mask=row_ok, other=0) != 0
-    return row_ok
-
-
-@triton.jit
-def _store_rows(x2, Y, row_valid, b, stride_yb, stride_ys, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
+def _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
                 HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr):
-    """Store a tile of rows of sequence b (row r at Y + b * stride_yb + r * stride_ys): invalid rows (row_valid
-    False, from _rows_valid) as 0, after the final LayerNorm when FINAL_NORM."""
+    """Store a tile of rows of sequence b (row r at Y + b * stride_yb + r * stride_ys): invalid rows
+    (Mask[b * stride_mb + r] == 0) as 0, after the final LayerNorm when FINAL_NORM."""
     if HAS_MASK:
+        row_valid = tl.load(Mask + b * stride_mb + rows, mask=row_ok, other=0) != 0
         x2 = tl.where(row_valid[:, None], x2, 0.0)
     if FINAL_NORM:
         x2 = _layer_norm_rows(x2, NFw, NFb, cols, col_ok, d_model, eps)

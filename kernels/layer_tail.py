@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_layer import MAX_D_MODEL, MIN_D_MODEL, _ffn_residual, _mm, _rows_valid, _store_rows
+from .fused_layer import MAX_D_MODEL, MIN_D_MODEL, _ffn_residual, _mm, _store_rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -58,8 +58,6 @@ def _layer_tail_fwd(
     row_ok = rows < n_tokens
     col_ok = cols < d_model
     tile_ok = row_ok[:, None] & col_ok[None, :]
-    # rows index the flat [N, d] output and [N] mask: one "sequence" (b = 0), row stride d_model, mask stride 1
-    row_valid = _rows_valid(Mask, 0, 1, rows, row_ok, HAS_MASK)
     o = tl.load(O + rows[:, None] * d_model + cols[None, :], mask=tile_ok, other=0.0)
     x = tl.load(X + rows[:, None] * d_model + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32)
     # W_o^T [d, d]: element (j, n) is Wo[n, j]
@@ -68,7 +66,8 @@ def _layer_tail_fwd(
     x1 = x + _mm(o.to(Wo.dtype.element_ty), wo) + bo[None, :]
     x2 = _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn_dim, eps, BLOCK_M, BLOCK_D,
                        BLOCK_F)
-    _store_rows(x2, Y, row_valid, 0, 0, d_model, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps, HAS_MASK,
+    # rows index the flat [N, d] output and [N] mask: one "sequence" (b = 0), row stride d_model, mask stride 1
+    _store_rows(x2, Y, Mask, 0, 0, d_model, 1, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps, HAS_MASK,
                 FINAL_NORM)
 
 

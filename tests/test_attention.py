@@ -345,6 +345,42 @@ def test_autotune_candidates_are_pruned_by_shape_and_precision():
     assert kept(8, 32, 0) == [(16, 32)], "nothing fits: the last candidate is kept"
 
 
+def test_masked_tiles_carry_their_register_cap(monkeypatch):
+    """With a key mask the prune hands the autotuner each tile with its cap from MASKED_MAX_REGISTERS (ptxas would
+    give the masked kernel more registers than the unmasked one and fewer programs per SM); without a mask, and for
+    tiles without an entry, ptxas decides. The fixed launch of a long sequence passes the same cap."""
+    import triton
+
+    from shapewise.kernels import attention
+    from shapewise.kernels.attention import MASKED_MAX_REGISTERS, _prune, masked_register_cap
+
+    (bm, bn, block_d, warps, stages), cap = next(iter(MASKED_MAX_REGISTERS.items()))
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages),
+               triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages + 1)]
+    masked = _prune(configs, {"seq_len": 512}, BLOCK_D=block_d, PRECISION=2, HAS_KEY_MASK=True)
+    assert [c.maxnreg for c in masked] == [cap, None]
+    assert [(c.kwargs, c.num_warps, c.num_stages) for c in masked] == [(c.kwargs, c.num_warps, c.num_stages)
+                                                                       for c in configs]
+    plain = _prune(configs, {"seq_len": 512}, BLOCK_D=block_d, PRECISION=2, HAS_KEY_MASK=False)
+    assert [c.maxnreg for c in plain] == [None, None]
+    assert masked_register_cap(bm, bn, block_d, warps, stages) == cap
+    assert masked_register_cap(bm, bn, 2 * block_d, warps, stages) is None
+
+    launched = []  # the fixed-config launch: the cap goes with a masked call only
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(kwargs.get("maxnreg"))
+
+    monkeypatch.setattr(attention, "_attention_fwd", Recorder())
+    D = block_d
+    _, q, k, v = make_qkv(1, 8, 1, D, torch.float16)
+    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+    flash_attention(q, k, v, causal=True, config=cfg)
+    flash_attention(q, k, v, causal=True, config=cfg, key_mask=torch.ones(1, 8, dtype=torch.bool, device=q.device))
+    assert launched == [None, cap]
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_all_true_mask_is_the_unmasked_call(causal):
     """The official harness passes an all-True mask: the kernel takes the unmasked path for it (the per-batch
