@@ -208,8 +208,9 @@ def _attention_fwd(
                 offs_m, offs_d, start_n, seq_len, key_len, qk_scale, False,
                 HEAD_DIM, BLOCK_D, BLOCK_N, False, EVEN_N, IS_CAUSAL, HAS_KEY_MASK, PRECISION)
         # Stage 2: the diagonal, the ragged end and general masks. One loop for prefix and general masks alike (a
-        # prefix skips the mask loads at run time): a second loop for the prefix case made the masked kernel 14 %
-        # slower than the key-length one on an all-True mask (row 6, experiments/h200/session9/mask-parts.json).
+        # prefix skips the mask loads at run time): session 9's separate prefix loop took 164 KB of shared memory
+        # at head_dim 256 against 98 KB now, and official row 8's masked attention 39.3 us per layer against 29.5
+        # (experiments/h200/session10/mask-parts.json).
         load_mask = False
         if HAS_KEY_MASK:
             load_mask = not is_prefix

@@ -182,8 +182,8 @@ def mask_cost(rounds, summary, mask_kind, routes):
     Measured only where the row's call passes an all-True mask (with padding, the two calls compute different
     things)."""
     if "optimized_unmasked" not in rounds:
-        why = {"none": "the row's call passes no mask", "all-true": "the optimized model was not timed"}.get(
-            mask_kind, f"the row's mask is {mask_kind}, not all-True: without it the model computes something else")
+        why = ("the row's call passes no mask" if mask_kind == "none" else
+               f"the row's mask is {mask_kind}, not all-True: without it the model computes something else")
         return {"measured": False, "reason": why, "limit": MASK_COST_LIMIT}
     masked, unmasked = summary["optimized"], summary["optimized_unmasked"]
     ratio = masked["median_ms"] / unmasked["median_ms"]
