@@ -321,10 +321,10 @@ class UserOptimizedTransformer(BaselineTransformer):
                 y = y.masked_fill(~row_mask[..., None], 0.0)
             return r, y.to(out_dtype)
 
+        if route.split_layer:  # the first layer's ln_qkv writes the mask's summary in its own launch
+            return self._forward_split(x, mask, w, precision)
         # The mask, summarized once per forward on the device: per batch element its prefix length, or -1.
         # Our attention kernel reads it and runs prefix (and all-True) rows as fast as unmasked ones.
-        if route.split_layer:  # the first layer's ln_qkv writes the summary in its own launch
-            return self._forward_split(x, mask, w, precision)
         prefix = None if mask is None else prefix_lengths(mask)
         ours = "flash_attention" not in self.disabled
         sdpa_mask = mask
