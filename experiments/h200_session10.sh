@@ -12,18 +12,7 @@
 # The step logs go to $OUT/steps.log (a call brings back at most 8 files).
 set -uo pipefail
 source experiments/device_env.sh
-export PYTHONPATH=$PYTHONPATH:$PWD  # experiments.*
-start=$(date +%s)
-log="$OUT/steps.log"
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, append its output to steps.log, print its tail
-    local name=$1 secs=$2 status
-    shift 2
-    echo "===== $name" >> "$log"
-    timeout --signal=INT --kill-after=10 "$secs" "$@" >> "$log" 2>&1
-    status=$?
-    echo "$name exit status $status after $(( $(date +%s) - start )) s" | tee -a "$log"
-    return $status
-}
+source experiments/device_step.sh  # step(), $log, $start
 step gpu_tests "${TESTS_SECONDS:-170}" python3 -m pytest -q -x -rfE -p no:cacheprovider tests/test_attention.py \
     tests/test_layer_tail.py tests/test_mask.py tests/test_fused_layer.py
 tests=$?

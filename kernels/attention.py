@@ -114,7 +114,9 @@ def _attention_block(
         else:
             k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=d_ok, other=0.0)
             v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=d_ok, other=0.0)
-    s = _dot(q, tl.trans(_operand(k, PRECISION)), PRECISION) * qk_scale  # log2-domain scores
+    # raw scores; qk_scale (head_dim**-0.5 * log2 e, > 0) is applied to the row max and, in one multiply-add with
+    # the max's subtraction, to the exponent: one instruction per score less than scaling the tile first
+    s = _dot(q, tl.trans(_operand(k, PRECISION)), PRECISION)
     if MASKED:
         keep = (offs_n < key_len)[None, :]
         if IS_CAUSAL:
@@ -123,9 +125,9 @@ def _attention_block(
             key_ok = tl.load(mask_base + offs_n, mask=(offs_n < seq_len) & load_mask, other=1) != 0
             keep = keep & key_ok[None, :]
         s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2-domain running max
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no valid key so far stay at 0
-    p = tl.math.exp2(s - m_use[:, None])
+    p = tl.math.exp2(s * qk_scale - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + _dot(_operand(p, PRECISION), _operand(v, PRECISION), PRECISION)
@@ -147,6 +149,7 @@ def _attention_fwd(
     stride_mb,  # key-mask stride between batch elements
     num_heads, seq_len, qk_scale,  # qk_scale = head_dim**-0.5 * log2(e)
     S_BUCKET,  # next power of two of seq_len: the autotune key (one tuning per bucket)
+    BH_BUCKET,  # next power of two of batch x heads: the autotune key too (the grid decides the register cap)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_KEY_LEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
@@ -154,6 +157,8 @@ def _attention_fwd(
     PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    if IS_CAUSAL:  # the longest query blocks (the last ones) first: the short ones fill the last wave
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
@@ -244,22 +249,37 @@ def _configs():
 
 # Registers per thread the kernel with a key mask (HAS_KEY_MASK) may take, per launch (BLOCK_M, BLOCK_N, BLOCK_D,
 # num_warps, num_stages), where ptxas would otherwise give it enough more than the same launch with key lengths
-# to fit fewer programs on an SM. Read off ptxas for sm_90a (Triton 3.6; `python -m experiments.attention_ptxas`):
-# head_dim 32 on 64x64 tiles takes 122 registers with a mask against 94 with lengths (4 programs of 4 warps per SM
-# instead of 5), and fits 95 without spilling when capped at 96; the H200 ran the all-True mask there 23 % slower
-# than key lengths on official row 6 (experiments/h200/session10/mask-parts.json).
-MASKED_MAX_REGISTERS = {(64, 64, 32, 4, 3): 96, (32, 32, 64, 4, 2): 96}
+# to fit fewer programs on an SM: (cap, programs per SM without the cap). Read off ptxas for sm_90a (Triton 3.6;
+# `python -m experiments.attention_ptxas`): head_dim 32 on 64x64 tiles takes 122 registers with a mask against 94
+# with lengths (4 programs of 4 warps per SM instead of 5), and fits 95 without spilling when capped at 96; the
+# H200 ran the all-True mask there 23 % slower than key lengths on official row 6
+# (experiments/h200/session10/mask-parts.json). The cap applies only to a grid larger than the GPU holds at once
+# without it: it buys occupancy with instruction-level parallelism, and a grid of one wave or less has no use for
+# occupancy (official row 2, 8 programs: 14.0 -> 16.9 us of attention per forward with the cap,
+# reports/h200 at 954067a against cba9ddd).
+MASKED_MAX_REGISTERS = {(64, 64, 32, 4, 3): (96, 4), (32, 32, 64, 4, 2): (96, 4)}
 
 
-def masked_register_cap(block_m, block_n, block_d, num_warps, num_stages):
-    """The maxnreg of a masked launch (None: ptxas decides), from MASKED_MAX_REGISTERS."""
-    return MASKED_MAX_REGISTERS.get((block_m, block_n, block_d, num_warps, num_stages))
+def masked_register_cap(block_m, block_n, block_d, num_warps, num_stages, programs, sm_count):
+    """The maxnreg of a masked launch of `programs` programs on `sm_count` SMs (None: ptxas decides), from
+    MASKED_MAX_REGISTERS."""
+    entry = MASKED_MAX_REGISTERS.get((block_m, block_n, block_d, num_warps, num_stages))
+    if entry is None:
+        return None
+    cap, uncapped_per_sm = entry
+    return cap if programs > sm_count * uncapped_per_sm else None
 
 
-def _capped(config, block_d):
-    """`config` with the masked kernel's register cap for its tile, where MASKED_MAX_REGISTERS has one."""
+def _sm_count(device):
+    if _INTERPRET or device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _capped(config, block_d, programs, sm_count):
+    """`config` with the masked kernel's register cap for its tile and grid, where MASKED_MAX_REGISTERS has one."""
     cap = masked_register_cap(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], block_d, config.num_warps,
-                              config.num_stages)
+                              config.num_stages, programs, sm_count)
     if cap is None:
         return config
     return triton.Config(dict(config.kwargs), num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=cap)
@@ -267,11 +287,14 @@ def _capped(config, block_d):
 
 def _prune(configs, named_args, **kwargs):
     """Keep tiles that fit the sequence and the head size; big head dims get small tiles. With a key mask, each
-    kept tile carries its register cap (MASKED_MAX_REGISTERS)."""
+    kept tile carries its register cap (MASKED_MAX_REGISTERS) where its grid (the tuning key's batch x heads
+    bucket) is larger than one wave."""
     keep = _prune_tiles(configs, named_args, **kwargs)
     if kwargs.get("HAS_KEY_MASK", named_args.get("HAS_KEY_MASK")):
         block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-        keep = [_capped(c, block_d) for c in keep]
+        sm_count = _sm_count(named_args["Q"].device)
+        seq, bh = named_args["seq_len"], named_args["BH_BUCKET"]
+        keep = [_capped(c, block_d, triton.cdiv(seq, c.kwargs["BLOCK_M"]) * bh, sm_count) for c in keep]
     return keep
 
 
@@ -320,7 +343,7 @@ def long_sequence_config(seq_len, block_d, precision_code):
 _even_n = triton.heuristics({"EVEN_N": lambda args: args["seq_len"] % args["BLOCK_N"] == 0})
 _attention_fwd_tuned = triton.autotune(
     configs=_configs(),
-    key=["S_BUCKET", "HEAD_DIM", "IS_CAUSAL", "HAS_KEY_LEN", "HAS_KEY_MASK", "PRECISION"],
+    key=["S_BUCKET", "BH_BUCKET", "HEAD_DIM", "IS_CAUSAL", "HAS_KEY_LEN", "HAS_KEY_MASK", "PRECISION"],
     prune_configs_by={"early_config_prune": _prune},
     cache_results=True,
 )(_even_n(_attention_fwd))
@@ -411,7 +434,7 @@ def flash_attention(q, k, v, *, causal: bool, key_lengths=None, key_mask=None, p
             v.stride(0), v.stride(1), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             mask.stride(0) if key_mask is not None else 0,
-            H, S, D**-0.5 * 1.4426950408889634, s_bucket)
+            H, S, D**-0.5 * 1.4426950408889634, s_bucket, triton.next_power_of_2(B * H))
     consts = dict(HEAD_DIM=D, BLOCK_D=block_d, IS_CAUSAL=bool(causal),
                   HAS_KEY_LEN=key_lengths is not None or mask_prefix_lengths is not None,
                   HAS_KEY_MASK=key_mask is not None, PRECISION=_PRECISION_CODE[precision])
@@ -420,8 +443,10 @@ def flash_attention(q, k, v, *, causal: bool, key_lengths=None, key_mask=None, p
     if config is not None:
         bm, bn = config["BLOCK_M"], config["BLOCK_N"]
         warps, stages = config.get("num_warps", 4), config.get("num_stages", 2)
-        cap = masked_register_cap(bm, bn, block_d, warps, stages) if key_mask is not None else None
         grid = (triton.cdiv(S, bm), B * H)
+        cap = None
+        if key_mask is not None:
+            cap = masked_register_cap(bm, bn, block_d, warps, stages, grid[0] * grid[1], _sm_count(q.device))
         _attention_fwd[grid](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, EVEN_N=S % bn == 0, num_warps=warps,
                              num_stages=stages, maxnreg=cap)
         return out

@@ -32,6 +32,14 @@ MAX_D_MODEL = 128
 # Largest block_m served. 64 and 128 ended in an illegal memory access on the H200 (Triton 3.6; see
 # experiments/h200/session2/README.md); experiments/h200_fused_isolation.py raises this in its own processes to probe them.
 MAX_BLOCK_M = 32
+# How the layer kernel reads a mask (session 11, being measured: experiments/h200_mask_parts.py --mask-reads):
+# 0: the key mask at the kernel's start, its visibility tile built from it (session 10);
+# 1: the mask after the residual rows' loads; its prefix length computed in the kernel, and a prefix's visibility
+#    and row zeroing from that length alone (index arithmetic, as without a mask); only a mask that is no prefix
+#    is read into the visibility tile;
+# 2: as 0, but the mask read after the residual rows' loads.
+MASK_READS = (0, 1, 2)
+MASK_READ = 1
 # Triton 3.6's interpreter computes garbage for bf16 dots (see kernels/attention.py): there the
 # (already bf16-rounded) operands are multiplied in fp32, which gives the tensor cores' products.
 _DOT_IN_FP32 = tl.constexpr(INTERPRET)
@@ -83,6 +91,7 @@ def _layer_norm_rows(x, w_ptr, b_ptr, cols, col_ok, n_cols, eps):
 
 @triton.jit
 def _attend_key_blocks(q, kv_base, mask_base, rows, hcol, hd_ok, stride_kvs, d_model, seq_len, key_hi, qk_scale,
+                       key_len, not_prefix,
                        BLOCK_M: tl.constexpr, BLOCK_HD: tl.constexpr, BLOCK_N: tl.constexpr,
                        IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
     """One head's attention output [BLOCK_M, BLOCK_HD] for the query tile `q`, over keys 0..key_hi in blocks of
@@ -99,9 +108,9 @@ def _attend_key_blocks(q, kv_base, mask_base, rows, hcol, hd_ok, stride_kvs, d_m
         k = tl.load(kv_ptrs, mask=kn_ok[:, None] & hd_ok[None, :], other=0.0)
         v = tl.load(kv_ptrs + d_model, mask=kn_ok[:, None] & hd_ok[None, :], other=0.0)
         s = _mm(q, tl.trans(k)) * qk_scale
-        visible = kn_ok[None, :]
-        if HAS_MASK:
-            visible = visible & (tl.load(mask_base + kn, mask=kn_ok, other=0) != 0)[None, :]
+        visible = (kn < key_len)[None, :]  # key_len <= seq_len
+        if HAS_MASK:  # a prefix (not_prefix == 0, MASK_READ 1) reads no mask: key_len says it all
+            visible = visible & (tl.load(mask_base + kn, mask=kn_ok & (not_prefix > 0), other=1) != 0)[None, :]
         if IS_CAUSAL:
             visible = visible & (kn[None, :] <= rows[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -137,6 +146,7 @@ def _fused_layer_fwd(
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr,
     KV_GLOBAL: tl.constexpr,  # read K and V from KV (written by _ln_kv_fwd) instead of recomputing them here
     BLOCK_N: tl.constexpr,  # keys per step: BLOCK_S = the whole sequence at once; less (KV_GLOBAL only): key blocks
+    MASK_READ: tl.constexpr = 0,  # with HAS_MASK: how the mask is read (MASK_READS)
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -150,7 +160,7 @@ def _fused_layer_fwd(
     key_ok = keys < seq_len
     hd_ok = hcol < HEAD_DIM
     x_base = X + b * stride_xb
-    if HAS_MASK:
+    if HAS_MASK and MASK_READ == 0:
         key_ok = key_ok & (tl.load(Mask + b * stride_mb + keys, mask=keys < seq_len, other=0) != 0)
 
     # LayerNorm 1 of every key row (unless K and V come precomputed) and of this program's query rows
@@ -160,9 +170,27 @@ def _fused_layer_fwd(
         hk = _layer_norm_rows(xk, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
     xq = tl.load(x_base + rows[:, None] * stride_xs + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                  other=0.0).to(tl.float32)
+    key_len = seq_len  # MASK_READ 1: where this sequence's mask is a prefix, its length
+    not_prefix = 0  # MASK_READ 1: > 0 where the mask is no prefix
+    if HAS_MASK and MASK_READ != 0:  # the mask read after the residual rows: their loads are in flight first
+        mask_ok = tl.load(Mask + b * stride_mb + keys, mask=keys < seq_len, other=0) != 0
+        if MASK_READ == 1:
+            n_valid = tl.sum(mask_ok.to(tl.int32), 0)
+            not_prefix = tl.sum((mask_ok != (keys < n_valid)).to(tl.int32), 0)
+            key_len = tl.where(not_prefix == 0, n_valid, seq_len)
+        else:
+            key_ok = key_ok & mask_ok
     hq = _layer_norm_rows(xq, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
 
-    visible = key_ok[None, :]
+    if HAS_MASK and MASK_READ == 1:
+        # a prefix's visibility is index arithmetic, as without a mask; only a mask that is no prefix is read into
+        # the [BLOCK_M, BLOCK_S] tile
+        if not_prefix == 0:
+            visible = (keys < key_len)[None, :]
+        else:
+            visible = (key_ok & mask_ok)[None, :]
+    else:
+        visible = key_ok[None, :]
     if IS_CAUSAL:
         visible = visible & (keys[None, :] <= rows[:, None])
     KEY_BLOCKS: tl.constexpr = KV_GLOBAL and BLOCK_N < BLOCK_S
@@ -190,8 +218,8 @@ def _fused_layer_fwd(
         q = (_mm(hq, wq) + bq[None, :]).to(op_ty)
         if KEY_BLOCKS:
             o = _attend_key_blocks(q, KV + b * stride_kvb + f0, Mask + b * stride_mb, rows, hcol, hd_ok, stride_kvs,
-                                   d_model, seq_len, key_hi, qk_scale, BLOCK_M, BLOCK_HD, BLOCK_N, IS_CAUSAL,
-                                   HAS_MASK)
+                                   d_model, seq_len, key_hi, qk_scale, key_len, not_prefix + (MASK_READ != 1),
+                                   BLOCK_M, BLOCK_HD, BLOCK_N, IS_CAUSAL, HAS_MASK)
         elif KV_GLOBAL:  # this head's precomputed keys and values: [BLOCK_S, BLOCK_HD] tiles of KV
             kv_ptrs = KV + b * stride_kvb + keys[:, None] * stride_kvs + f0 + hcol[None, :]
             kv_ok = (keys < seq_len)[:, None] & hd_ok[None, :]
@@ -218,7 +246,7 @@ def _fused_layer_fwd(
     x2 = _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn_dim, eps, BLOCK_M, BLOCK_D,
                        BLOCK_F)
     _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
-                HAS_MASK, FINAL_NORM)
+                key_len, not_prefix, HAS_MASK, FINAL_NORM, MASK_READ == 1)
 
 
 @triton.jit
@@ -246,11 +274,17 @@ def _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn
 
 @triton.jit
 def _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
-                HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr):
+                key_len, not_prefix, HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr, KNOWS_PREFIX: tl.constexpr):
     """Store a tile of rows of sequence b (row r at Y + b * stride_yb + r * stride_ys): invalid rows
-    (Mask[b * stride_mb + r] == 0) as 0, after the final LayerNorm when FINAL_NORM."""
+    (Mask[b * stride_mb + r] == 0) as 0, after the final LayerNorm when FINAL_NORM. With KNOWS_PREFIX, the rows
+    of a mask that is a prefix (not_prefix == 0) are valid below key_len, and the mask is read only where it is
+    no prefix."""
     if HAS_MASK:
-        row_valid = tl.load(Mask + b * stride_mb + rows, mask=row_ok, other=0) != 0
+        if KNOWS_PREFIX:
+            row_valid = (rows < key_len) & (tl.load(Mask + b * stride_mb + rows, mask=row_ok & (not_prefix > 0),
+                                                    other=1) != 0)
+        else:
+            row_valid = tl.load(Mask + b * stride_mb + rows, mask=row_ok, other=0) != 0
         x2 = tl.where(row_valid[:, None], x2, 0.0)
     if FINAL_NORM:
         x2 = _layer_norm_rows(x2, NFw, NFb, cols, col_ok, d_model, eps)
@@ -467,6 +501,7 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
         NUM_HEADS=num_heads, HEAD_DIM=hd, BLOCK_HD=max(16, triton.next_power_of_2(hd)),
         BLOCK_D=block_d, BLOCK_F=block_f, BLOCK_M=block_m, BLOCK_S=block_s,
         IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, FINAL_NORM=final is not None,
-        KV_GLOBAL=bool(kv_precompute), BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+        KV_GLOBAL=bool(kv_precompute), BLOCK_N=block_n, MASK_READ=MASK_READ, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

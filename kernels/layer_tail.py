@@ -67,8 +67,8 @@ def _layer_tail_fwd(
     x2 = _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn_dim, eps, BLOCK_M, BLOCK_D,
                        BLOCK_F)
     # rows index the flat [N, d] output and [N] mask: one "sequence" (b = 0), row stride d_model, mask stride 1
-    _store_rows(x2, Y, Mask, 0, 0, d_model, 1, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps, HAS_MASK,
-                FINAL_NORM)
+    _store_rows(x2, Y, Mask, 0, 0, d_model, 1, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps, 0, 0, HAS_MASK,
+                FINAL_NORM, False)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ d_model that is not a power of two, head_dim 8 and 80, fp16 and bf16 operands.
 import pytest
 import torch
 
-from shapewise.kernels.fused_layer import MAX_BLOCK_M, fused_layer, fused_layer_reference
+from shapewise.kernels import fused_layer as fused_module
+from shapewise.kernels.fused_layer import MASK_READS, MAX_BLOCK_M, fused_layer, fused_layer_reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # operand dtype -> (atol, rtol) against fp64 math on the same (rounded) weights: activations rounded to
@@ -44,12 +45,24 @@ def weights(d, ffn, dtype, seed=0):
 
 
 def make_mask(kind, B, S):
+    """none, holes (random), one_empty (holes, batch element 0 without a valid token), all_true, prefix (element 0
+    full, the others cut short), left_pad (the first tokens invalid), mixed (element 0 a short prefix, element 1
+    holes, the rest full)."""
     if kind == "none":
         return None
     g = torch.Generator().manual_seed(S)
     mask = torch.rand(B, S, generator=g) > 0.3
     if kind == "one_empty":
         mask[0] = False
+    elif kind in ("all_true", "prefix", "left_pad", "mixed"):
+        positions = torch.arange(S)[None, :]
+        cut = torch.tensor([S] + [max(1, (S * (b + 1)) // (B + 2)) for b in range(1, B)])[:, None]
+        mask = {"all_true": torch.ones(B, S, dtype=torch.bool), "prefix": positions < cut,
+                "left_pad": positions >= S - cut}[kind] if kind != "mixed" else torch.ones(B, S, dtype=torch.bool)
+        if kind == "mixed":
+            mask[0, max(1, S // 2):] = False
+            if B > 1:
+                mask[1] = torch.rand(S, generator=g) > 0.3
     return mask.to(DEVICE)
 
 
@@ -73,6 +86,37 @@ def test_fused_layer_matches_fp64(shape, mask_kind, block_m):
     y = fused_layer(x, w, num_heads=H, causal=causal, mask=mask, block_m=block_m)
     want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal, mask=mask)
     check(y, want, torch.float16)
+
+
+MASK_KINDS = ["all_true", "prefix", "left_pad", "mixed", "holes", "one_empty"]
+# (shape, kv_precompute, key_block): the whole-sequence kernel, precomputed keys and values, their key blocks
+MASK_READ_LAUNCHES = {"S7-whole": ("S7-d48-H3", False, None), "S33-whole": ("S33-hd16", False, None),
+                      "S33-kv": ("S33-hd16", True, None), "S33-key-blocks": ("S33-hd16", True, 16),
+                      "S128-whole": ("S128", False, None)}
+
+
+@pytest.mark.parametrize("launch", list(MASK_READ_LAUNCHES), ids=list(MASK_READ_LAUNCHES))
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("read", MASK_READS)
+def test_each_mask_read_matches_fp64(read, mask_kind, launch, monkeypatch):
+    """Every way the kernel can read a mask (MASK_READS) gives the contract's layer on prefix masks (where the
+    kernel may take the length alone) and on masks that are none (left padding, holes, a sequence without a valid
+    token, prefix and holes in one batch); an all-True mask gives the unmasked layer bit for bit."""
+    monkeypatch.setattr(fused_module, "MASK_READ", read)
+    name, kv, key_block = MASK_READ_LAUNCHES[launch]
+    B, S, d, H, ffn = SHAPES[name]
+    B = max(B, 3)
+    causal = S % 2 == 1
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(B, S, d, generator=g).to(DEVICE)
+    w = weights(d, ffn, torch.float16)
+    mask = make_mask(mask_kind, B, S)
+    kwargs = dict(num_heads=H, causal=causal, block_m=16, kv_precompute=kv, key_block=key_block)
+    y = fused_layer(x, w, mask=mask, **kwargs)
+    want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal, mask=mask)
+    check(y, want, torch.float16)
+    if mask_kind == "all_true":
+        assert torch.equal(y, fused_layer(x, w, **kwargs))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from shapewise.kernels.fused_layer import MASK_READS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,7 +46,7 @@ SCRIPT = textwrap.dedent('''
     for lens, keys in ((False, False), (True, False), (True, True)):
         consts = dict(HEAD_DIM=32, BLOCK_D=32, BLOCK_M=64, BLOCK_N=64, IS_CAUSAL=True, HAS_KEY_LEN=lens,
                       HAS_KEY_MASK=keys, EVEN_N=False, PRECISION=2)
-        cap = attention.masked_register_cap(64, 64, 32, 4, 3) if keys else None
+        cap = attention.MASKED_MAX_REGISTERS[(64, 64, 32, 4, 3)][0] if keys else None
         compile_for_h200(attention._attention_fwd, att, consts, 4, 3, **({"maxnreg": cap} if cap else {}))
         done.append(f"_attention_fwd {lens} {keys}")
     compile_for_h200(mask._prefix_lengths_fwd, dict(Mask=i8, Out=i32), dict(BLOCK=128), 1, 1)
@@ -61,11 +62,13 @@ SCRIPT = textwrap.dedent('''
         compile_for_h200(layer_tail._layer_tail_fwd, tail, dict(BLOCK_M=64, BLOCK_D=128, BLOCK_F=32, **f), 4, 3)
         done.append(f"_layer_tail_fwd {f}")
     layer = dict(tail, Wqkv=fp16, Bqkv=fp16, N1w=fp32, N1b=fp32, KV=fp16)
-    for f in flags("HAS_MASK", "KV_GLOBAL"):
+    reads = [(False, 0)] + [(True, r) for r in fused_layer.MASK_READS]
+    for (has_mask, read), (kv, block_n) in itertools.product(reads, ((False, 128), (True, 128), (True, 32))):
         consts = dict(NUM_HEADS=4, HEAD_DIM=32, BLOCK_HD=32, BLOCK_D=128, BLOCK_F=64, BLOCK_M=32, BLOCK_S=128,
-                      IS_CAUSAL=True, FINAL_NORM=True, BLOCK_N=128, **f)
+                      IS_CAUSAL=True, FINAL_NORM=True, HAS_MASK=has_mask, KV_GLOBAL=kv, BLOCK_N=block_n,
+                      MASK_READ=read)
         compile_for_h200(fused_layer._fused_layer_fwd, layer, consts, 4, 2)
-        done.append(f"_fused_layer_fwd {f}")
+        done.append(f"_fused_layer_fwd mask={has_mask} read={read} kv={kv} block_n={block_n}")
     for f in flags("HAS_ROW_MASK"):
         compile_for_h200(layernorm._add_layernorm_fwd,
                          dict(R=fp32, Br=fp16, W=fp32, Bias=fp32, RowMask=i8, ResOut=fp32, Out=fp16),
@@ -73,6 +76,10 @@ SCRIPT = textwrap.dedent('''
         done.append(f"_add_layernorm_fwd {f}")
     print("compiled", len(done), "kernels:", "; ".join(done))
 ''')
+
+
+# attention 3, mask summary 1, ln_kv 2, layer tail 4, fused layer (1 + len(MASK_READS)) x 3, add+LayerNorm 2
+N_KERNELS = 3 + 1 + 2 + 4 + 3 * (1 + len(MASK_READS)) + 2
 
 
 def _compiler_available():
@@ -92,4 +99,4 @@ def test_every_kernel_compiles_for_sm90_in_every_variant():
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=900)
     assert done.returncode == 0, f"a kernel does not compile for sm_90a:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    assert "compiled 16 kernels" in done.stdout, done.stdout
+    assert f"compiled {N_KERNELS} kernels" in done.stdout, done.stdout
