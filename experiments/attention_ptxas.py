@@ -23,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from shapewise.kernels.attention import MASKED_MAX_REGISTERS, _attention_fwd
+from shapewise.kernels.attention import _attention_fwd, masked_register_cap
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 POINTERS = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "O": "*fp16", "KeyLen": "*i32", "KeyMask": "*i8"}
@@ -73,9 +73,8 @@ def main():
             rec = {"head_dim": head_dim, "launch": [bm, bn, warps, stages],
                    "key_lengths": usage(compile_attention(head_dim, bm, bn, warps, stages, False), warps),
                    "key_mask": usage(compile_attention(head_dim, bm, bn, warps, stages, True), warps)}
-            entry = MASKED_MAX_REGISTERS.get((bm, bn, max(16, triton.next_power_of_2(head_dim)), warps, stages))
-            if entry is not None:
-                cap = entry[0]
+            cap = masked_register_cap(bm, bn, max(16, triton.next_power_of_2(head_dim)), warps, stages)
+            if cap is not None:
                 rec["key_mask_capped"] = dict(usage(compile_attention(head_dim, bm, bn, warps, stages, True, cap),
                                                     warps), maxnreg=cap)
             out.append(rec)

@@ -21,7 +21,7 @@ import tempfile
 import triton
 from experiments.fused_ttgir import _compile
 
-from shapewise.kernels.fused_layer import MASK_READ, _fused_layer_fwd
+from shapewise.kernels.fused_layer import _fused_layer_fwd
 from shapewise.model.routing import Shape, fused_launch
 from shapewise.manifest import MODEL_FIELDS, official_rows
 
@@ -36,7 +36,7 @@ VARIANTS = ({"kv_precompute": False}, {"kv_precompute": True},
             {"kv_precompute": True, "key_block": 32, "ffn_block": 32, "num_warps": 8})
 
 
-def constexprs(row, block_m, kv_global, key_block=None, ffn_block=None, has_mask=False, mask_read=MASK_READ):
+def constexprs(row, block_m, kv_global, key_block=None, ffn_block=None, has_mask=False, summary_given=False):
     """The constexprs fused_layer passes for an official row (mirrors its launcher)."""
     S, d, H, ffn = row["seq_len"], row["d_model"], row["num_heads"], row["ffn_dim"]
     hd = d // H
@@ -45,7 +45,8 @@ def constexprs(row, block_m, kv_global, key_block=None, ffn_block=None, has_mask
     return dict(NUM_HEADS=H, HEAD_DIM=hd, BLOCK_HD=max(16, triton.next_power_of_2(hd)),
                 BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_F=min(ffn_block or 64, ffn_pad),
                 BLOCK_M=min(block_s, block_m), BLOCK_S=block_s, IS_CAUSAL=True, HAS_MASK=has_mask, FINAL_NORM=False,
-                KV_GLOBAL=kv_global, BLOCK_N=min(key_block or block_s, block_s), MASK_READ=mask_read)
+                KV_GLOBAL=kv_global, BLOCK_N=min(key_block or block_s, block_s), PREFIX_IN=summary_given,
+                PREFIX_OUT=False)
 
 
 def ptxas_usage(ptx: str) -> dict:

@@ -29,7 +29,8 @@ INTS = ("stride_xb", "stride_xs", "stride_yb", "stride_ys", "stride_mb", "stride
 
 def _compile(fn, consts, num_warps, num_stages):
     names = fn.arg_names
-    sig = {n: ("*fp16" if n in FP16_POINTERS else "*i8" if n == "Mask" else "i32" if n in INTS
+    sig = {n: ("*fp16" if n in FP16_POINTERS else "*i8" if n == "Mask" else "*i32" if n == "Prefix"
+               else "i32" if n in INTS
                else "fp32" if n in ("qk_scale", "eps") else "constexpr" if n in consts else "*fp32") for n in names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -38,7 +39,8 @@ def _compile(fn, consts, num_warps, num_stages):
 
 def compile_for_sm90(block_m, num_warps, num_stages, kv_global=False):
     consts = dict(NUM_HEADS=4, HEAD_DIM=32, BLOCK_HD=32, BLOCK_D=128, BLOCK_F=64, BLOCK_M=block_m, BLOCK_S=128,
-                  IS_CAUSAL=True, HAS_MASK=False, FINAL_NORM=False, KV_GLOBAL=kv_global, BLOCK_N=128)
+                  IS_CAUSAL=True, HAS_MASK=False, FINAL_NORM=False, KV_GLOBAL=kv_global, BLOCK_N=128, PREFIX_IN=False,
+                  PREFIX_OUT=False)
     return _compile(_fused_layer_fwd, consts, num_warps, num_stages)
 
 

@@ -1,7 +1,7 @@
 """Where the official call's all-True mask costs time, kernel by kernel (issue #12 item 2).
 
 Usage (CUDA machine): python -m experiments.h200_mask_parts OUT.json [--rows 1,5,10,13,6,8,7,12]
-       [--mask-reads 0,1,2] [--cap-ab]
+       [--cap-ab]
 
 experiments/h200/session9/mask-after.json measured model(x, all-True mask) 2-5 % slower than model(x) on rows 1, 5,
 6 and 8 (rows 1-13 on the routes of cba9ddd). Per row, each kernel the mask touches, timed as a CUDA graph of 10
@@ -11,10 +11,11 @@ launches (experiments.h200_probe.graph_ms), without and with the mask as the mod
 - the mask's prefix summary (`prefix_lengths`, one launch per forward);
 - the split layer's tail (rows with d_model <= 128) or the unfused route's add+LayerNorm with its row mask (row 8);
 - rows the policy runs fused (7, 12, session 10): one fused layer at the policy's launch, without and with the mask
-  (session 11: with each of --mask-reads, kernels.fused_layer.MASK_READS, as `fused_mask_read{N}`);
+  (session 11: the mask's summary computed in the kernel, also written as layer 0 does, and given as the later layers
+  read it: `fused_mask`, `fused_mask_summary_written`, `fused_mask_summary_given`);
 - --cap-ab (session 11): on rows whose head_dim has a MASKED_MAX_REGISTERS entry for the 64x64 tile, that tile fixed
-  (no autotuning) without a mask and with the mask under the register cap never, as the launcher decides from the
-  grid, and always (`attention_tile_*`).
+  (no autotuning) without a mask and with the mask under the register cap never, as the launcher decides (at
+  a5dfab5 from the grid: `cap_by_grid`; since, always: `cap_launcher`), and always (`attention_tile_*`).
 OUT.json is written after every row.
 """
 from __future__ import annotations
@@ -24,7 +25,6 @@ import json
 
 import torch
 from shapewise.kernels import attention as attention_module
-from shapewise.kernels import fused_layer as fused_module
 from shapewise.kernels.attention import flash_attention
 from shapewise.kernels.fused_layer import MAX_D_MODEL, fused_layer, ln_qkv
 from shapewise.kernels.layer_tail import layer_tail
@@ -43,14 +43,14 @@ def tuned_configs():
 
 
 def cap_ab_runs(q, k, v, mask, prefix):
-    """The 64x64 tile with the masked kernel's register cap never, by grid (the launcher), always; {} without one."""
+    """The 64x64 tile with the masked kernel's register cap never, as the launcher decides, always; {} without one."""
     D = q.shape[-1]
     block_d = max(16, 1 << (D - 1).bit_length())
     key = next((key for key in attention_module.MASKED_MAX_REGISTERS if key[:3] == (64, 64, block_d)), None)
     if key is None:
         return {}
     cfg = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": key[3], "num_stages": key[4]}
-    by_grid = attention_module.masked_register_cap
+    launcher = attention_module.masked_register_cap
     cap = attention_module.MASKED_MAX_REGISTERS[key][0]
 
     def masked(rule):
@@ -59,27 +59,16 @@ def cap_ab_runs(q, k, v, mask, prefix):
             try:
                 return flash_attention(q, k, v, causal=True, key_mask=mask, mask_prefix_lengths=prefix, config=cfg)
             finally:
-                attention_module.masked_register_cap = by_grid
+                attention_module.masked_register_cap = launcher
         return run
 
     return {"attention_tile_unmasked": lambda: flash_attention(q, k, v, causal=True, config=cfg),
             "attention_tile_mask_cap_never": masked(lambda *a: None),
-            "attention_tile_mask_cap_by_grid": masked(by_grid),
+            "attention_tile_mask_cap_launcher": masked(launcher),
             "attention_tile_mask_cap_always": masked(lambda *a: cap)}
 
 
-def fused_read(read, fn):
-    def run():
-        committed = fused_module.MASK_READ
-        fused_module.MASK_READ = read
-        try:
-            return fn()
-        finally:
-            fused_module.MASK_READ = committed
-    return run
-
-
-def row_parts(row, mask_reads=(), cap_ab=False):
+def row_parts(row, cap_ab=False):
     B, S, d, H, ffn = shape_of(row)
     D = d // H
     reps = 5 if B * S > 10**6 else 30
@@ -106,8 +95,9 @@ def row_parts(row, mask_reads=(), cap_ab=False):
                       kv_precompute=route.kv_precompute)
         runs["fused_unmasked"] = lambda: fused_layer(x, w, **launch)
         runs["fused_mask"] = lambda: fused_layer(x, w, mask=mask, **launch)
-        for read in mask_reads:
-            runs[f"fused_mask_read{read}"] = fused_read(read, lambda: fused_layer(x, w, mask=mask, **launch))
+        written = torch.empty(B, dtype=torch.int32, device="cuda")
+        runs["fused_mask_summary_written"] = lambda: fused_layer(x, w, mask=mask, prefix_out=written, **launch)
+        runs["fused_mask_summary_given"] = lambda: fused_layer(x, w, mask=mask, mask_prefix_lengths=prefix, **launch)
     elif d <= MAX_D_MODEL:
         w, _ = weights(d, ffn, "cuda")
         o = ln_qkv(x, w)[..., :d].contiguous()
@@ -131,16 +121,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--rows", default="1,5,10,13,6,8,7,12")
-    ap.add_argument("--mask-reads", default="", help="fused rows: also time these kernels.fused_layer.MASK_READS")
     ap.add_argument("--cap-ab", action="store_true", help="the 64x64 tile with the register cap never/by grid/always")
     args = ap.parse_args()
-    reads = [int(r) for r in args.mask_reads.split(",") if r]
     out = {"device": torch.cuda.get_device_name(), "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
            "masked_max_registers": {str(k): v for k, v in attention_module.MASKED_MAX_REGISTERS.items()},
-           "fused_mask_read": fused_module.MASK_READ, "rows": []}
+           "rows": []}
     with torch.inference_mode():
         for row in (int(r) for r in args.rows.split(",")):
-            out["rows"].append(row_parts(row, reads, args.cap_ab))
+            out["rows"].append(row_parts(row, args.cap_ab))
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
             torch.cuda.empty_cache()

@@ -149,7 +149,8 @@ def _attention_fwd(
     stride_mb,  # key-mask stride between batch elements
     num_heads, seq_len, qk_scale,  # qk_scale = head_dim**-0.5 * log2(e)
     S_BUCKET,  # next power of two of seq_len: the autotune key (one tuning per bucket)
-    BH_BUCKET,  # next power of two of batch x heads: the autotune key too (the grid decides the register cap)
+    BH_BUCKET,  # next power of two of batch x heads: the autotune key too, so that a tuning persisted on disk for one
+    # grid size (official row 2: 4 programs a query block) is not served to a very different one (row 6: 40 000)
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_KEY_LEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
@@ -249,37 +250,23 @@ def _configs():
 
 # Registers per thread the kernel with a key mask (HAS_KEY_MASK) may take, per launch (BLOCK_M, BLOCK_N, BLOCK_D,
 # num_warps, num_stages), where ptxas would otherwise give it enough more than the same launch with key lengths
-# to fit fewer programs on an SM: (cap, programs per SM without the cap). Read off ptxas for sm_90a (Triton 3.6;
-# `python -m experiments.attention_ptxas`): head_dim 32 on 64x64 tiles takes 122 registers with a mask against 94
-# with lengths (4 programs of 4 warps per SM instead of 5), and fits 95 without spilling when capped at 96; the
-# H200 ran the all-True mask there 23 % slower than key lengths on official row 6
-# (experiments/h200/session10/mask-parts.json). The cap applies only to a grid larger than the GPU holds at once
-# without it: it buys occupancy with instruction-level parallelism, and a grid of one wave or less has no use for
-# occupancy (official row 2, 8 programs: 14.0 -> 16.9 us of attention per forward with the cap,
-# reports/h200 at 954067a against cba9ddd).
-MASKED_MAX_REGISTERS = {(64, 64, 32, 4, 3): (96, 4), (32, 32, 64, 4, 2): (96, 4)}
+# to fit fewer programs on an SM. Read off ptxas for sm_90a (Triton 3.6; `python -m experiments.attention_ptxas`):
+# head_dim 32 on 64x64 tiles takes 122 registers with a mask against 94 with lengths (4 programs of 4 warps per SM
+# instead of 5), and fits 95 without spilling when capped at 96; the H200 ran the all-True mask there 23 % slower
+# than key lengths on official row 6 (experiments/h200/session10/mask-parts.json). Applied whatever the grid: one of
+# a wave or less (official rows 1-4) runs no slower under the cap (experiments/h200/session11/mask-parts.json).
+MASKED_MAX_REGISTERS = {(64, 64, 32, 4, 3): 96, (32, 32, 64, 4, 2): 96}
 
 
-def masked_register_cap(block_m, block_n, block_d, num_warps, num_stages, programs, sm_count):
-    """The maxnreg of a masked launch of `programs` programs on `sm_count` SMs (None: ptxas decides), from
-    MASKED_MAX_REGISTERS."""
-    entry = MASKED_MAX_REGISTERS.get((block_m, block_n, block_d, num_warps, num_stages))
-    if entry is None:
-        return None
-    cap, uncapped_per_sm = entry
-    return cap if programs > sm_count * uncapped_per_sm else None
+def masked_register_cap(block_m, block_n, block_d, num_warps, num_stages):
+    """The maxnreg of a masked launch (None: ptxas decides), from MASKED_MAX_REGISTERS."""
+    return MASKED_MAX_REGISTERS.get((block_m, block_n, block_d, num_warps, num_stages))
 
 
-def _sm_count(device):
-    if _INTERPRET or device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _capped(config, block_d, programs, sm_count):
-    """`config` with the masked kernel's register cap for its tile and grid, where MASKED_MAX_REGISTERS has one."""
+def _capped(config, block_d):
+    """`config` with the masked kernel's register cap for its tile, where MASKED_MAX_REGISTERS has one."""
     cap = masked_register_cap(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], block_d, config.num_warps,
-                              config.num_stages, programs, sm_count)
+                              config.num_stages)
     if cap is None:
         return config
     return triton.Config(dict(config.kwargs), num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=cap)
@@ -287,14 +274,11 @@ def _capped(config, block_d, programs, sm_count):
 
 def _prune(configs, named_args, **kwargs):
     """Keep tiles that fit the sequence and the head size; big head dims get small tiles. With a key mask, each
-    kept tile carries its register cap (MASKED_MAX_REGISTERS) where its grid (the tuning key's batch x heads
-    bucket) is larger than one wave."""
+    kept tile carries its register cap (MASKED_MAX_REGISTERS)."""
     keep = _prune_tiles(configs, named_args, **kwargs)
     if kwargs.get("HAS_KEY_MASK", named_args.get("HAS_KEY_MASK")):
         block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-        sm_count = _sm_count(named_args["Q"].device)
-        seq, bh = named_args["seq_len"], named_args["BH_BUCKET"]
-        keep = [_capped(c, block_d, triton.cdiv(seq, c.kwargs["BLOCK_M"]) * bh, sm_count) for c in keep]
+        keep = [_capped(c, block_d) for c in keep]
     return keep
 
 
@@ -443,10 +427,8 @@ def flash_attention(q, k, v, *, causal: bool, key_lengths=None, key_mask=None, p
     if config is not None:
         bm, bn = config["BLOCK_M"], config["BLOCK_N"]
         warps, stages = config.get("num_warps", 4), config.get("num_stages", 2)
+        cap = masked_register_cap(bm, bn, block_d, warps, stages) if key_mask is not None else None
         grid = (triton.cdiv(S, bm), B * H)
-        cap = None
-        if key_mask is not None:
-            cap = masked_register_cap(bm, bn, block_d, warps, stages, grid[0] * grid[1], _sm_count(q.device))
         _attention_fwd[grid](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, EVEN_N=S % bn == 0, num_warps=warps,
                              num_stages=stages, maxnreg=cap)
         return out

@@ -32,14 +32,6 @@ MAX_D_MODEL = 128
 # Largest block_m served. 64 and 128 ended in an illegal memory access on the H200 (Triton 3.6; see
 # experiments/h200/session2/README.md); experiments/h200_fused_isolation.py raises this in its own processes to probe them.
 MAX_BLOCK_M = 32
-# How the layer kernel reads a mask (session 11, being measured: experiments/h200_mask_parts.py --mask-reads):
-# 0: the key mask at the kernel's start, its visibility tile built from it (session 10);
-# 1: the mask after the residual rows' loads; its prefix length computed in the kernel, and a prefix's visibility
-#    and row zeroing from that length alone (index arithmetic, as without a mask); only a mask that is no prefix
-#    is read into the visibility tile;
-# 2: as 0, but the mask read after the residual rows' loads.
-MASK_READS = (0, 1, 2)
-MASK_READ = 1
 # Triton 3.6's interpreter computes garbage for bf16 dots (see kernels/attention.py): there the
 # (already bf16-rounded) operands are multiplied in fp32, which gives the tensor cores' products.
 _DOT_IN_FP32 = tl.constexpr(INTERPRET)
@@ -109,8 +101,8 @@ def _attend_key_blocks(q, kv_base, mask_base, rows, hcol, hd_ok, stride_kvs, d_m
         v = tl.load(kv_ptrs + d_model, mask=kn_ok[:, None] & hd_ok[None, :], other=0.0)
         s = _mm(q, tl.trans(k)) * qk_scale
         visible = (kn < key_len)[None, :]  # key_len <= seq_len
-        if HAS_MASK:  # a prefix (not_prefix == 0, MASK_READ 1) reads no mask: key_len says it all
-            visible = visible & (tl.load(mask_base + kn, mask=kn_ok & (not_prefix > 0), other=1) != 0)[None, :]
+        if HAS_MASK:  # a prefix reads no mask: key_len says it all
+            visible = visible & (tl.load(mask_base + kn, mask=kn_ok & not_prefix, other=1) != 0)[None, :]
         if IS_CAUSAL:
             visible = visible & (kn[None, :] <= rows[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -129,6 +121,7 @@ def _fused_layer_fwd(
     X,  # pointer to the residual stream in, [B, S, d] (fp32, or the input dtype for layer 0)
     Y,  # pointer to the output, [B, S, d]: fp32 residual, or the final normalized output when FINAL_NORM
     Mask,  # pointer to int8 [B, S], 1 = valid token; read when HAS_MASK
+    Prefix,  # pointer to int32 [B]: the mask's summary (kernels/mask.py: prefix length, or -1); PREFIX_IN/PREFIX_OUT
     Wqkv, Bqkv,  # pointers to the packed QKV weight [3d, d] (rows: q, k, v outputs) and bias [3d]
     Wo, Bo,  # pointers to the out-projection weight [d, d] and bias [d]
     Win, Bin,  # pointers to the FFN input weight [ffn, d] and bias [ffn]
@@ -146,7 +139,8 @@ def _fused_layer_fwd(
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr,
     KV_GLOBAL: tl.constexpr,  # read K and V from KV (written by _ln_kv_fwd) instead of recomputing them here
     BLOCK_N: tl.constexpr,  # keys per step: BLOCK_S = the whole sequence at once; less (KV_GLOBAL only): key blocks
-    MASK_READ: tl.constexpr = 0,  # with HAS_MASK: how the mask is read (MASK_READS)
+    PREFIX_IN: tl.constexpr,  # with HAS_MASK: read the mask's summary from Prefix instead of computing it
+    PREFIX_OUT: tl.constexpr,  # with HAS_MASK, not PREFIX_IN: write the summary to Prefix (for the next layers)
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -160,8 +154,9 @@ def _fused_layer_fwd(
     key_ok = keys < seq_len
     hd_ok = hcol < HEAD_DIM
     x_base = X + b * stride_xb
-    if HAS_MASK and MASK_READ == 0:
-        key_ok = key_ok & (tl.load(Mask + b * stride_mb + keys, mask=keys < seq_len, other=0) != 0)
+    mask_row = Mask + b * stride_mb
+    if HAS_MASK and PREFIX_IN:  # the summary layer 0 wrote: one value, no barrier; its latency hides behind X's
+        summary = tl.load(Prefix + b)
 
     # LayerNorm 1 of every key row (unless K and V come precomputed) and of this program's query rows
     if not KV_GLOBAL:
@@ -170,27 +165,29 @@ def _fused_layer_fwd(
         hk = _layer_norm_rows(xk, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
     xq = tl.load(x_base + rows[:, None] * stride_xs + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                  other=0.0).to(tl.float32)
-    key_len = seq_len  # MASK_READ 1: where this sequence's mask is a prefix, its length
-    not_prefix = 0  # MASK_READ 1: > 0 where the mask is no prefix
-    if HAS_MASK and MASK_READ != 0:  # the mask read after the residual rows: their loads are in flight first
-        mask_ok = tl.load(Mask + b * stride_mb + keys, mask=keys < seq_len, other=0) != 0
-        if MASK_READ == 1:
-            n_valid = tl.sum(mask_ok.to(tl.int32), 0)
-            not_prefix = tl.sum((mask_ok != (keys < n_valid)).to(tl.int32), 0)
-            key_len = tl.where(not_prefix == 0, n_valid, seq_len)
-        else:
-            key_ok = key_ok & mask_ok
+    # The mask is summarized after the residual rows are requested: read before them (session 10), its load and the
+    # barrier of its layout change delayed those loads by a memory round trip (offline SASS of official row 7:
+    # first barrier at instruction 83, first residual load at 87), and row 7's layer took 18 % longer with an
+    # all-True mask than without (experiments/h200/session11/mask-parts.json).
+    key_len = seq_len  # where this sequence's mask is a prefix: its length
+    not_prefix = False
+    if HAS_MASK:
+        if not PREFIX_IN:
+            summary = prefix_length_of_row(mask_row, seq_len, first_mask_block(mask_row, seq_len, BLOCK_S, True),
+                                           BLOCK_S)
+            if PREFIX_OUT:
+                if pid_m == 0:
+                    tl.store(Prefix + b, summary)
+        not_prefix = summary < 0
+        key_len = tl.where(not_prefix, seq_len, summary)
     hq = _layer_norm_rows(xq, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
 
-    if HAS_MASK and MASK_READ == 1:
-        # a prefix's visibility is index arithmetic, as without a mask; only a mask that is no prefix is read into
-        # the [BLOCK_M, BLOCK_S] tile
-        if not_prefix == 0:
-            visible = (keys < key_len)[None, :]
-        else:
-            visible = (key_ok & mask_ok)[None, :]
-    else:
-        visible = key_ok[None, :]
+    # a prefix's visibility is index arithmetic, as without a mask; only a mask that is no prefix is read into the
+    # [BLOCK_M, BLOCK_S] tile
+    visible = (keys < key_len)[None, :]
+    if HAS_MASK:
+        if not_prefix:
+            visible = (key_ok & (tl.load(mask_row + keys, mask=key_ok, other=0) != 0))[None, :]
     if IS_CAUSAL:
         visible = visible & (keys[None, :] <= rows[:, None])
     KEY_BLOCKS: tl.constexpr = KV_GLOBAL and BLOCK_N < BLOCK_S
@@ -218,7 +215,7 @@ def _fused_layer_fwd(
         q = (_mm(hq, wq) + bq[None, :]).to(op_ty)
         if KEY_BLOCKS:
             o = _attend_key_blocks(q, KV + b * stride_kvb + f0, Mask + b * stride_mb, rows, hcol, hd_ok, stride_kvs,
-                                   d_model, seq_len, key_hi, qk_scale, key_len, not_prefix + (MASK_READ != 1),
+                                   d_model, seq_len, key_hi, qk_scale, key_len, not_prefix,
                                    BLOCK_M, BLOCK_HD, BLOCK_N, IS_CAUSAL, HAS_MASK)
         elif KV_GLOBAL:  # this head's precomputed keys and values: [BLOCK_S, BLOCK_HD] tiles of KV
             kv_ptrs = KV + b * stride_kvb + keys[:, None] * stride_kvs + f0 + hcol[None, :]
@@ -246,7 +243,7 @@ def _fused_layer_fwd(
     x2 = _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn_dim, eps, BLOCK_M, BLOCK_D,
                        BLOCK_F)
     _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
-                key_len, not_prefix, HAS_MASK, FINAL_NORM, MASK_READ == 1)
+                key_len, not_prefix, HAS_MASK, FINAL_NORM, True)
 
 
 @triton.jit
@@ -277,11 +274,11 @@ def _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows,
                 key_len, not_prefix, HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr, KNOWS_PREFIX: tl.constexpr):
     """Store a tile of rows of sequence b (row r at Y + b * stride_yb + r * stride_ys): invalid rows
     (Mask[b * stride_mb + r] == 0) as 0, after the final LayerNorm when FINAL_NORM. With KNOWS_PREFIX, the rows
-    of a mask that is a prefix (not_prefix == 0) are valid below key_len, and the mask is read only where it is
+    of a mask that is a prefix (not not_prefix) are valid below key_len, and the mask is read only where it is
     no prefix."""
     if HAS_MASK:
         if KNOWS_PREFIX:
-            row_valid = (rows < key_len) & (tl.load(Mask + b * stride_mb + rows, mask=row_ok & (not_prefix > 0),
+            row_valid = (rows < key_len) & (tl.load(Mask + b * stride_mb + rows, mask=row_ok & not_prefix,
                                                     other=1) != 0)
         else:
             row_valid = tl.load(Mask + b * stride_mb + rows, mask=row_ok, other=0) != 0
@@ -442,7 +439,8 @@ def _block_size(name: str, value, default: int, most: int) -> int:
 
 
 def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=None, out=None, block_m=None,
-                num_warps=4, num_stages=1, kv_precompute=False, key_block=None, ffn_block=None):
+                num_warps=4, num_stages=1, kv_precompute=False, key_block=None, ffn_block=None,
+                mask_prefix_lengths=None, prefix_out=None):
     """One layer (and the final norm when `final=(weight, bias)`) over `x [B, S, d]`.
 
     w: dict with qkv_w [3d, d], qkv_b [3d], o_w, o_b, in_w [ffn, d], in_b, out_w [d, ffn], out_b in the
@@ -456,6 +454,9 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
     once, and a causal tile stops at its last query. Fewer live registers; the softmax's rounding differs.
     ffn_block: FFN columns per step (default 64, or ffn_dim's power of two when smaller).
     None for either keeps the kernel as the committed policy runs it.
+    With a mask the kernel summarizes it per sequence (kernels.mask: its prefix length, or -1) and treats a prefix
+    as index arithmetic; prefix_out (int32 [B]) also receives that summary, and a later layer given it as
+    mask_prefix_lengths reads it instead of the mask (it must describe `mask`: the kernel trusts it).
     """
     B, S, d = x.shape
     why = why_unsupported(S, d, num_heads)
@@ -471,6 +472,16 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
         raise ValueError("fused_layer: weight shapes do not match d_model/ffn_dim")
     if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, S)):
         raise ValueError(f"fused_layer: mask must be bool [B, S]={B, S}, got {mask.dtype} {tuple(mask.shape)}")
+    for name, t in (("mask_prefix_lengths", mask_prefix_lengths), ("prefix_out", prefix_out)):
+        if t is None:
+            continue
+        if mask is None:
+            raise ValueError(f"fused_layer: {name} describes a mask; give mask too")
+        if t.shape != (B,) or t.dtype != torch.int32 or t.device != x.device:
+            raise ValueError(f"fused_layer: {name} must be int32 [B]={B} on {x.device}, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    if mask_prefix_lengths is not None and prefix_out is not None:
+        raise ValueError("fused_layer: give mask_prefix_lengths (read the summary) or prefix_out (write it), not both")
     hd = d // num_heads
     if out is None:
         out = torch.empty((B, S, d), device=x.device, dtype=torch.float32 if final is None else out_dtype or x.dtype)
@@ -491,8 +502,9 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
     block_f = _block_size("ffn_block", ffn_block, min(64, ffn_pad), ffn_pad)
     kv = _ln_project(x, w, d, 2 * d) if kv_precompute else out  # out: a placeholder pointer, never read
     grid = (triton.cdiv(S, block_m), B)
+    prefix = mask_prefix_lengths if mask_prefix_lengths is not None else prefix_out
     _fused_layer_fwd[grid](
-        x, out, m,
+        x, out, m, prefix if prefix is not None else m,
         w["qkv_w"], w["qkv_b"], w["o_w"], w["o_b"], w["in_w"], w["in_b"], w["out_w"], w["out_b"],
         w["n1_w"], w["n1_b"], w["n2_w"], w["n2_b"], nf_w, nf_b,
         kv, kv.stride(0) if kv_precompute else 0, kv.stride(1) if kv_precompute else 0,
@@ -501,7 +513,7 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
         NUM_HEADS=num_heads, HEAD_DIM=hd, BLOCK_HD=max(16, triton.next_power_of_2(hd)),
         BLOCK_D=block_d, BLOCK_F=block_f, BLOCK_M=block_m, BLOCK_S=block_s,
         IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, FINAL_NORM=final is not None,
-        KV_GLOBAL=bool(kv_precompute), BLOCK_N=block_n, MASK_READ=MASK_READ, num_warps=num_warps,
-        num_stages=num_stages,
+        KV_GLOBAL=bool(kv_precompute), BLOCK_N=block_n, PREFIX_IN=mask_prefix_lengths is not None,
+        PREFIX_OUT=prefix_out is not None, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -395,15 +395,19 @@ class UserOptimizedTransformer(BaselineTransformer):
         cfg = self.config
         w = self._weights_for(route.precision, True)
         block_m, num_warps, num_stages = route.launch
+        # With a mask, layer 0 summarizes it (prefix length or -1 per sequence) on the side and the later layers read
+        # that one value instead of the mask (official row 7: experiments/h200/session11/mask-parts.json).
+        prefix = torch.empty(x.shape[0], dtype=torch.int32, device=x.device) if mask is not None else None
         res = x
         for i in range(cfg.num_layers):
             last = i == cfg.num_layers - 1
+            summary = {} if mask is None else {"prefix_out": prefix} if i == 0 else {"mask_prefix_lengths": prefix}
             res = fused_layer(res, {n: w[f"{i}.{n}"] for n in _LAYER_WEIGHTS}, num_heads=cfg.num_heads,
                               causal=cfg.causal, mask=mask, final=(w["final_w"], w["final_b"]) if last else None,
                               out_dtype=x.dtype,
                               block_m=block_m, num_warps=num_warps, num_stages=num_stages,
                               kv_precompute=route.kv_precompute, key_block=route.key_block or None,
-                              ffn_block=route.ffn_block or None)
+                              ffn_block=route.ffn_block or None, **summary)
         return res
 
     # -------------------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ d_model that is not a power of two, head_dim 8 and 80, fp16 and bf16 operands.
 import pytest
 import torch
 
-from shapewise.kernels import fused_layer as fused_module
-from shapewise.kernels.fused_layer import MASK_READS, MAX_BLOCK_M, fused_layer, fused_layer_reference
+from shapewise.kernels.fused_layer import MAX_BLOCK_M, fused_layer, fused_layer_reference
+from shapewise.kernels.mask import prefix_lengths_reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # operand dtype -> (atol, rtol) against fp64 math on the same (rounded) weights: activations rounded to
@@ -90,20 +90,20 @@ def test_fused_layer_matches_fp64(shape, mask_kind, block_m):
 
 MASK_KINDS = ["all_true", "prefix", "left_pad", "mixed", "holes", "one_empty"]
 # (shape, kv_precompute, key_block): the whole-sequence kernel, precomputed keys and values, their key blocks
-MASK_READ_LAUNCHES = {"S7-whole": ("S7-d48-H3", False, None), "S33-whole": ("S33-hd16", False, None),
-                      "S33-kv": ("S33-hd16", True, None), "S33-key-blocks": ("S33-hd16", True, 16),
-                      "S128-whole": ("S128", False, None)}
+SUMMARY_LAUNCHES = {"S7-whole": ("S7-d48-H3", False, None), "S33-whole": ("S33-hd16", False, None),
+                    "S33-kv": ("S33-hd16", True, None), "S33-key-blocks": ("S33-hd16", True, 16),
+                    "S128-whole": ("S128", False, None)}
 
 
-@pytest.mark.parametrize("launch", list(MASK_READ_LAUNCHES), ids=list(MASK_READ_LAUNCHES))
+@pytest.mark.parametrize("launch", list(SUMMARY_LAUNCHES), ids=list(SUMMARY_LAUNCHES))
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
-@pytest.mark.parametrize("read", MASK_READS)
-def test_each_mask_read_matches_fp64(read, mask_kind, launch, monkeypatch):
-    """Every way the kernel can read a mask (MASK_READS) gives the contract's layer on prefix masks (where the
-    kernel may take the length alone) and on masks that are none (left padding, holes, a sequence without a valid
-    token, prefix and holes in one batch); an all-True mask gives the unmasked layer bit for bit."""
-    monkeypatch.setattr(fused_module, "MASK_READ", read)
-    name, kv, key_block = MASK_READ_LAUNCHES[launch]
+@pytest.mark.parametrize("summary", ["computed", "written", "given"])
+def test_mask_summary_paths_match_fp64(summary, mask_kind, launch):
+    """However the kernel learns the mask's summary (computed in the kernel; computed and written to prefix_out, as
+    the model's layer 0 does; given, as the later layers read it), it gives the contract's layer on prefix masks,
+    where it uses the length alone, and on masks that are none (left padding, holes, a sequence without a valid
+    token, prefix and holes in one batch); the summary it writes is kernels.mask's."""
+    name, kv, key_block = SUMMARY_LAUNCHES[launch]
     B, S, d, H, ffn = SHAPES[name]
     B = max(B, 3)
     causal = S % 2 == 1
@@ -111,12 +111,32 @@ def test_each_mask_read_matches_fp64(read, mask_kind, launch, monkeypatch):
     x = torch.randn(B, S, d, generator=g).to(DEVICE)
     w = weights(d, ffn, torch.float16)
     mask = make_mask(mask_kind, B, S)
+    want_summary = prefix_lengths_reference(mask)
     kwargs = dict(num_heads=H, causal=causal, block_m=16, kv_precompute=kv, key_block=key_block)
+    written = torch.full((B,), -7, dtype=torch.int32, device=DEVICE)
+    if summary == "written":
+        kwargs["prefix_out"] = written
+    elif summary == "given":
+        kwargs["mask_prefix_lengths"] = want_summary
     y = fused_layer(x, w, mask=mask, **kwargs)
     want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal, mask=mask)
     check(y, want, torch.float16)
-    if mask_kind == "all_true":
-        assert torch.equal(y, fused_layer(x, w, **kwargs))
+    if summary == "written":
+        assert torch.equal(written.cpu(), want_summary.cpu())
+
+
+def test_summary_arguments_are_checked():
+    B, S, d, H, ffn = SHAPES["S7-d48-H3"]
+    x = torch.randn(B, S, d).to(DEVICE)
+    w = weights(d, ffn, torch.float16)
+    mask = torch.ones(B, S, dtype=torch.bool, device=DEVICE)
+    good = torch.zeros(B, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="mask_prefix_lengths describes a mask"):
+        fused_layer(x, w, num_heads=H, causal=True, mask_prefix_lengths=good)
+    with pytest.raises(ValueError, match="prefix_out must be int32"):
+        fused_layer(x, w, num_heads=H, causal=True, mask=mask, prefix_out=good.long())
+    with pytest.raises(ValueError, match="not both"):
+        fused_layer(x, w, num_heads=H, causal=True, mask=mask, prefix_out=good, mask_prefix_lengths=good.clone())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -14,7 +14,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from shapewise.kernels.fused_layer import MASK_READS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,7 +45,7 @@ SCRIPT = textwrap.dedent('''
     for lens, keys in ((False, False), (True, False), (True, True)):
         consts = dict(HEAD_DIM=32, BLOCK_D=32, BLOCK_M=64, BLOCK_N=64, IS_CAUSAL=True, HAS_KEY_LEN=lens,
                       HAS_KEY_MASK=keys, EVEN_N=False, PRECISION=2)
-        cap = attention.MASKED_MAX_REGISTERS[(64, 64, 32, 4, 3)][0] if keys else None
+        cap = attention.masked_register_cap(64, 64, 32, 4, 3) if keys else None
         compile_for_h200(attention._attention_fwd, att, consts, 4, 3, **({"maxnreg": cap} if cap else {}))
         done.append(f"_attention_fwd {lens} {keys}")
     compile_for_h200(mask._prefix_lengths_fwd, dict(Mask=i8, Out=i32), dict(BLOCK=128), 1, 1)
@@ -62,13 +61,14 @@ SCRIPT = textwrap.dedent('''
         compile_for_h200(layer_tail._layer_tail_fwd, tail, dict(BLOCK_M=64, BLOCK_D=128, BLOCK_F=32, **f), 4, 3)
         done.append(f"_layer_tail_fwd {f}")
     layer = dict(tail, Wqkv=fp16, Bqkv=fp16, N1w=fp32, N1b=fp32, KV=fp16)
-    reads = [(False, 0)] + [(True, r) for r in fused_layer.MASK_READS]
-    for (has_mask, read), (kv, block_n) in itertools.product(reads, ((False, 128), (True, 128), (True, 32))):
+    # without a mask; with one: the summary computed, computed and written, read
+    summaries = [(False, False, False), (True, False, False), (True, False, True), (True, True, False)]
+    for (has_mask, given, write), (kv, block_n) in itertools.product(summaries, ((False, 128), (True, 128), (True, 32))):
         consts = dict(NUM_HEADS=4, HEAD_DIM=32, BLOCK_HD=32, BLOCK_D=128, BLOCK_F=64, BLOCK_M=32, BLOCK_S=128,
                       IS_CAUSAL=True, FINAL_NORM=True, HAS_MASK=has_mask, KV_GLOBAL=kv, BLOCK_N=block_n,
-                      MASK_READ=read)
-        compile_for_h200(fused_layer._fused_layer_fwd, layer, consts, 4, 2)
-        done.append(f"_fused_layer_fwd mask={has_mask} read={read} kv={kv} block_n={block_n}")
+                      PREFIX_IN=given, PREFIX_OUT=write)
+        compile_for_h200(fused_layer._fused_layer_fwd, dict(layer, Prefix=i32), consts, 4, 2)
+        done.append(f"_fused_layer_fwd mask={has_mask} given={given} write={write} kv={kv} block_n={block_n}")
     for f in flags("HAS_ROW_MASK"):
         compile_for_h200(layernorm._add_layernorm_fwd,
                          dict(R=fp32, Br=fp16, W=fp32, Bias=fp32, RowMask=i8, ResOut=fp32, Out=fp16),
@@ -78,8 +78,8 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-# attention 3, mask summary 1, ln_kv 2, layer tail 4, fused layer (1 + len(MASK_READS)) x 3, add+LayerNorm 2
-N_KERNELS = 3 + 1 + 2 + 4 + 3 * (1 + len(MASK_READS)) + 2
+# attention 3, mask summary 1, ln_kv 2, layer tail 4, fused layer 4 x 3, add+LayerNorm 2
+N_KERNELS = 3 + 1 + 2 + 4 + 4 * 3 + 2
 
 
 def _compiler_available():
