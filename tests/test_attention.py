@@ -322,23 +322,30 @@ def test_bad_inputs_raise_naming_the_tensor(case):
     assert re.search(rf"\b{name}\b", str(ei.value)), f"error does not name {name!r}: {ei.value}"
 
 
-def test_autotune_candidates_are_pruned_by_shape_and_precision():
+def test_autotune_candidates_are_pruned_by_shape_and_precision(monkeypatch):
     """The autotuner's early prune: tiles no larger than the sequence, small tiles for big head sizes and for
-    exact fp32 (whose compile time per candidate dominated pipeline jobs), large tiles for long sequences."""
+    exact fp32 (whose compile time per candidate dominated pipeline jobs), large tiles for long sequences, one tile
+    for short sequences below a wide grid."""
     import triton
 
+    from shapewise.kernels import attention
     from shapewise.kernels.attention import _prune
 
     configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=2)
                for bm, bn in [(128, 128), (128, 64), (64, 64), (64, 32), (32, 32), (16, 32)]]
 
-    def kept(seq, block_d, precision):
+    def kept(seq, block_d, precision, bh=None):
         return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"])
-                for c in _prune(configs, {"seq_len": seq}, BLOCK_D=block_d, PRECISION=precision)]
+                for c in _prune(configs, {"seq_len": seq, "BH_BUCKET": bh}, BLOCK_D=block_d, PRECISION=precision)]
 
     assert kept(1024, 32, 2) == [(128, 128), (128, 64), (64, 64), (64, 32), (32, 32), (16, 32)]
     assert kept(40, 32, 2) == [(64, 64), (64, 32), (32, 32), (16, 32)]
     assert kept(128, 32, 2) == [(64, 64), (64, 32)]  # official rows' length: 64-row tiles only
+    assert kept(128, 32, 2, bh=256) == [(64, 64), (64, 32)]  # the grid switch is off: both timed
+    monkeypatch.setattr(attention, "SHORT_SEQUENCE_WIDE_GRID", 4096)
+    assert kept(128, 32, 2, bh=256) == [(64, 64)]  # on: below a wide grid, 64x64 alone (official rows 1-5, 9-11)
+    assert kept(128, 32, 2, bh=4096) == [(64, 64), (64, 32)]  # official row 6: timed
+    assert kept(1024, 32, 2, bh=256) == kept(1024, 32, 2)  # longer sequences: the grid does not prune
     assert kept(1024, 256, 2) == [(64, 64), (64, 32), (32, 32), (16, 32)]
     assert kept(100_000, 64, 3) == [(128, 128), (128, 64), (64, 64), (64, 32)]
     assert kept(1024, 32, 0) == [(64, 32), (32, 32)]
