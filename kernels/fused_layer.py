@@ -15,6 +15,11 @@ and the K/V projection of its whole sequence. With it, `key_block` runs each hea
 (online, fp32 running max and sum; a causal tile stops at its last query) instead of the whole sequence at once,
 and `ffn_block` narrows the FFN's column chunks: fewer live registers (ptxas: no spills on most official fused
 rows, experiments/data/fused_ptxas-sm90.json). Both are off unless the routing policy's launch entry sets them.
+
+With a mask, each program summarizes its sequence's mask (kernels/mask.py: the prefix length, or -1) and treats a
+prefix, the official harness's all-True mask among them, by its length alone, as index arithmetic; only a mask
+that is no prefix is read into the visibility tile. The model's layer 0 writes that summary (`prefix_out`) and the
+later layers read it (`mask_prefix_lengths`) instead of the mask.
 """
 from __future__ import annotations
 
@@ -168,7 +173,7 @@ def _fused_layer_fwd(
     # The mask is summarized after the residual rows are requested: read before them (session 10), its load and the
     # barrier of its layout change delayed those loads by a memory round trip (offline SASS of official row 7:
     # first barrier at instruction 83, first residual load at 87), and row 7's layer took 18 % longer with an
-    # all-True mask than without (experiments/h200/session11/mask-parts.json).
+    # all-True mask than without (experiments/h200/session11/call1/mask-parts.json).
     key_len = seq_len  # where this sequence's mask is a prefix: its length
     not_prefix = False
     if HAS_MASK:
@@ -274,7 +279,7 @@ def _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows,
                 key_len, not_prefix, HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr, KNOWS_PREFIX: tl.constexpr):
     """Store a tile of rows of sequence b (row r at Y + b * stride_yb + r * stride_ys): invalid rows
     (Mask[b * stride_mb + r] == 0) as 0, after the final LayerNorm when FINAL_NORM. With KNOWS_PREFIX, the rows
-    of a mask that is a prefix (not not_prefix) are valid below key_len, and the mask is read only where it is
+    of a mask that is a prefix (not_prefix False) are valid below key_len, and the mask is read only where it is
     no prefix."""
     if HAS_MASK:
         if KNOWS_PREFIX:
