@@ -20,7 +20,7 @@ import triton.language as tl
 
 from . import INTERPRET as _INTERPRET
 from . import PRECISIONS
-from .mask import prefix_lengths
+from .mask import check_summary, prefix_lengths
 
 MAX_HEAD_DIM = 256  # largest head_dim served (register and shared-memory budget of one tile)
 _PRECISION_CODE = {"fp32": 0, "tf32": 1, "fp16": 2, "bf16": 3}
@@ -375,11 +375,7 @@ def _check(q, k, v, key_lengths, key_mask, precision, mask_prefix_lengths=None):
     if mask_prefix_lengths is not None:
         if key_mask is None:
             raise ValueError("flash_attention: mask_prefix_lengths describes a key_mask; give key_mask too")
-        if (mask_prefix_lengths.shape != (B,) or mask_prefix_lengths.dtype != torch.int32
-                or mask_prefix_lengths.device != q.device):
-            raise ValueError(f"flash_attention: mask_prefix_lengths must be int32 [B]={B} on {q.device}, got "
-                             f"{mask_prefix_lengths.dtype} {tuple(mask_prefix_lengths.shape)} on "
-                             f"{mask_prefix_lengths.device}")
+        check_summary("flash_attention", "mask_prefix_lengths", mask_prefix_lengths, B, q.device)
     if key_lengths is not None:
         if key_lengths.shape != (B,) or key_lengths.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"flash_attention: key_lengths must be an int32/int64 [B]={B} tensor, got "

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from . import INTERPRET
-from .mask import first_mask_block, prefix_length_of_row, summary_block
+from .mask import check_summary, first_mask_block, prefix_length_of_row, summary_block
 
 MAX_SEQ = 128
 MAX_D_MODEL = 128
@@ -248,7 +248,7 @@ def _fused_layer_fwd(
     x2 = _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn_dim, eps, BLOCK_M, BLOCK_D,
                        BLOCK_F)
     _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
-                key_len, not_prefix, HAS_MASK, FINAL_NORM, True)
+                key_len, not_prefix, HAS_MASK, FINAL_NORM)
 
 
 @triton.jit
@@ -276,17 +276,14 @@ def _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn
 
 @triton.jit
 def _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
-                key_len, not_prefix, HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr, KNOWS_PREFIX: tl.constexpr):
+                key_len, not_prefix, HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr):
     """Store a tile of rows of sequence b (row r at Y + b * stride_yb + r * stride_ys): invalid rows
-    (Mask[b * stride_mb + r] == 0) as 0, after the final LayerNorm when FINAL_NORM. With KNOWS_PREFIX, the rows
-    of a mask that is a prefix (not_prefix False) are valid below key_len, and the mask is read only where it is
-    no prefix."""
+    (Mask[b * stride_mb + r] == 0) as 0, after the final LayerNorm when FINAL_NORM. Where the mask is a prefix
+    (not_prefix False) the rows below key_len are the valid ones and the mask is not read; elsewhere (not_prefix
+    True, key_len the number of rows) the mask says."""
     if HAS_MASK:
-        if KNOWS_PREFIX:
-            row_valid = (rows < key_len) & (tl.load(Mask + b * stride_mb + rows, mask=row_ok & not_prefix,
-                                                    other=1) != 0)
-        else:
-            row_valid = tl.load(Mask + b * stride_mb + rows, mask=row_ok, other=0) != 0
+        row_valid = (rows < key_len) & (tl.load(Mask + b * stride_mb + rows, mask=row_ok & not_prefix,
+                                                other=1) != 0)
         x2 = tl.where(row_valid[:, None], x2, 0.0)
     if FINAL_NORM:
         x2 = _layer_norm_rows(x2, NFw, NFb, cols, col_ok, d_model, eps)
@@ -482,9 +479,7 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
             continue
         if mask is None:
             raise ValueError(f"fused_layer: {name} describes a mask; give mask too")
-        if t.shape != (B,) or t.dtype != torch.int32 or t.device != x.device:
-            raise ValueError(f"fused_layer: {name} must be int32 [B]={B} on {x.device}, got {t.dtype} "
-                             f"{tuple(t.shape)} on {t.device}")
+        check_summary("fused_layer", name, t, B, x.device)
     if mask_prefix_lengths is not None and prefix_out is not None:
         raise ValueError("fused_layer: give mask_prefix_lengths (read the summary) or prefix_out (write it), not both")
     hd = d // num_heads

@@ -66,9 +66,10 @@ def _layer_tail_fwd(
     x1 = x + _mm(o.to(Wo.dtype.element_ty), wo) + bo[None, :]
     x2 = _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn_dim, eps, BLOCK_M, BLOCK_D,
                        BLOCK_F)
-    # rows index the flat [N, d] output and [N] mask: one "sequence" (b = 0), row stride d_model, mask stride 1
-    _store_rows(x2, Y, Mask, 0, 0, d_model, 1, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps, 0, 0, HAS_MASK,
-                FINAL_NORM, False)
+    # rows index the flat [N, d] output and [N] mask: one "sequence" (b = 0), row stride d_model, mask stride 1, of
+    # n_tokens rows whose mask is read as it is (no prefix summary)
+    _store_rows(x2, Y, Mask, 0, 0, d_model, 1, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps, n_tokens, True,
+                HAS_MASK, FINAL_NORM)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -80,6 +80,13 @@ def summary_block(seq_len: int) -> int:
 # ----------------------------------------------------------------------------------------------
 # Launcher and public function
 # ----------------------------------------------------------------------------------------------
+def check_summary(caller: str, name: str, summary, batch: int, device) -> None:
+    """A launcher's check of a prefix summary it is given or fills (`name`): int32 [batch] on `device`."""
+    if summary.shape != (batch,) or summary.dtype != torch.int32 or summary.device != device:
+        raise ValueError(f"{caller}: {name} must be int32 [B]={batch} on {device}, got {summary.dtype} "
+                         f"{tuple(summary.shape)} on {summary.device}")
+
+
 def prefix_lengths(mask: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """int32 `[B]`: the prefix length of each row of the bool mask `[B, S]`, or -1 where the row is no prefix."""
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
