@@ -284,9 +284,8 @@ def _prune(configs, named_args, **kwargs):
 
 # Batch x heads bucket from which a short sequence's tiles are timed against each other (64x32 beat 64x64 by 4-5 %
 # on official row 6, 40 000 sequence-heads; experiments/h200/session11/attention-ab.json); below it, 64x64 only.
-# None (off): every kept tile is timed, as in the committed report (reports/h200 at b9a4c4e); 4096 is the value to
-# measure next (experiments/NOTES.md, session 11).
-SHORT_SEQUENCE_WIDE_GRID = None
+# None turns it off (every kept tile timed, as in reports/h200 at b9a4c4e); on since session 12.
+SHORT_SEQUENCE_WIDE_GRID = 4096
 
 
 def _prune_tiles(configs, named_args, **kwargs):
@@ -308,11 +307,12 @@ def _prune_tiles(configs, named_args, **kwargs):
             # short sequences (official rows 1-12): 64-row tiles. On row 6's shape the autotuner picked 128x128 for
             # the unmasked key, 1.54 ms against 0.69 for 64x32 (experiments/h200/session5/row6_attention.log)
             continue
-        if (64 < seq <= 256 and bn != 64 and bh is not None and SHORT_SEQUENCE_WIDE_GRID is not None
+        if (64 < seq <= 256 and bn != 64 and d <= 128 and bh is not None and SHORT_SEQUENCE_WIDE_GRID is not None
                 and bh < SHORT_SEQUENCE_WIDE_GRID):
             # and 64x64 alone below a wide grid: there it is as fast or faster than 64x32 on every official row
-            # (rows 1, 2, 9, 10, 11, masked and not; experiments/h200/session11/attention-ab.json), and timing
-            # kernels of 4-17 us picked 64x32 by noise (row 2 with the mask: 4.56 us against 3.77)
+            # of head_dim 8-128 (rows 1, 2, 9, 10, 11, masked and not; experiments/h200/session11/attention-ab.json),
+            # and timing kernels of 4-17 us picked 64x32 by noise (row 2 with the mask: 4.56 us against 3.77).
+            # head_dim 256 (row 8) was not measured: both still timed there.
             continue
         if precision == 0 and (bm, bn) not in ((64, 32), (32, 32)):
             # exact fp32 (the reduced_precision ablation's baseline): FMA dots want small tiles, and compiling

@@ -341,10 +341,11 @@ def test_autotune_candidates_are_pruned_by_shape_and_precision(monkeypatch):
     assert kept(1024, 32, 2) == [(128, 128), (128, 64), (64, 64), (64, 32), (32, 32), (16, 32)]
     assert kept(40, 32, 2) == [(64, 64), (64, 32), (32, 32), (16, 32)]
     assert kept(128, 32, 2) == [(64, 64), (64, 32)]  # official rows' length: 64-row tiles only
-    assert kept(128, 32, 2, bh=256) == [(64, 64), (64, 32)]  # the grid switch is off: both timed
-    monkeypatch.setattr(attention, "SHORT_SEQUENCE_WIDE_GRID", 4096)
-    assert kept(128, 32, 2, bh=256) == [(64, 64)]  # on: below a wide grid, 64x64 alone (official rows 1-5, 9-11)
+    assert kept(128, 32, 2, bh=256) == [(64, 64)]  # below a wide grid, 64x64 alone (official rows 1-5, 9-11)
     assert kept(128, 32, 2, bh=4096) == [(64, 64), (64, 32)]  # official row 6: timed
+    assert kept(128, 256, 2, bh=256) == [(64, 64), (64, 32)]  # head_dim 256 (official row 8): timed
+    monkeypatch.setattr(attention, "SHORT_SEQUENCE_WIDE_GRID", None)
+    assert kept(128, 32, 2, bh=256) == [(64, 64), (64, 32)]  # the grid switch off: both timed
     assert kept(1024, 32, 2, bh=256) == kept(1024, 32, 2)  # longer sequences: the grid does not prune
     assert kept(1024, 256, 2) == [(64, 64), (64, 32), (32, 32), (16, 32)]
     assert kept(100_000, 64, 3) == [(128, 128), (128, 64), (64, 64), (64, 32)]
