@@ -34,10 +34,11 @@ HEAD_DIMS = (16, 32, 64, 128, 256)
 REGISTERS_PER_SM = 65536
 
 
-def compile_attention(head_dim, block_m, block_n, num_warps, num_stages, key_mask, maxnreg=None):
+def compile_attention(head_dim, block_m, block_n, num_warps, num_stages, key_mask, maxnreg=None, mask_loop=False):
     names = _attention_fwd.arg_names
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m,
-                  BLOCK_N=block_n, IS_CAUSAL=True, HAS_KEY_LEN=True, HAS_KEY_MASK=key_mask, EVEN_N=True, PRECISION=2)
+                  BLOCK_N=block_n, IS_CAUSAL=True, HAS_KEY_LEN=True, HAS_KEY_MASK=key_mask, EVEN_N=True, PRECISION=2,
+                  MASK_LOOP=key_mask and mask_loop)
     sig = {n: POINTERS.get(n, "fp32" if n == "qk_scale" else "constexpr" if n in consts else "i32") for n in names}
     divisible = [n for n in names if n in POINTERS or (n.startswith("stride_") and n != "stride_mb")]
     src = ASTSource(fn=_attention_fwd, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},

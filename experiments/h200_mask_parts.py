@@ -1,7 +1,7 @@
 """Where the official call's all-True mask costs time, kernel by kernel (issue #12 item 2).
 
 Usage (CUDA machine): python -m experiments.h200_mask_parts OUT.json [--rows 1,5,10,13,6,8,7,12]
-       [--cap-ab]
+       [--cap-ab] [--own-loop]
 
 experiments/h200/session9/mask-after.json measured model(x, all-True mask) 2-5 % slower than model(x) on rows 1, 5,
 6 and 8 (rows 1-13 on the routes of cba9ddd). Per row, each kernel the mask touches, timed as a CUDA graph of 10
@@ -15,7 +15,9 @@ launches (experiments.h200_probe.graph_ms), without and with the mask as the mod
   read it: `fused_mask`, `fused_mask_summary_written`, `fused_mask_summary_given`);
 - --cap-ab (session 11): on rows whose head_dim has a MASKED_MAX_REGISTERS entry for the 64x64 tile, that tile fixed
   (no autotuning) without a mask and with the mask under the register cap never, as the launcher decides (at
-  a5dfab5 from the grid: `cap_by_grid`; since, always: `cap_launcher`), and always (`attention_tile_*`).
+  a5dfab5 from the grid: `cap_by_grid`; since, always: `cap_launcher`), and always (`attention_tile_*`);
+- --own-loop (session 12): attention with the all-True and a left-padded mask, one stage-2 loop for both kinds of
+  mask against a loop of its own for a mask that is no prefix (`attention_mask_{prefix,left}_{one,own}_loop`).
 OUT.json is written after every row.
 """
 from __future__ import annotations
@@ -68,7 +70,30 @@ def cap_ab_runs(q, k, v, mask, prefix):
             "attention_tile_mask_cap_always": masked(lambda *a: cap)}
 
 
-def row_parts(row, cap_ab=False):
+def own_loop_runs(q, k, v, mask, prefix):
+    """Session 12: the mask's own stage-2 loop (attention.MASK_OWN_LOOP_MAX_BLOCK_D 64) against one loop, on the
+    all-True mask and on a left-padded one (a tenth of each row invalid: no prefix, the loop the switch moves)."""
+    B, S = mask.shape
+    left = torch.arange(S, device=mask.device)[None, :].expand(B, S) >= S // 10
+    left_prefix = prefix_lengths(left)
+
+    def run(m, p, bound):
+        def call():
+            before = attention_module.MASK_OWN_LOOP_MAX_BLOCK_D
+            attention_module.MASK_OWN_LOOP_MAX_BLOCK_D = bound
+            try:
+                return flash_attention(q, k, v, causal=True, key_mask=m, mask_prefix_lengths=p)
+            finally:
+                attention_module.MASK_OWN_LOOP_MAX_BLOCK_D = before
+        return call
+
+    return {"attention_mask_prefix_one_loop": run(mask, prefix, None),
+            "attention_mask_prefix_own_loop": run(mask, prefix, 64),
+            "attention_mask_left_one_loop": run(left, left_prefix, None),
+            "attention_mask_left_own_loop": run(left, left_prefix, 64)}
+
+
+def row_parts(row, cap_ab=False, own_loop=False):
     B, S, d, H, ffn = shape_of(row)
     D = d // H
     reps = 5 if B * S > 10**6 else 30
@@ -110,6 +135,8 @@ def row_parts(row, cap_ab=False):
         runs["add_ln_row_mask"] = lambda: add_layernorm(x, branch, nw, nb, out_dtype=torch.float16, row_mask=mask)
     if cap_ab:
         runs.update(cap_ab_runs(q, k, v, mask, prefix))
+    if own_loop:
+        runs.update(own_loop_runs(q, k, v, mask, prefix))
     for name, fn in runs.items():
         rec[name + "_us"] = graph_ms(fn, reps) * 1000
         print(row, name, round(rec[name + "_us"], 2), flush=True)
@@ -122,13 +149,14 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--rows", default="1,5,10,13,6,8,7,12")
     ap.add_argument("--cap-ab", action="store_true", help="the 64x64 tile with the register cap never/by grid/always")
+    ap.add_argument("--own-loop", action="store_true", help="the mask's own stage-2 loop against one loop")
     args = ap.parse_args()
     out = {"device": torch.cuda.get_device_name(), "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
            "masked_max_registers": {str(k): v for k, v in attention_module.MASKED_MAX_REGISTERS.items()},
            "rows": []}
     with torch.inference_mode():
         for row in (int(r) for r in args.rows.split(",")):
-            out["rows"].append(row_parts(row, args.cap_ab))
+            out["rows"].append(row_parts(row, args.cap_ab, args.own_loop))
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
             torch.cuda.empty_cache()

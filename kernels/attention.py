@@ -156,6 +156,8 @@ def _attention_fwd(
     IS_CAUSAL: tl.constexpr, HAS_KEY_LEN: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     EVEN_N: tl.constexpr,  # seq_len % BLOCK_N == 0: key loads need no bounds checks
     PRECISION: tl.constexpr,
+    MASK_LOOP: tl.constexpr,  # with HAS_KEY_MASK: a mask that is no prefix runs a loop of its own
+    # (MASK_OWN_LOOP_MAX_BLOCK_D)
 ):
     pid_m = tl.program_id(0)
     if IS_CAUSAL:  # the longest query blocks (the last ones) first: the short ones fill the last wave
@@ -217,14 +219,29 @@ def _attention_fwd(
         # prefix skips the mask loads at run time): session 9's separate prefix loop took 164 KB of shared memory
         # at head_dim 256 against 98 KB now, and official row 8's masked attention 39.3 us per layer against 29.5
         # (experiments/h200/session10/mask-parts.json).
-        load_mask = False
-        if HAS_KEY_MASK:
-            load_mask = not is_prefix
-        for start_n in range(full_hi, hi, BLOCK_N):
-            acc, m_i, l_i = _attention_block(
-                acc, m_i, l_i, q_op, k_base, v_base, mask_base, stride_ks, stride_vs,
-                offs_m, offs_d, start_n, seq_len, key_len, qk_scale, load_mask,
-                HEAD_DIM, BLOCK_D, BLOCK_N, True, EVEN_N, IS_CAUSAL, HAS_KEY_MASK, PRECISION)
+        if HAS_KEY_MASK and MASK_LOOP:
+            # A prefix runs the key-length path's own stage 2 (no mask in its code at all); a mask that is no
+            # prefix (full_hi is 0 then) reads it in a loop of its own, unpipelined, so that this loop takes no
+            # shared memory of its own.
+            for start_n in range(full_hi, tl.where(is_prefix, hi, 0), BLOCK_N):
+                acc, m_i, l_i = _attention_block(
+                    acc, m_i, l_i, q_op, k_base, v_base, mask_base, stride_ks, stride_vs,
+                    offs_m, offs_d, start_n, seq_len, key_len, qk_scale, False,
+                    HEAD_DIM, BLOCK_D, BLOCK_N, True, EVEN_N, IS_CAUSAL, False, PRECISION)
+            for start_n in tl.range(0, tl.where(is_prefix, 0, hi), BLOCK_N, num_stages=1):
+                acc, m_i, l_i = _attention_block(
+                    acc, m_i, l_i, q_op, k_base, v_base, mask_base, stride_ks, stride_vs,
+                    offs_m, offs_d, start_n, seq_len, key_len, qk_scale, True,
+                    HEAD_DIM, BLOCK_D, BLOCK_N, True, EVEN_N, IS_CAUSAL, True, PRECISION)
+        else:
+            load_mask = False
+            if HAS_KEY_MASK:
+                load_mask = not is_prefix
+            for start_n in range(full_hi, hi, BLOCK_N):
+                acc, m_i, l_i = _attention_block(
+                    acc, m_i, l_i, q_op, k_base, v_base, mask_base, stride_ks, stride_vs,
+                    offs_m, offs_d, start_n, seq_len, key_len, qk_scale, load_mask,
+                    HEAD_DIM, BLOCK_D, BLOCK_N, True, EVEN_N, IS_CAUSAL, HAS_KEY_MASK, PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # keyless rows: acc is 0, so the row is 0
     if HAS_KEY_LEN:
@@ -320,6 +337,17 @@ def _prune_tiles(configs, named_args, **kwargs):
             continue
         keep.append(c)
     return keep or configs[-1:]
+
+
+# Up to this head block (BLOCK_D), a key mask that is no prefix runs a stage-2 loop of its own (the kernel's
+# MASK_LOOP), leaving a prefix's stage 2 the key-length path's code. With one loop for both, session 12 measured the
+# all-True mask 6 % slower than key lengths on official row 11's attention (16.93 against 15.12 us;
+# experiments/h200/session12/call4/mask-parts.json); with its own loop 15.77 against 17.10 (row 6: 551 against
+# 584), and a left-padded mask 0.4-15 % slower (call5/mask-parts.json). Offline ptxas (sm_90a, 64x64 tiles): the
+# same registers and shared memory up to BLOCK_D 64 (32 under its cap of 96), spills at 128 and 256, hence 64.
+# None (off): one loop, as in the committed report (reports/h200 at c5875fb); 64 is the value to run the pipeline
+# with next (experiments/NOTES.md, session 12).
+MASK_OWN_LOOP_MAX_BLOCK_D = None
 
 
 # From this sequence length (power-of-two bucket) the kernel is not autotuned: timing each candidate on a full-size
@@ -431,7 +459,9 @@ def flash_attention(q, k, v, *, causal: bool, key_lengths=None, key_mask=None, p
             H, S, D**-0.5 * 1.4426950408889634, s_bucket, triton.next_power_of_2(B * H))
     consts = dict(HEAD_DIM=D, BLOCK_D=block_d, IS_CAUSAL=bool(causal),
                   HAS_KEY_LEN=key_lengths is not None or mask_prefix_lengths is not None,
-                  HAS_KEY_MASK=key_mask is not None, PRECISION=_PRECISION_CODE[precision])
+                  HAS_KEY_MASK=key_mask is not None, PRECISION=_PRECISION_CODE[precision],
+                  MASK_LOOP=(key_mask is not None and MASK_OWN_LOOP_MAX_BLOCK_D is not None
+                             and block_d <= MASK_OWN_LOOP_MAX_BLOCK_D))
     if config is None and s_bucket >= UNTUNED_FROM_SEQ:
         config = long_sequence_config(S, block_d, consts["PRECISION"])
     if config is not None:

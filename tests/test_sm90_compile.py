@@ -42,12 +42,12 @@ SCRIPT = textwrap.dedent('''
     done = []
     fp16, fp32, i8, i32 = "*fp16", "*fp32", "*i8", "*i32"
     att = dict(Q=fp16, K=fp16, V=fp16, O=fp16, KeyLen=i32, KeyMask=i8)
-    for lens, keys in ((False, False), (True, False), (True, True)):
+    for lens, keys, own_loop in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
         consts = dict(HEAD_DIM=32, BLOCK_D=32, BLOCK_M=64, BLOCK_N=64, IS_CAUSAL=True, HAS_KEY_LEN=lens,
-                      HAS_KEY_MASK=keys, EVEN_N=False, PRECISION=2)
+                      HAS_KEY_MASK=keys, EVEN_N=False, PRECISION=2, MASK_LOOP=own_loop)
         cap = attention.masked_register_cap(64, 64, 32, 4, 3) if keys else None
         compile_for_h200(attention._attention_fwd, att, consts, 4, 3, **({"maxnreg": cap} if cap else {}))
-        done.append(f"_attention_fwd {lens} {keys}")
+        done.append(f"_attention_fwd {lens} {keys} {own_loop}")
     compile_for_h200(mask._prefix_lengths_fwd, dict(Mask=i8, Out=i32), dict(BLOCK=128), 1, 1)
     done.append("_prefix_lengths_fwd")
     for f in flags("WRITE_PREFIX"):
@@ -78,8 +78,8 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-# attention 3, mask summary 1, ln_kv 2, layer tail 4, fused layer 4 x 3, add+LayerNorm 2
-N_KERNELS = 3 + 1 + 2 + 4 + 4 * 3 + 2
+# attention 4 (the last: a mask with its own loop), mask summary 1, ln_kv 2, layer tail 4, fused layer 4 x 3, add+LayerNorm 2
+N_KERNELS = 4 + 1 + 2 + 4 + 4 * 3 + 2
 
 
 def _compiler_available():
