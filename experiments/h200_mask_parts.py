@@ -1,7 +1,7 @@
 """Where the official call's all-True mask costs time, kernel by kernel (issue #12 item 2).
 
 Usage (CUDA machine): python -m experiments.h200_mask_parts OUT.json [--rows 1,5,10,13,6,8,7,12]
-       [--cap-ab] [--own-loop]
+       [--cap-ab] [--own-loop] [--fused-switches]
 
 experiments/h200/session9/mask-after.json measured model(x, all-True mask) 2-5 % slower than model(x) on rows 1, 5,
 6 and 8 (rows 1-13 on the routes of cba9ddd). Per row, each kernel the mask touches, timed as a CUDA graph of 10
@@ -17,7 +17,10 @@ launches (experiments.h200_probe.graph_ms), without and with the mask as the mod
   (no autotuning) without a mask and with the mask under the register cap never, as the launcher decides (at
   a5dfab5 from the grid: `cap_by_grid`; since, always: `cap_launcher`), and always (`attention_tile_*`);
 - --own-loop (session 12): attention with the all-True and a left-padded mask, one stage-2 loop for both kinds of
-  mask against a loop of its own for a mask that is no prefix (`attention_mask_{prefix,left}_{one,own}_loop`).
+  mask against a loop of its own for a mask that is no prefix (`attention_mask_{prefix,left}_{one,own}_loop`);
+- --fused-switches (session 12, fused rows): the layer with its summary written and given under
+  kernels.fused_layer's switches SUMMARY_ONE_REDUCTION, ROW_MASK_BRANCH and both (`fused_mask_summary_*_{one_reduction,
+  row_mask_branch,both}`), and the unmasked layer timed again last (`fused_unmasked_again`: the drift).
 OUT.json is written after every row.
 """
 from __future__ import annotations
@@ -93,7 +96,23 @@ def own_loop_runs(q, k, v, mask, prefix):
             "attention_mask_left_own_loop": run(left, left_prefix, 64)}
 
 
-def row_parts(row, cap_ab=False, own_loop=False):
+def switched(fn, **switches):
+    """fn run with kernels.fused_layer's module switches set (session 12: SUMMARY_ONE_REDUCTION, ROW_MASK_BRANCH)."""
+    from shapewise.kernels import fused_layer as fused_module
+
+    def call():
+        before = {k: getattr(fused_module, k) for k in switches}
+        for k, v in switches.items():
+            setattr(fused_module, k, v)
+        try:
+            return fn()
+        finally:
+            for k, v in before.items():
+                setattr(fused_module, k, v)
+    return call
+
+
+def row_parts(row, cap_ab=False, own_loop=False, fused_switches=False):
     B, S, d, H, ffn = shape_of(row)
     D = d // H
     reps = 5 if B * S > 10**6 else 30
@@ -123,6 +142,12 @@ def row_parts(row, cap_ab=False, own_loop=False):
         written = torch.empty(B, dtype=torch.int32, device="cuda")
         runs["fused_mask_summary_written"] = lambda: fused_layer(x, w, mask=mask, prefix_out=written, **launch)
         runs["fused_mask_summary_given"] = lambda: fused_layer(x, w, mask=mask, mask_prefix_lengths=prefix, **launch)
+        if fused_switches:
+            for name in ("fused_mask_summary_written", "fused_mask_summary_given"):
+                runs[name + "_one_reduction"] = switched(runs[name], SUMMARY_ONE_REDUCTION=True)
+                runs[name + "_row_mask_branch"] = switched(runs[name], ROW_MASK_BRANCH=True)
+                runs[name + "_both"] = switched(runs[name], SUMMARY_ONE_REDUCTION=True, ROW_MASK_BRANCH=True)
+            runs["fused_unmasked_again"] = runs["fused_unmasked"]
     elif d <= MAX_D_MODEL:
         w, _ = weights(d, ffn, "cuda")
         o = ln_qkv(x, w)[..., :d].contiguous()
@@ -150,13 +175,14 @@ def main():
     ap.add_argument("--rows", default="1,5,10,13,6,8,7,12")
     ap.add_argument("--cap-ab", action="store_true", help="the 64x64 tile with the register cap never/by grid/always")
     ap.add_argument("--own-loop", action="store_true", help="the mask's own stage-2 loop against one loop")
+    ap.add_argument("--fused-switches", action="store_true", help="fused rows: session 12's summary switches")
     args = ap.parse_args()
     out = {"device": torch.cuda.get_device_name(), "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
            "masked_max_registers": {str(k): v for k, v in attention_module.MASKED_MAX_REGISTERS.items()},
            "rows": []}
     with torch.inference_mode():
         for row in (int(r) for r in args.rows.split(",")):
-            out["rows"].append(row_parts(row, args.cap_ab, args.own_loop))
+            out["rows"].append(row_parts(row, args.cap_ab, args.own_loop, args.fused_switches))
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
             torch.cuda.empty_cache()

@@ -146,6 +146,8 @@ def _fused_layer_fwd(
     BLOCK_N: tl.constexpr,  # keys per step: BLOCK_S = the whole sequence at once; less (KV_GLOBAL only): key blocks
     PREFIX_IN: tl.constexpr,  # with HAS_MASK: read the mask's summary from Prefix instead of computing it
     PREFIX_OUT: tl.constexpr,  # with HAS_MASK, not PREFIX_IN: write the summary to Prefix (for the next layers)
+    ONE_REDUCTION: tl.constexpr,  # SUMMARY_ONE_REDUCTION: the summary in one reduction (kernels/mask.py)
+    ROW_MASK_BRANCH: tl.constexpr,  # ROW_MASK_BRANCH: the output rows' mask read in a branch (_store_rows)
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -179,7 +181,7 @@ def _fused_layer_fwd(
     if HAS_MASK:
         if not PREFIX_IN:
             summary = prefix_length_of_row(mask_row, seq_len, first_mask_block(mask_row, seq_len, BLOCK_S, True),
-                                           BLOCK_S)
+                                           BLOCK_S, ONE_REDUCTION)
             if PREFIX_OUT:
                 if pid_m == 0:
                     tl.store(Prefix + b, summary)
@@ -248,7 +250,7 @@ def _fused_layer_fwd(
     x2 = _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn_dim, eps, BLOCK_M, BLOCK_D,
                        BLOCK_F)
     _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
-                key_len, not_prefix, HAS_MASK, FINAL_NORM)
+                key_len, not_prefix, HAS_MASK, FINAL_NORM, ROW_MASK_BRANCH)
 
 
 @triton.jit
@@ -276,14 +278,20 @@ def _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn
 
 @triton.jit
 def _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
-                key_len, not_prefix, HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr):
+                key_len, not_prefix, HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr, BRANCH: tl.constexpr):
     """Store a tile of rows of sequence b (row r at Y + b * stride_yb + r * stride_ys): invalid rows
     (Mask[b * stride_mb + r] == 0) as 0, after the final LayerNorm when FINAL_NORM. Where the mask is a prefix
     (not_prefix False) the rows below key_len are the valid ones and the mask is not read; elsewhere (not_prefix
-    True, key_len the number of rows) the mask says."""
+    True, key_len the number of rows) the mask says. BRANCH: the mask's load in a branch on not_prefix instead of
+    a load predicated off for a prefix."""
     if HAS_MASK:
-        row_valid = (rows < key_len) & (tl.load(Mask + b * stride_mb + rows, mask=row_ok & not_prefix,
-                                                other=1) != 0)
+        if BRANCH:
+            row_valid = rows < key_len
+            if not_prefix:
+                row_valid = row_valid & (tl.load(Mask + b * stride_mb + rows, mask=row_ok, other=1) != 0)
+        else:
+            row_valid = (rows < key_len) & (tl.load(Mask + b * stride_mb + rows, mask=row_ok & not_prefix,
+                                                    other=1) != 0)
         x2 = tl.where(row_valid[:, None], x2, 0.0)
     if FINAL_NORM:
         x2 = _layer_norm_rows(x2, NFw, NFb, cols, col_ok, d_model, eps)
@@ -342,7 +350,8 @@ def _ln_kv_fwd(
                  mask=row_ok[:, None] & n_ok[None, :])
     if WRITE_PREFIX:
         if summarizes:
-            tl.store(PrefixOut + b, prefix_length_of_row(Mask + b * stride_mb, seq_len, mask_head, MASK_BLOCK))
+            tl.store(PrefixOut + b, prefix_length_of_row(Mask + b * stride_mb, seq_len, mask_head, MASK_BLOCK,
+                                                         False))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -440,6 +449,15 @@ def _block_size(name: str, value, default: int, most: int) -> int:
     return min(value, most)
 
 
+# Two ways of reading a prefix mask's summary in the layer kernel, measured in session 12 against what the committed
+# report ran (reports/h200 at c5875fb; both False): the summary of layer 0 in one reduction (kernels/mask.py
+# prefix_length_of_row, ONE_REDUCTION) and the output rows' mask loaded in a branch instead of predicated off.
+# Official row 7 per layer: layer 0 (summary computed and written) 13.74 us, layers 1-3 (given) 12.89, unmasked
+# 12.39 (experiments/h200/session11/call2/mask-parts.json).
+SUMMARY_ONE_REDUCTION = False
+ROW_MASK_BRANCH = False
+
+
 def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=None, out=None, block_m=None,
                 num_warps=4, num_stages=1, kv_precompute=False, key_block=None, ffn_block=None,
                 mask_prefix_lengths=None, prefix_out=None):
@@ -514,6 +532,7 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
         BLOCK_D=block_d, BLOCK_F=block_f, BLOCK_M=block_m, BLOCK_S=block_s,
         IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, FINAL_NORM=final is not None,
         KV_GLOBAL=bool(kv_precompute), BLOCK_N=block_n, PREFIX_IN=mask_prefix_lengths is not None,
-        PREFIX_OUT=prefix_out is not None, num_warps=num_warps, num_stages=num_stages,
+        PREFIX_OUT=prefix_out is not None, ONE_REDUCTION=SUMMARY_ONE_REDUCTION, ROW_MASK_BRANCH=ROW_MASK_BRANCH,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
