@@ -19,8 +19,10 @@ launches (experiments.h200_probe.graph_ms), without and with the mask as the mod
 - --own-loop (session 12): attention with the all-True and a left-padded mask, one stage-2 loop for both kinds of
   mask against a loop of its own for a mask that is no prefix (`attention_mask_{prefix,left}_{one,own}_loop`);
 - --fused-switches (session 12, fused rows): the layer with its summary written and given under
-  kernels.fused_layer's switches SUMMARY_ONE_REDUCTION, ROW_MASK_BRANCH and both (`fused_mask_summary_*_{one_reduction,
-  row_mask_branch,both}`), and the unmasked layer timed again last (`fused_unmasked_again`: the drift).
+  kernels.fused_layer's switch ROW_MASK_BRANCH (`fused_mask_summary_*_row_mask_branch`), and the unmasked layer
+  timed again last (`fused_unmasked_again`: the drift). Session 12's call 7 ran it at 94b1010, which also had a
+  switch SUMMARY_ONE_REDUCTION (the summary in one reduction; `*_one_reduction`, `*_both`), removed after it
+  measured no better.
 OUT.json is written after every row.
 """
 from __future__ import annotations
@@ -97,7 +99,7 @@ def own_loop_runs(q, k, v, mask, prefix):
 
 
 def switched(fn, **switches):
-    """fn run with kernels.fused_layer's module switches set (session 12: SUMMARY_ONE_REDUCTION, ROW_MASK_BRANCH)."""
+    """fn run with kernels.fused_layer's module switches set (session 12: ROW_MASK_BRANCH)."""
     from shapewise.kernels import fused_layer as fused_module
 
     def call():
@@ -144,9 +146,7 @@ def row_parts(row, cap_ab=False, own_loop=False, fused_switches=False):
         runs["fused_mask_summary_given"] = lambda: fused_layer(x, w, mask=mask, mask_prefix_lengths=prefix, **launch)
         if fused_switches:
             for name in ("fused_mask_summary_written", "fused_mask_summary_given"):
-                runs[name + "_one_reduction"] = switched(runs[name], SUMMARY_ONE_REDUCTION=True)
                 runs[name + "_row_mask_branch"] = switched(runs[name], ROW_MASK_BRANCH=True)
-                runs[name + "_both"] = switched(runs[name], SUMMARY_ONE_REDUCTION=True, ROW_MASK_BRANCH=True)
             runs["fused_unmasked_again"] = runs["fused_unmasked"]
     elif d <= MAX_D_MODEL:
         w, _ = weights(d, ffn, "cuda")

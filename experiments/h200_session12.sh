@@ -10,7 +10,7 @@
 #   key lengths and with the mask's summary, where the pipeline measured the mask's cost.
 # Call 5 (CALL=5): GPU tests of attention's mask loop switch (kernels/attention.py MASK_OWN_LOOP_MAX_BLOCK_D, off
 #   in the tree), then experiments/h200_mask_parts.py --own-loop on rows 11, 10, 1, 2, 13, 6 ($OUT/mask-parts.json).
-# Call 7 (CALL=7): GPU tests of the fused layer's and the mask summary's switches, then
+# Call 7 (CALL=7, ran at 94b1010): GPU tests of the fused layer's and the mask summary's switches, then
 #   experiments/h200_mask_parts.py --fused-switches on rows 7 and 12 ($OUT/mask-parts.json).
 # Device call (carry [".whl"]): [CALL=4 COMMIT=<sha>] bash experiments/h200_session12.sh; step logs in
 # $OUT/steps.log.
@@ -37,7 +37,7 @@ if [ "${CALL:-1}" = 5 ]; then
 fi
 if [ "${CALL:-1}" = 7 ]; then
     step gpu_tests 100 python3 -m pytest -q -x -rfE -p no:cacheprovider tests/test_fused_layer.py tests/test_mask.py \
-        -k "session12 or both_ways or summary_paths"
+        -k "row_mask_branch or summary_paths"
     tail -n 3 "$log"
     step parts 90 python3 -m experiments.h200_mask_parts "$OUT/mask-parts.json" --rows 7,12 --fused-switches
     grep -E "^[0-9]+ fused" "$log" | tail -n 30

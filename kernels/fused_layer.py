@@ -146,7 +146,6 @@ def _fused_layer_fwd(
     BLOCK_N: tl.constexpr,  # keys per step: BLOCK_S = the whole sequence at once; less (KV_GLOBAL only): key blocks
     PREFIX_IN: tl.constexpr,  # with HAS_MASK: read the mask's summary from Prefix instead of computing it
     PREFIX_OUT: tl.constexpr,  # with HAS_MASK, not PREFIX_IN: write the summary to Prefix (for the next layers)
-    ONE_REDUCTION: tl.constexpr,  # SUMMARY_ONE_REDUCTION: the summary in one reduction (kernels/mask.py)
     ROW_MASK_BRANCH: tl.constexpr,  # ROW_MASK_BRANCH: the output rows' mask read in a branch (_store_rows)
 ):
     pid_m = tl.program_id(0)
@@ -181,7 +180,7 @@ def _fused_layer_fwd(
     if HAS_MASK:
         if not PREFIX_IN:
             summary = prefix_length_of_row(mask_row, seq_len, first_mask_block(mask_row, seq_len, BLOCK_S, True),
-                                           BLOCK_S, ONE_REDUCTION)
+                                           BLOCK_S)
             if PREFIX_OUT:
                 if pid_m == 0:
                     tl.store(Prefix + b, summary)
@@ -350,8 +349,7 @@ def _ln_kv_fwd(
                  mask=row_ok[:, None] & n_ok[None, :])
     if WRITE_PREFIX:
         if summarizes:
-            tl.store(PrefixOut + b, prefix_length_of_row(Mask + b * stride_mb, seq_len, mask_head, MASK_BLOCK,
-                                                         False))
+            tl.store(PrefixOut + b, prefix_length_of_row(Mask + b * stride_mb, seq_len, mask_head, MASK_BLOCK))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -449,12 +447,10 @@ def _block_size(name: str, value, default: int, most: int) -> int:
     return min(value, most)
 
 
-# Two ways of reading a prefix mask's summary in the layer kernel, measured in session 12 against what the committed
-# report ran (reports/h200 at c5875fb; both False): the summary of layer 0 in one reduction (kernels/mask.py
-# prefix_length_of_row, ONE_REDUCTION) and the output rows' mask loaded in a branch instead of predicated off.
-# Official row 7 per layer: layer 0 (summary computed and written) 13.74 us, layers 1-3 (given) 12.89, unmasked
-# 12.39 (experiments/h200/session11/call2/mask-parts.json).
-SUMMARY_ONE_REDUCTION = False
+# The output rows' mask loaded in a branch on "no prefix" instead of predicated off for a prefix (_store_rows).
+# Session 12 (experiments/h200/session12/call7/mask-parts.json), us per layer with the summary given (layers 1-3):
+# official row 7 12.88 -> 12.65, row 12 14.21 -> 13.88 (unmasked 12.33-12.46 and 13.72-14.06). Off (False): what
+# the committed report ran (reports/h200 at c5875fb); True is the value to run the pipeline with next.
 ROW_MASK_BRANCH = False
 
 
@@ -532,7 +528,7 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
         BLOCK_D=block_d, BLOCK_F=block_f, BLOCK_M=block_m, BLOCK_S=block_s,
         IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, FINAL_NORM=final is not None,
         KV_GLOBAL=bool(kv_precompute), BLOCK_N=block_n, PREFIX_IN=mask_prefix_lengths is not None,
-        PREFIX_OUT=prefix_out is not None, ONE_REDUCTION=SUMMARY_ONE_REDUCTION, ROW_MASK_BRANCH=ROW_MASK_BRANCH,
+        PREFIX_OUT=prefix_out is not None, ROW_MASK_BRANCH=ROW_MASK_BRANCH,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

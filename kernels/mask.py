@@ -38,31 +38,11 @@ def first_mask_block(row, seq_len, BLOCK: tl.constexpr, active):
 
 
 @triton.jit
-def _last_valid_first_invalid(last_a, first_a, last_b, first_b):
-    return tl.maximum(last_a, last_b), tl.minimum(first_a, first_b)
-
-
-@triton.jit
-def prefix_length_of_row(row, seq_len, first, BLOCK: tl.constexpr, ONE_REDUCTION: tl.constexpr):
+def prefix_length_of_row(row, seq_len, first, BLOCK: tl.constexpr):
     """The prefix length of one mask row (int8, unit stride, 1 = valid) or -1 where it is no prefix: the summary
     of one batch element, for this kernel and for kernels that compute it on the side. `first`: the row's first
-    BLOCK values, as first_mask_block loads them; the rest of the row is read here. ONE_REDUCTION: one reduction
-    of (last valid position, first invalid position) instead of a count and a minimum (session 12's switch,
-    fused_layer.SUMMARY_ONE_REDUCTION): a prefix is a row whose valid positions all come before its invalid ones."""
+    BLOCK values, as first_mask_block loads them; the rest of the row is read here."""
     offs = tl.arange(0, BLOCK)
-    if ONE_REDUCTION:
-        inside = offs < seq_len
-        valid = first != 0
-        last_valid = tl.where(inside & valid, offs, -1)
-        first_invalid = tl.where(inside & ~valid, offs, _NONE)
-        for start in range(BLOCK, seq_len, BLOCK):
-            pos = start + offs
-            inside = pos < seq_len
-            valid = tl.load(row + pos, mask=inside, other=0) != 0
-            last_valid = tl.maximum(last_valid, tl.where(inside & valid, pos, -1))
-            first_invalid = tl.minimum(first_invalid, tl.where(inside & ~valid, pos, _NONE))
-        last, first_bad = tl.reduce((last_valid, first_invalid), 0, _last_valid_first_invalid)
-        return tl.where(last < first_bad, last + 1, -1)
     valid = first != 0
     count = valid.to(tl.int32)
     first_invalid = tl.where((offs < seq_len) & ~valid, offs, _NONE)
@@ -89,7 +69,7 @@ def _prefix_lengths_fwd(
 ):
     b = tl.program_id(0).to(tl.int64)
     row = Mask + b * stride_mb
-    tl.store(Out + b, prefix_length_of_row(row, seq_len, first_mask_block(row, seq_len, BLOCK, True), BLOCK, False))
+    tl.store(Out + b, prefix_length_of_row(row, seq_len, first_mask_block(row, seq_len, BLOCK, True), BLOCK))
 
 
 def summary_block(seq_len: int) -> int:

@@ -128,25 +128,24 @@ def test_mask_summary_paths_match_fp64(summary, mask_kind, launch):
 @pytest.mark.parametrize("launch", ["S7-whole", "S33-key-blocks", "S128-whole"])
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
 @pytest.mark.parametrize("summary", ["computed", "written", "given"])
-def test_session12_switches_match_fp64(summary, mask_kind, launch, monkeypatch):
-    """With both of session 12's switches on (fused_layer.SUMMARY_ONE_REDUCTION: the summary in one reduction;
-    ROW_MASK_BRANCH: the output rows' mask read in a branch), every way of learning the summary still gives the
-    contract's layer on every mask kind, and the summary written is kernels.mask's."""
+def test_row_mask_branch_matches_fp64(summary, mask_kind, launch, monkeypatch):
+    """With session 12's switch on (fused_layer.ROW_MASK_BRANCH: the output rows' mask read in a branch), every
+    way of learning the summary still gives the contract's layer on every mask kind, and the summary written is
+    kernels.mask's."""
     from shapewise.kernels import fused_layer as fused_module
 
-    monkeypatch.setattr(fused_module, "SUMMARY_ONE_REDUCTION", True)
     monkeypatch.setattr(fused_module, "ROW_MASK_BRANCH", True)
     test_mask_summary_paths_match_fp64(summary, mask_kind, launch)
 
 
-def test_session12_switches_reach_the_launch(monkeypatch):
+def test_row_mask_branch_reaches_the_launch(monkeypatch):
     from shapewise.kernels import fused_layer as fused_module
 
     launched = []
 
     class Recorder:
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: launched.append((kwargs["ONE_REDUCTION"], kwargs["ROW_MASK_BRANCH"]))
+            return lambda *args, **kwargs: launched.append(kwargs["ROW_MASK_BRANCH"])
 
     B, S, d, H, ffn = SHAPES["S7-d48-H3"]
     x = torch.randn(B, S, d).to(DEVICE)
@@ -154,11 +153,9 @@ def test_session12_switches_reach_the_launch(monkeypatch):
     mask = torch.ones(B, S, dtype=torch.bool, device=DEVICE)
     monkeypatch.setattr(fused_module, "_fused_layer_fwd", Recorder())
     fused_layer(x, w, num_heads=H, causal=True, mask=mask)
-    monkeypatch.setattr(fused_module, "SUMMARY_ONE_REDUCTION", True)
-    fused_layer(x, w, num_heads=H, causal=True, mask=mask)
     monkeypatch.setattr(fused_module, "ROW_MASK_BRANCH", True)
     fused_layer(x, w, num_heads=H, causal=True, mask=mask)
-    assert launched == [(False, False), (True, False), (True, True)]
+    assert launched == [False, True]
 
 
 def test_summary_arguments_are_checked():

@@ -2,10 +2,8 @@
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
-from shapewise.kernels.mask import first_mask_block, prefix_length_of_row, prefix_lengths, prefix_lengths_reference
+from shapewise.kernels.mask import prefix_lengths, prefix_lengths_reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -37,27 +35,6 @@ def test_prefix_lengths_match_reference(S):
         want = prefix_lengths_reference(mask)
         assert got.dtype == torch.int32
         assert torch.equal(got, want), f"S={S} {name}: {got.tolist()} != {want.tolist()}"
-
-
-@triton.jit
-def _summary_kernel(Mask, Out, stride_mb, seq_len, BLOCK: tl.constexpr, ONE_REDUCTION: tl.constexpr):
-    row = Mask + tl.program_id(0).to(tl.int64) * stride_mb
-    first = first_mask_block(row, seq_len, BLOCK, True)
-    tl.store(Out + tl.program_id(0), prefix_length_of_row(row, seq_len, first, BLOCK, ONE_REDUCTION))
-
-
-@pytest.mark.parametrize("one_reduction", [False, True], ids=["count-and-min", "one-reduction"])
-@pytest.mark.parametrize("S", [1, 7, 33, 100])
-def test_both_ways_of_summarizing_a_row_agree(S, one_reduction):
-    """prefix_length_of_row either way (a count and a minimum; one reduction of the last valid and the first invalid
-    position, fused_layer.SUMMARY_ONE_REDUCTION), over 16-position blocks so that its loop runs on S > 16."""
-    for name, mask in masks(S).items():
-        m = mask.to(DEVICE).contiguous().view(torch.int8)
-        got = torch.full((mask.shape[0],), -7, dtype=torch.int32, device=DEVICE)
-        _summary_kernel[(mask.shape[0],)](m, got, m.stride(0), S, BLOCK=16, ONE_REDUCTION=one_reduction,
-                                          num_warps=1)
-        want = prefix_lengths_reference(mask)
-        assert torch.equal(got.cpu(), want), f"S={S} {name}: {got.cpu().tolist()} != {want.tolist()}"
 
 
 def test_prefix_lengths_known_values():

@@ -61,15 +61,15 @@ SCRIPT = textwrap.dedent('''
         compile_for_h200(layer_tail._layer_tail_fwd, tail, dict(BLOCK_M=64, BLOCK_D=128, BLOCK_F=32, **f), 4, 3)
         done.append(f"_layer_tail_fwd {f}")
     layer = dict(tail, Wqkv=fp16, Bqkv=fp16, N1w=fp32, N1b=fp32, KV=fp16)
-    # without a mask; with one: the summary computed, computed and written, read; then both of session 12's
-    # switches on (SUMMARY_ONE_REDUCTION, ROW_MASK_BRANCH) with the summary written and read
+    # without a mask; with one: the summary computed, computed and written, read; then session 12's switch on
+    # (ROW_MASK_BRANCH) with the summary written and read
     summaries = [(False, False, False, False), (True, False, False, False), (True, False, True, False),
                  (True, True, False, False), (True, False, True, True), (True, True, False, True)]
     for (has_mask, given, write, switches), (kv, block_n) in itertools.product(
             summaries, ((False, 128), (True, 128), (True, 32))):
         consts = dict(NUM_HEADS=4, HEAD_DIM=32, BLOCK_HD=32, BLOCK_D=128, BLOCK_F=64, BLOCK_M=32, BLOCK_S=128,
                       IS_CAUSAL=True, FINAL_NORM=True, HAS_MASK=has_mask, KV_GLOBAL=kv, BLOCK_N=block_n,
-                      PREFIX_IN=given, PREFIX_OUT=write, ONE_REDUCTION=switches, ROW_MASK_BRANCH=switches)
+                      PREFIX_IN=given, PREFIX_OUT=write, ROW_MASK_BRANCH=switches)
         compile_for_h200(fused_layer._fused_layer_fwd, dict(layer, Prefix=i32), consts, 4, 2)
         done.append(f"_fused_layer_fwd mask={has_mask} given={given} write={write} kv={kv} block_n={block_n} "
                     f"switches={switches}")
