@@ -32,6 +32,7 @@ import json
 
 import torch
 from shapewise.kernels import attention as attention_module
+from shapewise.kernels import fused_layer as fused_module
 from shapewise.kernels.attention import flash_attention
 from shapewise.kernels.fused_layer import MAX_D_MODEL, fused_layer, ln_qkv
 from shapewise.kernels.layer_tail import layer_tail
@@ -49,6 +50,20 @@ def tuned_configs():
     return {str(k): str(v) for k, v in cache.items()}
 
 
+def switched(module, fn, **attrs):
+    """fn run with `module`'s attributes set to `attrs` (a launcher rule or a kernel switch), restored after."""
+    def call():
+        before = {k: getattr(module, k) for k in attrs}
+        for k, v in attrs.items():
+            setattr(module, k, v)
+        try:
+            return fn()
+        finally:
+            for k, v in before.items():
+                setattr(module, k, v)
+    return call
+
+
 def cap_ab_runs(q, k, v, mask, prefix):
     """The 64x64 tile with the masked kernel's register cap never, as the launcher decides, always; {} without one."""
     D = q.shape[-1]
@@ -61,13 +76,9 @@ def cap_ab_runs(q, k, v, mask, prefix):
     cap = attention_module.MASKED_MAX_REGISTERS[key][0]
 
     def masked(rule):
-        def run():
-            attention_module.masked_register_cap = rule
-            try:
-                return flash_attention(q, k, v, causal=True, key_mask=mask, mask_prefix_lengths=prefix, config=cfg)
-            finally:
-                attention_module.masked_register_cap = launcher
-        return run
+        return switched(attention_module, lambda: flash_attention(q, k, v, causal=True, key_mask=mask,
+                                                                  mask_prefix_lengths=prefix, config=cfg),
+                        masked_register_cap=rule)
 
     return {"attention_tile_unmasked": lambda: flash_attention(q, k, v, causal=True, config=cfg),
             "attention_tile_mask_cap_never": masked(lambda *a: None),
@@ -83,35 +94,14 @@ def own_loop_runs(q, k, v, mask, prefix):
     left_prefix = prefix_lengths(left)
 
     def run(m, p, bound):
-        def call():
-            before = attention_module.MASK_OWN_LOOP_MAX_BLOCK_D
-            attention_module.MASK_OWN_LOOP_MAX_BLOCK_D = bound
-            try:
-                return flash_attention(q, k, v, causal=True, key_mask=m, mask_prefix_lengths=p)
-            finally:
-                attention_module.MASK_OWN_LOOP_MAX_BLOCK_D = before
-        return call
+        return switched(attention_module, lambda: flash_attention(q, k, v, causal=True, key_mask=m,
+                                                                  mask_prefix_lengths=p),
+                        MASK_OWN_LOOP_MAX_BLOCK_D=bound)
 
     return {"attention_mask_prefix_one_loop": run(mask, prefix, None),
             "attention_mask_prefix_own_loop": run(mask, prefix, 64),
             "attention_mask_left_one_loop": run(left, left_prefix, None),
             "attention_mask_left_own_loop": run(left, left_prefix, 64)}
-
-
-def switched(fn, **switches):
-    """fn run with kernels.fused_layer's module switches set (session 12: ROW_MASK_BRANCH)."""
-    from shapewise.kernels import fused_layer as fused_module
-
-    def call():
-        before = {k: getattr(fused_module, k) for k in switches}
-        for k, v in switches.items():
-            setattr(fused_module, k, v)
-        try:
-            return fn()
-        finally:
-            for k, v in before.items():
-                setattr(fused_module, k, v)
-    return call
 
 
 def row_parts(row, cap_ab=False, own_loop=False, fused_switches=False):
@@ -146,7 +136,7 @@ def row_parts(row, cap_ab=False, own_loop=False, fused_switches=False):
         runs["fused_mask_summary_given"] = lambda: fused_layer(x, w, mask=mask, mask_prefix_lengths=prefix, **launch)
         if fused_switches:
             for name in ("fused_mask_summary_written", "fused_mask_summary_given"):
-                runs[name + "_row_mask_branch"] = switched(runs[name], ROW_MASK_BRANCH=True)
+                runs[name + "_row_mask_branch"] = switched(fused_module, runs[name], ROW_MASK_BRANCH=True)
             runs["fused_unmasked_again"] = runs["fused_unmasked"]
     elif d <= MAX_D_MODEL:
         w, _ = weights(d, ffn, "cuda")

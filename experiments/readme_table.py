@@ -29,8 +29,13 @@ def pct(x):
     return f"{x * 100:+.1f}".replace("-", "−")
 
 
+def row_number(r):
+    """The official row number of a summary.csv row (official-07 -> 7)."""
+    return int(r["id"].rsplit("-", 1)[1])
+
+
 def row_line(r):
-    n = int(r["id"].rsplit("-", 1)[1])
+    n = row_number(r)
     opt = float(r["optimized_median_ms"])
     cost = float(r["mask_cost"])
     cost_text = f"**{pct(cost)} %**" if cost > 0.03 else f"{pct(cost)} %"
@@ -54,8 +59,7 @@ def main(report_dir="reports/h200"):
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(row_line(r))
-    behind = [int(r["id"].rsplit("-", 1)[1]) for r in rows
-              if float(r["optimized_median_ms"]) > BEST_PUBLIC_MS[int(r["id"].rsplit("-", 1)[1])]]
+    behind = [row_number(r) for r in rows if float(r["optimized_median_ms"]) > BEST_PUBLIC_MS[row_number(r)]]
     print(f"\nrows above the best public median: {behind or 'none'}", file=sys.stderr)
 
 

@@ -220,7 +220,7 @@ def _fused_layer_fwd(
             bv = tl.load(Bqkv + 2 * d_model + f0 + hcol, mask=hd_ok, other=0.0).to(tl.float32)
         q = (_mm(hq, wq) + bq[None, :]).to(op_ty)
         if KEY_BLOCKS:
-            o = _attend_key_blocks(q, KV + b * stride_kvb + f0, Mask + b * stride_mb, rows, hcol, hd_ok, stride_kvs,
+            o = _attend_key_blocks(q, KV + b * stride_kvb + f0, mask_row, rows, hcol, hd_ok, stride_kvs,
                                    d_model, seq_len, key_hi, qk_scale, key_len, not_prefix,
                                    BLOCK_M, BLOCK_HD, BLOCK_N, IS_CAUSAL, HAS_MASK)
         elif KV_GLOBAL:  # this head's precomputed keys and values: [BLOCK_S, BLOCK_HD] tiles of KV
