@@ -345,9 +345,8 @@ def _prune_tiles(configs, named_args, **kwargs):
 # experiments/h200/session12/call4/mask-parts.json); with its own loop 15.77 against 17.10 (row 6: 551 against
 # 584), and a left-padded mask 0.4-15 % slower (call5/mask-parts.json). Offline ptxas (sm_90a, 64x64 tiles): the
 # same registers and shared memory up to BLOCK_D 64 (32 under its cap of 96), spills at 128 and 256, hence 64.
-# None (off): one loop, as in the committed report (reports/h200 at c5875fb); 64 is the value to run the pipeline
-# with next (experiments/NOTES.md, session 12).
-MASK_OWN_LOOP_MAX_BLOCK_D = None
+# None: one loop for both (the report at c5875fb ran that). On (64) from session 13 (experiments/NOTES.md).
+MASK_OWN_LOOP_MAX_BLOCK_D = 64
 
 
 # From this sequence length (power-of-two bucket) the kernel is not autotuned: timing each candidate on a full-size

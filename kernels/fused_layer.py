@@ -449,9 +449,9 @@ def _block_size(name: str, value, default: int, most: int) -> int:
 
 # The output rows' mask loaded in a branch on "no prefix" instead of predicated off for a prefix (_store_rows).
 # Session 12 (experiments/h200/session12/call7/mask-parts.json), us per layer with the summary given (layers 1-3):
-# official row 7 12.88 -> 12.65, row 12 14.21 -> 13.88 (unmasked 12.33-12.46 and 13.72-14.06). Off (False): what
-# the committed report ran (reports/h200 at c5875fb); True is the value to run the pipeline with next.
-ROW_MASK_BRANCH = False
+# official row 7 12.88 -> 12.65, row 12 14.21 -> 13.88 (unmasked 12.33-12.46 and 13.72-14.06). False: the mask
+# predicated off (the report at c5875fb ran that). On from session 13 (experiments/NOTES.md).
+ROW_MASK_BRANCH = True
 
 
 def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=None, out=None, block_m=None,

@@ -172,13 +172,15 @@ PRECISION_POINTS = [
                                              ("prefix_mask", "left", "holes", "empty_element"))])
 def test_mask_own_loop_matches_fp64(S, D, causal, mask_kind, assert_close, monkeypatch):
     """The switch that gives a mask that is no prefix its own stage-2 loop (attention.MASK_OWN_LOOP_MAX_BLOCK_D):
-    on, every mask kind still matches fp64, in fp32 (exact dots) and fp16 operands, and the kernel is specialized
-    by it (the switch reaches the launch)."""
+    on for every head size (256) and off (None: one loop for prefix and general masks), every mask kind still
+    matches fp64, in fp32 (exact dots) and fp16 operands, and the kernel is specialized by it (the switch reaches
+    the launch)."""
     from shapewise.kernels import attention
 
-    monkeypatch.setattr(attention, "MASK_OWN_LOOP_MAX_BLOCK_D", 256)
-    run_case(2, S, 2, D, causal, mask_kind, "fp32", torch.float32, assert_close)
-    run_case(2, S, 2, D, causal, mask_kind, "fp16", torch.float32, assert_close)
+    for bound in (256, None):
+        monkeypatch.setattr(attention, "MASK_OWN_LOOP_MAX_BLOCK_D", bound)
+        run_case(2, S, 2, D, causal, mask_kind, "fp32", torch.float32, assert_close)
+        run_case(2, S, 2, D, causal, mask_kind, "fp16", torch.float32, assert_close)
     launched = {}
 
     class Recorder:
@@ -188,11 +190,15 @@ def test_mask_own_loop_matches_fp64(S, D, causal, mask_kind, assert_close, monke
     monkeypatch.setattr(attention, "_attention_fwd_tuned", Recorder())
     _, key_mask, _ = make_mask(mask_kind, 2, S)
     _, q, k, v = make_qkv(2, S, 2, D, torch.float32)
+    monkeypatch.setattr(attention, "MASK_OWN_LOOP_MAX_BLOCK_D", 256)
     flash_attention(q, k, v, causal=causal, key_mask=key_mask)
     assert launched["MASK_LOOP"] is True
     monkeypatch.setattr(attention, "MASK_OWN_LOOP_MAX_BLOCK_D", 32)
     flash_attention(q, k, v, causal=causal, key_mask=key_mask)
     assert launched["MASK_LOOP"] is (D <= 32)
+    monkeypatch.setattr(attention, "MASK_OWN_LOOP_MAX_BLOCK_D", None)
+    flash_attention(q, k, v, causal=causal, key_mask=key_mask)
+    assert launched["MASK_LOOP"] is False
 
 
 @pytest.mark.parametrize("precision,dtype,S,D,causal,mask_kind", PRECISION_POINTS)

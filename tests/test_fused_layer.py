@@ -128,13 +128,13 @@ def test_mask_summary_paths_match_fp64(summary, mask_kind, launch):
 @pytest.mark.parametrize("launch", ["S7-whole", "S33-key-blocks", "S128-whole"])
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
 @pytest.mark.parametrize("summary", ["computed", "written", "given"])
-def test_row_mask_branch_matches_fp64(summary, mask_kind, launch, monkeypatch):
-    """With session 12's switch on (fused_layer.ROW_MASK_BRANCH: the output rows' mask read in a branch), every
-    way of learning the summary still gives the contract's layer on every mask kind, and the summary written is
-    kernels.mask's."""
+def test_row_mask_branch_off_matches_fp64(summary, mask_kind, launch, monkeypatch):
+    """With session 12's switch off (fused_layer.ROW_MASK_BRANCH False: the output rows' mask predicated off for a
+    prefix instead of read in a branch; on by default, which the test above runs), every way of learning the
+    summary still gives the contract's layer on every mask kind, and the summary written is kernels.mask's."""
     from shapewise.kernels import fused_layer as fused_module
 
-    monkeypatch.setattr(fused_module, "ROW_MASK_BRANCH", True)
+    monkeypatch.setattr(fused_module, "ROW_MASK_BRANCH", False)
     test_mask_summary_paths_match_fp64(summary, mask_kind, launch)
 
 
@@ -152,9 +152,9 @@ def test_row_mask_branch_reaches_the_launch(monkeypatch):
     w = weights(d, ffn, torch.float16)
     mask = torch.ones(B, S, dtype=torch.bool, device=DEVICE)
     monkeypatch.setattr(fused_module, "_fused_layer_fwd", Recorder())
-    fused_layer(x, w, num_heads=H, causal=True, mask=mask)
-    monkeypatch.setattr(fused_module, "ROW_MASK_BRANCH", True)
-    fused_layer(x, w, num_heads=H, causal=True, mask=mask)
+    for switch in (False, True):
+        monkeypatch.setattr(fused_module, "ROW_MASK_BRANCH", switch)
+        fused_layer(x, w, num_heads=H, causal=True, mask=mask)
     assert launched == [False, True]
 
 
