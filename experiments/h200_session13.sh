@@ -6,6 +6,7 @@
 #   experiments/h200/session13/pipeline-call2/results.tgz) and the report re-rendered from them; then the contract
 #   manifest's rows CONTRACT (default contract-wide): accuracy and timing jobs only, into results-contract/.
 # Call 4: the same again (ROWS="02 03 07 12"; call 3's contract step had its targets after --config).
+# Call 5: the re-time alone once more (ROWS="02 03 07 12" CONTRACT="").
 # Step logs in $OUT/steps.log.
 set -uo pipefail
 source experiments/device_env.sh
@@ -16,9 +17,10 @@ step retime 300 python3 -m snakemake --cores all --keep-going --forcerun $target
     --config shapes=official commit="$COMMIT"
 tail -n 4 "$log"
 tar czf "$OUT/results.tgz" --exclude='trace.json' results
+[ -n "${CONTRACT-contract-wide}" ] || exit 0  # CONTRACT="": the re-time only
 rm -rf results
 contract=""
-for r in ${CONTRACT:-contract-wide}; do contract="$contract results/accuracy/$r.json results/timing/$r.json"; done
+for r in ${CONTRACT-contract-wide}; do contract="$contract results/accuracy/$r.json results/timing/$r.json"; done
 step contract 240 python3 -m snakemake --cores all --keep-going $contract --config shapes=contract commit="$COMMIT"
 tail -n 4 "$log"
 tar czf "$OUT/results-contract.tgz" --exclude='trace.json' results
