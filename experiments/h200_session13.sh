@@ -6,7 +6,8 @@
 #   experiments/h200/session13/pipeline-call2/results.tgz) and the report re-rendered from them; then the contract
 #   manifest's rows CONTRACT (default contract-wide): accuracy and timing jobs only, into results-contract/.
 # Call 4: the same again (ROWS="02 03 07 12"; call 3's contract step had its targets after --config).
-# Call 5: the re-time alone once more (ROWS="02 03 07 12" CONTRACT="").
+# Calls 5 and 6: the re-time alone once more (ROWS="02 03 07 12" CONTRACT=""); call 6 on a fresh machine (call 5's
+#   was given back), whose re-time the report is rendered from whatever it shows.
 # Step logs in $OUT/steps.log.
 set -uo pipefail
 source experiments/device_env.sh
