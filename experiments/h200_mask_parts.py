@@ -19,7 +19,8 @@ launches (experiments.h200_probe.graph_ms), without and with the mask as the mod
 - --own-loop (session 12): attention with the all-True and a left-padded mask, one stage-2 loop for both kinds of
   mask against a loop of its own for a mask that is no prefix (`attention_mask_{prefix,left}_{one,own}_loop`);
 - --fused-switches (session 12, fused rows): the layer with its summary written and given under
-  kernels.fused_layer's switch ROW_MASK_BRANCH (`fused_mask_summary_*_row_mask_branch`), and the unmasked layer
+  kernels.fused_layer's switch ROW_MASK_BRANCH off (`fused_mask_summary_*`) and on
+  (`fused_mask_summary_*_row_mask_branch`; on by default since session 13), and the unmasked layer
   timed again last (`fused_unmasked_again`: the drift). Session 12's call 7 ran it at 94b1010, which also had a
   switch SUMMARY_ONE_REDUCTION (the summary in one reduction; `*_one_reduction`, `*_both`), removed after it
   measured no better.
@@ -135,8 +136,10 @@ def row_parts(row, cap_ab=False, own_loop=False, fused_switches=False):
         runs["fused_mask_summary_written"] = lambda: fused_layer(x, w, mask=mask, prefix_out=written, **launch)
         runs["fused_mask_summary_given"] = lambda: fused_layer(x, w, mask=mask, mask_prefix_lengths=prefix, **launch)
         if fused_switches:
-            for name in ("fused_mask_summary_written", "fused_mask_summary_given"):
-                runs[name + "_row_mask_branch"] = switched(fused_module, runs[name], ROW_MASK_BRANCH=True)
+            for name in ("fused_mask_summary_written", "fused_mask_summary_given"):  # both settings explicit
+                default = runs[name]
+                runs[name] = switched(fused_module, default, ROW_MASK_BRANCH=False)
+                runs[name + "_row_mask_branch"] = switched(fused_module, default, ROW_MASK_BRANCH=True)
             runs["fused_unmasked_again"] = runs["fused_unmasked"]
     elif d <= MAX_D_MODEL:
         w, _ = weights(d, ffn, "cuda")
