@@ -24,6 +24,9 @@ launches (experiments.h200_probe.graph_ms), without and with the mask as the mod
   timed again last (`fused_unmasked_again`: the drift). Session 12's call 7 ran it at 94b1010, which also had a
   switch SUMMARY_ONE_REDUCTION (the summary in one reduction; `*_one_reduction`, `*_both`), removed after it
   measured no better.
+- --full-branch (session 13, fused rows): the layer with its summary written and given under
+  kernels.fused_layer's FULL_MASK_BRANCH_MAX_D_MODEL off (`fused_mask_summary_*`) and on for the row's d_model
+  (`fused_mask_summary_*_full_branch`), and the unmasked layer timed again last.
 OUT.json is written after every row.
 """
 from __future__ import annotations
@@ -105,7 +108,7 @@ def own_loop_runs(q, k, v, mask, prefix):
             "attention_mask_left_own_loop": run(left, left_prefix, 64)}
 
 
-def row_parts(row, cap_ab=False, own_loop=False, fused_switches=False):
+def row_parts(row, cap_ab=False, own_loop=False, fused_switches=False, full_branch=False):
     B, S, d, H, ffn = shape_of(row)
     D = d // H
     reps = 5 if B * S > 10**6 else 30
@@ -141,6 +144,12 @@ def row_parts(row, cap_ab=False, own_loop=False, fused_switches=False):
                 runs[name] = switched(fused_module, default, ROW_MASK_BRANCH=False)
                 runs[name + "_row_mask_branch"] = switched(fused_module, default, ROW_MASK_BRANCH=True)
             runs["fused_unmasked_again"] = runs["fused_unmasked"]
+        if full_branch:  # session 13: the unmasked copy for an all-valid sequence, off and on for this row's width
+            for name in ("fused_mask_summary_written", "fused_mask_summary_given"):
+                default = runs[name]
+                runs[name] = switched(fused_module, default, FULL_MASK_BRANCH_MAX_D_MODEL=None)
+                runs[name + "_full_branch"] = switched(fused_module, default, FULL_MASK_BRANCH_MAX_D_MODEL=d)
+            runs["fused_unmasked_again"] = runs["fused_unmasked"]
     elif d <= MAX_D_MODEL:
         w, _ = weights(d, ffn, "cuda")
         o = ln_qkv(x, w)[..., :d].contiguous()
@@ -169,13 +178,15 @@ def main():
     ap.add_argument("--cap-ab", action="store_true", help="the 64x64 tile with the register cap never/by grid/always")
     ap.add_argument("--own-loop", action="store_true", help="the mask's own stage-2 loop against one loop")
     ap.add_argument("--fused-switches", action="store_true", help="fused rows: session 12's summary switches")
+    ap.add_argument("--full-branch", action="store_true",
+                    help="fused rows: the unmasked copy for an all-valid sequence (FULL_MASK_BRANCH_MAX_D_MODEL)")
     args = ap.parse_args()
     out = {"device": torch.cuda.get_device_name(), "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
            "masked_max_registers": {str(k): v for k, v in attention_module.MASKED_MAX_REGISTERS.items()},
            "rows": []}
     with torch.inference_mode():
         for row in (int(r) for r in args.rows.split(",")):
-            out["rows"].append(row_parts(row, args.cap_ab, args.own_loop, args.fused_switches))
+            out["rows"].append(row_parts(row, args.cap_ab, args.own_loop, args.fused_switches, args.full_branch))
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
             torch.cuda.empty_cache()
