@@ -45,7 +45,7 @@ def host_us(row, calls=20000):
         # min over interleaved repeats, the committed path against nn.Module.__setattr__ for its two plain
         # attributes (before session 13): paired, so that this machine's drift falls on both
         best = {"committed": float("inf"), "module_setattr": float("inf")}
-        for _ in range(5):
+        for _ in range(9):
             for name in best:
                 optimized._set_plain = setters[name]
                 best[name] = min(best[name], timeit.timeit(lambda: model(x, mask), number=calls) / calls * 1e6)
