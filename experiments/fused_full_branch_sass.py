@@ -12,29 +12,47 @@ import sys
 import tempfile
 
 import triton
-from experiments.fused_ttgir import _compile
 from experiments.fused_ptxas import constexprs, ptxas_usage
+from experiments.fused_ttgir import _compile
+
 from shapewise.kernels.fused_layer import _fused_layer_fwd
-from shapewise.model.routing import Shape, fused_launch
 from shapewise.manifest import MODEL_FIELDS, official_rows
+from shapewise.model.routing import Shape, fused_launch
+
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-rows = official_rows()
-out = []
-for n in (7, 12):
-    row = rows[n]
-    block_m, warps, stages = fused_launch(Shape(**{f: row[f] for f in MODEL_FIELDS}))
-    for label, has_mask, given, write, full in (("unmasked", False, False, False, False),
-                                                ("written", True, False, True, False), ("written+full", True, False, True, True),
-                                                ("given", True, True, False, False), ("given+full", True, True, False, True)):
-        c = constexprs(row, block_m, False, has_mask=has_mask, summary_given=given)
-        c.update(PREFIX_OUT=write, ROW_MASK_BRANCH=True, FULL_BRANCH=full)
-        k = _compile(_fused_layer_fwd, c, warps, stages)
-        use = ptxas_usage(k.asm["ptx"])
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(k.asm["cubin"]); path = f.name
-        sass = subprocess.run([CUOBJDUMP, "-sass", path], capture_output=True, text=True).stdout
-        instr = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s", sass, re.M))
-        bars = len(re.findall(r"\bBAR\.SYNC", sass))
-        rec = dict(row=n, variant=label, launch=[block_m, warps, stages], instructions=instr, barriers=bars, **use)
-        print(rec); out.append(rec)
-json.dump(out, open(sys.argv[1], "w"), indent=1)
+# (label, HAS_MASK, PREFIX_IN, PREFIX_OUT, FULL_BRANCH)
+VARIANTS = (("unmasked", False, False, False, False),
+            ("written", True, False, True, False), ("written+full", True, False, True, True),
+            ("given", True, True, False, False), ("given+full", True, True, False, True))
+
+
+def sass_counts(cubin: bytes) -> tuple:
+    """(instructions, BAR.SYNC barriers) of a cubin's SASS."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s", sass, re.M)), len(re.findall(r"\bBAR\.SYNC", sass))
+
+
+def main(path):
+    rows = official_rows()
+    out = []
+    for n in (7, 12):
+        row = rows[n]
+        block_m, warps, stages = fused_launch(Shape(**{f: row[f] for f in MODEL_FIELDS}))
+        for label, has_mask, given, write, full in VARIANTS:
+            consts = constexprs(row, block_m, False, has_mask=has_mask, summary_given=given)
+            consts.update(PREFIX_OUT=write, ROW_MASK_BRANCH=True, FULL_BRANCH=full)
+            kernel = _compile(_fused_layer_fwd, consts, warps, stages)
+            instructions, barriers = sass_counts(kernel.asm["cubin"])
+            rec = dict(row=n, variant=label, launch=[block_m, warps, stages], instructions=instructions,
+                       barriers=barriers, **ptxas_usage(kernel.asm["ptx"]))
+            print(rec)
+            out.append(rec)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

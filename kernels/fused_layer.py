@@ -147,8 +147,8 @@ def _fused_layer_fwd(
     PREFIX_IN: tl.constexpr,  # with HAS_MASK: read the mask's summary from Prefix instead of computing it
     PREFIX_OUT: tl.constexpr,  # with HAS_MASK, not PREFIX_IN: write the summary to Prefix (for the next layers)
     ROW_MASK_BRANCH: tl.constexpr,  # ROW_MASK_BRANCH: the output rows' mask read in a branch (_store_rows)
-    FULL_BRANCH: tl.constexpr,  # FULL_MASK_BRANCH_MAX_D_MODEL, with HAS_MASK: a sequence whose every token is valid runs the
-    # unmasked layer's code (_layer_rest without the mask), chosen at run time from its summary
+    FULL_BRANCH: tl.constexpr,  # FULL_MASK_BRANCH_MAX_D_MODEL, with HAS_MASK: a sequence whose every token is
+    # valid runs the unmasked layer's code (_layer_rest without the mask), chosen at run time from its summary
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -556,6 +556,8 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
     kv = _ln_project(x, w, d, 2 * d) if kv_precompute else out  # out: a placeholder pointer, never read
     grid = (triton.cdiv(S, block_m), B)
     prefix = mask_prefix_lengths if mask_prefix_lengths is not None else prefix_out
+    full_branch = (mask is not None and FULL_MASK_BRANCH_MAX_D_MODEL is not None
+                   and d <= FULL_MASK_BRANCH_MAX_D_MODEL)
     _fused_layer_fwd[grid](
         x, out, m, prefix if prefix is not None else m,
         w["qkv_w"], w["qkv_b"], w["o_w"], w["o_b"], w["in_w"], w["in_b"], w["out_w"], w["out_b"],
@@ -567,8 +569,7 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
         BLOCK_D=block_d, BLOCK_F=block_f, BLOCK_M=block_m, BLOCK_S=block_s,
         IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, FINAL_NORM=final is not None,
         KV_GLOBAL=bool(kv_precompute), BLOCK_N=block_n, PREFIX_IN=mask_prefix_lengths is not None,
-        PREFIX_OUT=prefix_out is not None, ROW_MASK_BRANCH=ROW_MASK_BRANCH, FULL_BRANCH=(mask is not None and FULL_MASK_BRANCH_MAX_D_MODEL is not None
-                     and d <= FULL_MASK_BRANCH_MAX_D_MODEL),
+        PREFIX_OUT=prefix_out is not None, ROW_MASK_BRANCH=ROW_MASK_BRANCH, FULL_BRANCH=full_branch,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
