@@ -18,15 +18,14 @@ launches (experiments.h200_probe.graph_ms), without and with the mask as the mod
   a5dfab5 from the grid: `cap_by_grid`; since, always: `cap_launcher`), and always (`attention_tile_*`);
 - --own-loop (session 12): attention with the all-True and a left-padded mask, one stage-2 loop for both kinds of
   mask against a loop of its own for a mask that is no prefix (`attention_mask_{prefix,left}_{one,own}_loop`);
-- --fused-switches (session 12, fused rows): the layer with its summary written and given under
-  kernels.fused_layer's switch ROW_MASK_BRANCH off (`fused_mask_summary_*`) and on
-  (`fused_mask_summary_*_row_mask_branch`; on by default since session 13), and the unmasked layer
-  timed again last (`fused_unmasked_again`: the drift). Session 12's call 7 ran it at 94b1010, which also had a
-  switch SUMMARY_ONE_REDUCTION (the summary in one reduction; `*_one_reduction`, `*_both`), removed after it
-  measured no better.
-- --full-branch (session 13, fused rows): the layer with its summary written and given under
-  kernels.fused_layer's FULL_MASK_BRANCH_MAX_D_MODEL off (`fused_mask_summary_*`) and on for the row's d_model
-  (`fused_mask_summary_*_full_branch`), and the unmasked layer timed again last.
+- --fused-switches (session 12, fused rows) and --full-branch (session 13, fused rows): the layer with its summary
+  written and given (`fused_mask_summary_*`, the committed switches) and under one kernels.fused_layer switch off
+  and on, the others as committed: ROW_MASK_BRANCH (`*_off_row_mask_branch`, `*_row_mask_branch`; on since
+  session 13), FULL_MASK_BRANCH_MAX_D_MODEL (`*_off_full_branch`; `*_full_branch`: on for the row's d_model); then
+  the unmasked layer timed again last (`fused_unmasked_again`: the drift). Session 12's call 7 ran
+  --fused-switches at 94b1010, when ROW_MASK_BRANCH was off and `fused_mask_summary_*` was its off setting; that
+  commit also had a switch SUMMARY_ONE_REDUCTION (`*_one_reduction`, `*_both`), removed after it measured no
+  better.
 OUT.json is written after every row.
 """
 from __future__ import annotations
@@ -138,17 +137,18 @@ def row_parts(row, cap_ab=False, own_loop=False, fused_switches=False, full_bran
         written = torch.empty(B, dtype=torch.int32, device="cuda")
         runs["fused_mask_summary_written"] = lambda: fused_layer(x, w, mask=mask, prefix_out=written, **launch)
         runs["fused_mask_summary_given"] = lambda: fused_layer(x, w, mask=mask, mask_prefix_lengths=prefix, **launch)
-        if fused_switches:
-            for name in ("fused_mask_summary_written", "fused_mask_summary_given"):  # both settings explicit
-                default = runs[name]
-                runs[name] = switched(fused_module, default, ROW_MASK_BRANCH=False)
-                runs[name + "_row_mask_branch"] = switched(fused_module, default, ROW_MASK_BRANCH=True)
-            runs["fused_unmasked_again"] = runs["fused_unmasked"]
-        if full_branch:  # session 13: the unmasked copy for an all-valid sequence, off and on for this row's width
-            for name in ("fused_mask_summary_written", "fused_mask_summary_given"):
-                default = runs[name]
-                runs[name] = switched(fused_module, default, FULL_MASK_BRANCH_MAX_D_MODEL=None)
-                runs[name + "_full_branch"] = switched(fused_module, default, FULL_MASK_BRANCH_MAX_D_MODEL=d)
+        # the summary layers under a switch off and on (each against the committed default of the others)
+        ab = []
+        if fused_switches:  # session 12: the output rows' mask read in a branch
+            ab.append(("_row_mask_branch", "ROW_MASK_BRANCH", False, True))
+        if full_branch:  # session 13: the unmasked copy for an all-valid sequence, on for this row's width
+            ab.append(("_full_branch", "FULL_MASK_BRANCH_MAX_D_MODEL", None, d))
+        for name in ("fused_mask_summary_written", "fused_mask_summary_given") if ab else ():
+            default = runs[name]
+            for suffix, attr, off, on in ab:
+                runs[name + suffix.replace("_", "_off_", 1)] = switched(fused_module, default, **{attr: off})
+                runs[name + suffix] = switched(fused_module, default, **{attr: on})
+        if ab:
             runs["fused_unmasked_again"] = runs["fused_unmasked"]
     elif d <= MAX_D_MODEL:
         w, _ = weights(d, ffn, "cuda")
