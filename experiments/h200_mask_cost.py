@@ -1,6 +1,7 @@
 """What the official harness's call costs: `model(x, all-True mask)` against `model(x)`, per official row, one process.
 
 Usage (CUDA machine): python -m experiments.h200_mask_cost OUT.json [--rows 1,2,...] [--row14] [--sdpa]
+       [--switch-ab 7,12]
 
 Per row 1-13: the optimized model on the reference's weights (seed 0), x from generate_random_case (seed 1234);
 20 warm-up calls of each call kind, then 5 rounds alternating the two kinds, 100 calls each, every call timed by
@@ -8,6 +9,12 @@ its own CUDA event pair (the official protocol's timer); median per kind and the
 calls are compared (they must agree: an all-True mask changes nothing), and the route each call took is recorded.
 --row14: official row 14 (batch 32) with the all-True mask: the first call (wall clock, synchronized) and 2 timed
 calls, then 1 timed call without mask. --sdpa: PyTorch SDPA backends on row 14's attention (batch 4 of 32).
+--switch-ab ROWS (session 14): per row, one model per setting of kernels.fused_layer's two mask switches
+(committed; DEFER_SUMMARY on; FULL_MASK_BRANCH_MAX_D_MODEL at the row's d_model; both), each switch set while the
+model's graphs are captured (first call and 20 warm-up calls of each kind); then 40 rounds, each timing every
+setting's model(x, mask) and model(x), 100 calls each, back to back; per setting the paired mask cost (median over
+rounds of the ratio of the two round medians, shapewise.stats.paired_round_ratio, the timing job's estimator) and
+the masked output's largest difference from the committed setting's (0: the same to the bit).
 Reads shapes/official.yaml with plain YAML (no pipeline code), writes OUT.json after every row.
 """
 from __future__ import annotations
@@ -77,6 +84,53 @@ def row_cost(n, row):
     return out
 
 
+def switch_ab(row, rounds=40, calls=100):
+    from shapewise import stats
+    from shapewise.kernels import fused_layer as fused_module
+
+    settings = {"committed": {}, "defer_summary": {"DEFER_SUMMARY": True},
+                "full_branch": {"FULL_MASK_BRANCH_MAX_D_MODEL": row["d_model"]},
+                "both": {"DEFER_SUMMARY": True, "FULL_MASK_BRANCH_MAX_D_MODEL": row["d_model"]}}
+    cfg = None
+    models, outputs, out = {}, {}, {"settings": settings, "rounds": rounds, "calls": calls}
+    with torch.inference_mode():
+        for name, attrs in settings.items():
+            before = {k: getattr(fused_module, k) for k in attrs}
+            for k, v in attrs.items():
+                setattr(fused_module, k, v)
+            try:
+                cfg, opt = build(row)
+                if name == "committed":
+                    x, _ = generate_random_case(cfg, "cuda", torch.float32, 1234)
+                    mask = torch.ones(x.shape[:2], dtype=torch.bool, device="cuda")
+                outputs[name] = opt(x, mask).float()
+                for fn in (lambda: opt(x, mask), lambda: opt(x)):  # captures the copy and the direct graphs
+                    timed(fn, 20)
+                out[f"route_{name}"] = str(opt.last_route)
+            finally:
+                for k, v in before.items():
+                    setattr(fused_module, k, v)
+            models[name] = opt
+        times = {name: {"mask": [], "nomask": []} for name in settings}
+        for _ in range(rounds):
+            for name, opt in models.items():
+                times[name]["mask"].append(timed(lambda: opt(x, mask), calls))
+                times[name]["nomask"].append(timed(lambda: opt(x), calls))
+    for name in settings:
+        paired = stats.paired_round_ratio(times[name]["mask"], times[name]["nomask"], ("mask", "nomask"))
+        out[name] = {"mask_cost": paired["ratio"] - 1, "mask_cost_ci": [paired["low"] - 1, paired["high"] - 1],
+                     "mask_median_ms": statistics.median(t for r in times[name]["mask"] for t in r),
+                     "nomask_median_ms": statistics.median(t for r in times[name]["nomask"] for t in r),
+                     "mask_round_medians_ms": stats.round_medians(times[name]["mask"]),
+                     "nomask_round_medians_ms": stats.round_medians(times[name]["nomask"]),
+                     "max_abs_diff_from_committed": float((outputs[name] - outputs["committed"]).abs().max())}
+        r = out[name]
+        print(f"  {name:14s} mask cost {r['mask_cost'] * 100:+.2f} % [{r['mask_cost_ci'][0] * 100:+.2f}, "
+              f"{r['mask_cost_ci'][1] * 100:+.2f}], mask {r['mask_median_ms'] * 1e3:.2f} us, nomask "
+              f"{r['nomask_median_ms'] * 1e3:.2f} us, diff {r['max_abs_diff_from_committed']:.1e}", flush=True)
+    return out
+
+
 def row14(row):
     cfg, opt = build(row)
     x, _ = generate_random_case(cfg, "cuda", torch.float32, 1234, generator_device="device")
@@ -122,6 +176,7 @@ def main():
     ap.add_argument("--rows", default=",".join(map(str, range(1, 14))))
     ap.add_argument("--row14", action="store_true")
     ap.add_argument("--sdpa", action="store_true")
+    ap.add_argument("--switch-ab", default="", help="rows: the fused layer's mask switches, whole model")
     args = ap.parse_args()
     torch.set_float32_matmul_precision("high")
     rows = official()
@@ -129,6 +184,10 @@ def main():
     save = lambda: Path(args.out).write_text(json.dumps(result, indent=1))  # noqa: E731
     if args.sdpa:
         result["sdpa_row14_attention"] = sdpa_backends(rows[14])
+        save()
+    for n in (int(r) for r in args.switch_ab.split(",") if r):
+        print(f"row {n}: switch A/B", flush=True)
+        result.setdefault("switch_ab", {})[n] = switch_ab(rows[n])
         save()
     for n in (int(r) for r in args.rows.split(",") if r):
         result["rows"][n] = row_cost(n, rows[n])

@@ -149,6 +149,8 @@ def _fused_layer_fwd(
     ROW_MASK_BRANCH: tl.constexpr,  # ROW_MASK_BRANCH: the output rows' mask read in a branch (_store_rows)
     FULL_BRANCH: tl.constexpr,  # FULL_MASK_BRANCH_MAX_D_MODEL, with HAS_MASK: a sequence whose every token is
     # valid runs the unmasked layer's code (_layer_rest without the mask), chosen at run time from its summary
+    MASK_TILES: tl.constexpr,  # DEFER_SUMMARY, with HAS_MASK and not PREFIX_IN: the mask read into the tiles as
+    # for a mask that is no prefix; the summary (PREFIX_OUT) computed after the rows are stored
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -181,7 +183,13 @@ def _fused_layer_fwd(
     # all-True mask than without (experiments/h200/session11/call1/mask-parts.json).
     key_len = seq_len  # where this sequence's mask is a prefix: its length
     not_prefix = False
-    if HAS_MASK:
+    key_mask = 0  # with MASK_TILES: this sequence's mask over the keys and over this program's rows
+    row_mask = 0
+    if MASK_TILES:  # requested beside the residual rows, consumed at the scores and the stores: no reduction first
+        key_mask = tl.load(mask_row + keys, mask=key_ok, other=0)
+        row_mask = tl.load(mask_row + rows, mask=row_ok, other=1)
+        not_prefix = True
+    elif HAS_MASK:
         if not PREFIX_IN:
             summary = prefix_length_of_row(mask_row, seq_len, first_mask_block(mask_row, seq_len, BLOCK_S, True),
                                            BLOCK_S)
@@ -195,34 +203,41 @@ def _fused_layer_fwd(
             _layer_rest(xq, hk, Y, Mask, Wqkv, Bqkv, Wo, Bo, Win, Bin, Wout, Bout, N1w, N1b, N2w, N2b, NFw, NFb, KV,
                         stride_kvb, stride_kvs, stride_yb, stride_ys, stride_mb, seq_len, d_model, ffn_dim, qk_scale,
                         eps, b, pid_m, rows, keys, cols, hcol, col_ok, row_ok, key_ok, hd_ok, mask_row, key_len,
-                        not_prefix, NUM_HEADS, HEAD_DIM, BLOCK_HD, BLOCK_D, BLOCK_F, BLOCK_M, BLOCK_S, IS_CAUSAL,
-                        False, FINAL_NORM, KV_GLOBAL, BLOCK_N, ROW_MASK_BRANCH)
+                        not_prefix, key_mask, row_mask, NUM_HEADS, HEAD_DIM, BLOCK_HD, BLOCK_D, BLOCK_F, BLOCK_M,
+                        BLOCK_S, IS_CAUSAL, False, FINAL_NORM, KV_GLOBAL, BLOCK_N, ROW_MASK_BRANCH, False)
             return
     _layer_rest(xq, hk, Y, Mask, Wqkv, Bqkv, Wo, Bo, Win, Bin, Wout, Bout, N1w, N1b, N2w, N2b, NFw, NFb, KV,
                 stride_kvb, stride_kvs, stride_yb, stride_ys, stride_mb, seq_len, d_model, ffn_dim, qk_scale,
                 eps, b, pid_m, rows, keys, cols, hcol, col_ok, row_ok, key_ok, hd_ok, mask_row, key_len,
-                not_prefix, NUM_HEADS, HEAD_DIM, BLOCK_HD, BLOCK_D, BLOCK_F, BLOCK_M, BLOCK_S, IS_CAUSAL,
-                HAS_MASK, FINAL_NORM, KV_GLOBAL, BLOCK_N, ROW_MASK_BRANCH)
+                not_prefix, key_mask, row_mask, NUM_HEADS, HEAD_DIM, BLOCK_HD, BLOCK_D, BLOCK_F, BLOCK_M, BLOCK_S,
+                IS_CAUSAL, HAS_MASK, FINAL_NORM, KV_GLOBAL, BLOCK_N, ROW_MASK_BRANCH, MASK_TILES)
+    if MASK_TILES and PREFIX_OUT:  # the summary for the next layers, from the keys' mask already loaded
+        if pid_m == 0:
+            tl.store(Prefix + b, prefix_length_of_row(mask_row, seq_len, key_mask, BLOCK_S))
 
 
 @triton.jit
 def _layer_rest(xq, hk, Y, Mask, Wqkv, Bqkv, Wo, Bo, Win, Bin, Wout, Bout, N1w, N1b, N2w, N2b, NFw, NFb, KV,
                 stride_kvb, stride_kvs, stride_yb, stride_ys, stride_mb, seq_len, d_model, ffn_dim, qk_scale, eps,
                 b, pid_m, rows, keys, cols, hcol, col_ok, row_ok, key_ok, hd_ok, mask_row, key_len, not_prefix,
+                key_mask, row_mask,
                 NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, IS_CAUSAL: tl.constexpr,
                 HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr, KV_GLOBAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                ROW_MASK_BRANCH: tl.constexpr):
+                ROW_MASK_BRANCH: tl.constexpr, MASK_TILES: tl.constexpr):
     """The layer from LayerNorm 1 of this program's query rows `xq` (hk: LayerNorm 1 of every key row, when the
     keys and values are not read from KV) to its stored output rows; the mask as the kernel summarized it
-    (key_len, not_prefix), read where HAS_MASK."""
+    (key_len, not_prefix), read where HAS_MASK; with MASK_TILES, as loaded (key_mask over the keys, row_mask over
+    the rows)."""
     op_ty = Wqkv.dtype.element_ty
     hq = _layer_norm_rows(xq, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
 
     # a prefix's visibility is index arithmetic, as without a mask; only a mask that is no prefix is read into the
     # [BLOCK_M, BLOCK_S] tile
     visible = (keys < key_len)[None, :]
-    if HAS_MASK:
+    if MASK_TILES:
+        visible = (key_mask != 0)[None, :]  # 0 past seq_len
+    elif HAS_MASK:
         if not_prefix:
             visible = (key_ok & (tl.load(mask_row + keys, mask=key_ok, other=0) != 0))[None, :]
     if IS_CAUSAL:
@@ -280,7 +295,7 @@ def _layer_rest(xq, hk, Y, Mask, Wqkv, Bqkv, Wo, Bo, Win, Bin, Wout, Bout, N1w, 
     x2 = _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn_dim, eps, BLOCK_M, BLOCK_D,
                        BLOCK_F)
     _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
-                key_len, not_prefix, HAS_MASK, FINAL_NORM, ROW_MASK_BRANCH)
+                key_len, not_prefix, row_mask, HAS_MASK, FINAL_NORM, ROW_MASK_BRANCH, MASK_TILES)
 
 
 @triton.jit
@@ -308,14 +323,17 @@ def _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn
 
 @triton.jit
 def _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
-                key_len, not_prefix, HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr, BRANCH: tl.constexpr):
+                key_len, not_prefix, row_mask, HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr,
+                BRANCH: tl.constexpr, MASK_TILES: tl.constexpr):
     """Store a tile of rows of sequence b (row r at Y + b * stride_yb + r * stride_ys): invalid rows
     (Mask[b * stride_mb + r] == 0) as 0, after the final LayerNorm when FINAL_NORM. Where the mask is a prefix
     (not_prefix False) the rows below key_len are the valid ones and the mask is not read; elsewhere (not_prefix
     True, key_len the number of rows) the mask says. BRANCH: the mask's load in a branch on not_prefix instead of
-    a load predicated off for a prefix."""
+    a load predicated off for a prefix. MASK_TILES: the rows' mask as loaded (row_mask), whatever it is."""
     if HAS_MASK:
-        if BRANCH:
+        if MASK_TILES:
+            row_valid = row_mask != 0
+        elif BRANCH:
             row_valid = rows < key_len
             if not_prefix:
                 row_valid = row_valid & (tl.load(Mask + b * stride_mb + rows, mask=row_ok, other=1) != 0)
@@ -492,6 +510,15 @@ ROW_MASK_BRANCH = True
 # 7 only) is the value to measure next.
 FULL_MASK_BRANCH_MAX_D_MODEL = None
 
+# A launch with a mask and no summary given (the model's layer 0, which writes it for the others) reads the mask
+# into its tiles as for a mask that is no prefix, its load issued beside the residual rows', and computes the
+# summary after its rows are stored (by the first program of each sequence, from the mask already loaded), instead
+# of reducing the mask to its summary before the layer can start (session 12, experiments/h200/session12/call7/
+# mask-parts.json: official row 7's layer 0 13.5 us with the summary written against 12.65 given, 12.4 unmasked).
+# Same visible keys and valid rows, so the same results to the bit. False: the summary first, as the committed
+# report ran; session 14 measures True.
+DEFER_SUMMARY = False
+
 
 def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=None, out=None, block_m=None,
                 num_warps=4, num_stages=1, kv_precompute=False, key_block=None, ffn_block=None,
@@ -556,7 +583,8 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
     kv = _ln_project(x, w, d, 2 * d) if kv_precompute else out  # out: a placeholder pointer, never read
     grid = (triton.cdiv(S, block_m), B)
     prefix = mask_prefix_lengths if mask_prefix_lengths is not None else prefix_out
-    full_branch = (mask is not None and FULL_MASK_BRANCH_MAX_D_MODEL is not None
+    mask_tiles = mask is not None and mask_prefix_lengths is None and DEFER_SUMMARY
+    full_branch = (mask is not None and not mask_tiles and FULL_MASK_BRANCH_MAX_D_MODEL is not None
                    and d <= FULL_MASK_BRANCH_MAX_D_MODEL)
     _fused_layer_fwd[grid](
         x, out, m, prefix if prefix is not None else m,
@@ -570,6 +598,7 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
         IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, FINAL_NORM=final is not None,
         KV_GLOBAL=bool(kv_precompute), BLOCK_N=block_n, PREFIX_IN=mask_prefix_lengths is not None,
         PREFIX_OUT=prefix_out is not None, ROW_MASK_BRANCH=ROW_MASK_BRANCH, FULL_BRANCH=full_branch,
+        MASK_TILES=mask_tiles,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

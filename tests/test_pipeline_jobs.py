@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -272,7 +273,9 @@ def test_timing_job_records_protocol_intervals_call_and_identity(tmp_path):
     cost, unmasked = tim["mask_cost"], tim["optimized_unmasked"]
     assert cost["measured"] is True and cost["call"] == "model(x)" and cost["limit"] == 0.03
     assert len(unmasked["round_medians_ms"]) == tim["stopping"]["rounds_run"]
-    assert cost["ratio"] == pytest.approx(tim["optimized"]["median_ms"] / unmasked["median_ms"])
+    ratios = [a / b for a, b in zip(tim["optimized"]["round_medians_ms"], unmasked["round_medians_ms"])]
+    assert cost["round_ratios"] == pytest.approx(ratios) and cost["ratio"] == pytest.approx(np.median(ratios))
+    assert cost["ratio_of_medians"] == pytest.approx(tim["optimized"]["median_ms"] / unmasked["median_ms"])
     assert 0 < cost["ratio_ci"]["low"] <= cost["ratio_ci"]["high"]
     assert cost["within_limit"] == (cost["ratio"] <= 1.03) and cost["route"] == cost["route_unmasked"]
     assert tim["route"] == cost["route"]
@@ -286,6 +289,16 @@ def test_mask_cost_is_measured_only_for_an_all_true_mask():
     out = mask_cost(rounds, summarize(rounds), "all-true", {"optimized": "r", "optimized_unmasked": "r"})
     assert out["measured"] and out["ratio"] == pytest.approx(1.1) and out["within_limit"] is False
     assert out["ratio_ci"]["low"] <= 1.1 <= out["ratio_ci"]["high"]
+    # rounds that switch between a quiet and a slow level (a host-bound spell), mostly on both sides at once: the
+    # paired ratio keeps the quiet rounds' 5 % with a tight interval; the pooled medians' interval spans the spells
+    quiet, slow = ([1.05, 1.06, 1.04, 1.05], [1.0, 1.01, 0.99, 1.0]), ([2.0] * 4, [2.0] * 4)
+    spells = [quiet, quiet, quiet, slow, (slow[0], quiet[1]), quiet, (quiet[0], slow[1]), slow, quiet, quiet, quiet]
+    rounds = {"optimized": [a for a, _ in spells], "optimized_unmasked": [b for _, b in spells]}
+    out = mask_cost(rounds, summarize(rounds), "all-true", {})
+    assert out["ratio"] == pytest.approx(1.05) and out["within_limit"] is False
+    assert out["ratio_ci"]["low"] <= 1.05 <= out["ratio_ci"]["high"] and out["ratio_ci"]["high"] < 1.1
+    pooled = out["ratio_of_medians_ci"]
+    assert pooled["high"] - pooled["low"] > 2 * (out["ratio_ci"]["high"] - out["ratio_ci"]["low"])
     out = mask_cost({"optimized": [[1.0]] * 2, "optimized_unmasked": [[0.98]] * 2},
                     summarize({"optimized": [[1.0]] * 2, "optimized_unmasked": [[0.98]] * 2}), "all-true", {})
     assert out["within_limit"] is True

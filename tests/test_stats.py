@@ -76,3 +76,17 @@ def test_settled_width_uses_the_speedup_or_each_models_median():
     assert both is not None and alone is not None and alone > 0.02
     assert stats.settled_width({"reference": ref}) < 0.01
     assert stats.settled_width({"reference": ref[:1]}) is None
+
+
+def test_paired_round_ratio_is_the_median_of_round_ratios_and_needs_paired_rounds():
+    num = [[1.1, 1.2, 1.0], [2.2, 2.0], [3.3]]
+    den = [[1.0], [2.0, 2.0], [3.0, 3.0]]
+    out = stats.paired_round_ratio(num, den)
+    assert out["round_ratios"] == pytest.approx([1.1, 1.05, 1.1]) and out["ratio"] == pytest.approx(1.1)
+    assert 1.05 <= out["low"] <= out["high"] <= 1.1 and out["level"] == stats.LEVEL
+    alone = stats.paired_round_ratio(num[:1], den[:1])
+    assert alone["ratio"] == pytest.approx(1.1) and alone["low"] is None and alone["high"] is None
+    with pytest.raises(ValueError, match="paired"):
+        stats.paired_round_ratio(num, den[:2])
+    with pytest.raises(ValueError, match="without timed calls"):
+        stats.paired_round_ratio([[1.0], []], [[1.0], [1.0]])

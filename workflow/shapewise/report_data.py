@@ -221,7 +221,7 @@ def row_record(item):
         "target_met": (opt_ms <= target) if opt_ms is not None and target is not None else None,
         "optimized_peak_memory_bytes": opt.get("peak_memory_bytes"),
         "io_bytes": roofline.min_bytes(**row)["activations"],
-        # the official call's all-True mask against no mask (timing job, `mask_cost`): ratio of the medians - 1
+        # the all-True mask against no mask (timing job, `mask_cost`): median of the per-round ratios - 1
         "unmasked_median_ms": _num(mask.get("unmasked_median_ms")) if measured else None,
         "mask_cost": _minus_one(mask.get("ratio")) if measured else None,
         "mask_cost_ci_low": _minus_one(mask_ci.get("low")),

@@ -95,6 +95,28 @@ def ratio_interval(numerator_rounds, denominator_rounds, names=("numerator", "de
     return {"low": low, "high": high, "level": LEVEL, "method": METHOD}
 
 
+PAIRED_METHOD = (f"median over rounds of the ratio of the two round medians (round i of both timed back to back); "
+                 f"interval: percentile bootstrap over rounds ({RESAMPLES} resamples, seed {SEED})")
+
+
+def paired_round_ratio(numerator_rounds, denominator_rounds, names=("numerator", "denominator")):
+    """{"ratio", "low", "high", "level", "method", "round_ratios"}: the median over rounds of round i's median of
+    the numerator over round i's median of the denominator, and its bootstrap interval over rounds (None with too
+    few rounds). Paired within a round, so a moment of the machine that slows both (a host-bound spell of a
+    launch-bound model) cancels, where the ratio of the pooled medians takes whichever rounds the spells hit."""
+    _check(numerator_rounds, f"paired_round_ratio ({names[0]})")
+    _check(denominator_rounds, f"paired_round_ratio ({names[1]})")
+    if len(numerator_rounds) != len(denominator_rounds):
+        raise ValueError(f"paired_round_ratio: {len(numerator_rounds)} {names[0]} rounds but "
+                         f"{len(denominator_rounds)} {names[1]} rounds; the rounds must be paired")
+    ratios = np.asarray(round_medians(numerator_rounds)) / np.asarray(round_medians(denominator_rounds))
+    out = {"ratio": float(np.median(ratios)), "low": None, "high": None, "level": LEVEL, "method": PAIRED_METHOD,
+           "round_ratios": [float(r) for r in ratios]}
+    if len(ratios) >= MIN_ROUNDS:
+        out["low"], out["high"] = _interval(np.median(ratios[_draws(len(ratios))], axis=1))
+    return out
+
+
 def speedup_interval(reference_rounds, optimized_rounds):
     """{"low", "high", "level", "method"} of reference median / optimized median, or None (too few rounds)."""
     return ratio_interval(reference_rounds, optimized_rounds, ("reference", "optimized"))

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Session 14's first device call, one GPU (experiments/NOTES.md, session 14): the fused layer's two mask switches
+# that are off on main (kernels/fused_layer.py DEFER_SUMMARY, FULL_MASK_BRANCH_MAX_D_MODEL), measured before either
+# is turned on, and the host's path of a call.
+# 1. GPU tests of the fused layer's mask paths, every switch setting (the interpreter's CPU run: tests/).
+# 2. Kernel by kernel, official rows 7 and 12: each switch off and on (experiments.h200_mask_parts).
+# 3. Whole model, rows 7 and 12: the mask cost under each setting, paired rounds (experiments.h200_mask_cost).
+# 4. The host's and the GPU's time per call on rows 2, 3, 7, 12 (experiments.host_path --cuda).
+# Step logs in $OUT/steps.log.
+set -uo pipefail
+source experiments/device_env.sh
+source experiments/device_step.sh  # step(), $log, $start
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+step gpu-tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_fused_layer.py \
+    -k "deferred or full_mask_branch or summary_paths or reach or row_mask_branch_off"
+tail -n 3 "$log"
+step mask-parts 120 python3 -m experiments.h200_mask_parts "$OUT/mask-parts.json" --rows 7,12 --full-branch \
+    --defer-summary
+step switch-ab 120 python3 -m experiments.h200_mask_cost "$OUT/switch-ab.json" --rows "" --switch-ab 7,12
+step host-path 120 python3 -m experiments.host_path --cuda "$OUT/host-path.json" 2 3 7 12
