@@ -9,8 +9,9 @@ its own CUDA event pair (the official protocol's timer); median per kind and the
 calls are compared (they must agree: an all-True mask changes nothing), and the route each call took is recorded.
 --row14: official row 14 (batch 32) with the all-True mask: the first call (wall clock, synchronized) and 2 timed
 calls, then 1 timed call without mask. --sdpa: PyTorch SDPA backends on row 14's attention (batch 4 of 32).
---switch-ab ROWS (session 14): per row, one model per setting of kernels.fused_layer's two mask switches
-(committed; DEFER_SUMMARY on; FULL_MASK_BRANCH_MAX_D_MODEL at the row's d_model; both), each switch set while the
+--switch-ab ROWS (session 14): per row, one model per setting of kernels.fused_layer's mask switch (committed;
+UNMASKED_FIRST_MAX_D_MODEL at the row's d_model; call 1 at 7c15e89 ran the two it replaced, DEFER_SUMMARY and
+FULL_MASK_BRANCH_MAX_D_MODEL, and both: experiments/h200/session14/call1/switch-ab.json), each switch set while the
 model's graphs are captured (first call and 20 warm-up calls of each kind); then 40 rounds, each timing every
 setting's model(x, mask) and model(x), 100 calls each, back to back; per setting the paired mask cost (median over
 rounds of the ratio of the two round medians, shapewise.stats.paired_round_ratio, the timing job's estimator) and
@@ -88,9 +89,7 @@ def switch_ab(row, rounds=40, calls=100):
     from shapewise import stats
     from shapewise.kernels import fused_layer as fused_module
 
-    settings = {"committed": {}, "defer_summary": {"DEFER_SUMMARY": True},
-                "full_branch": {"FULL_MASK_BRANCH_MAX_D_MODEL": row["d_model"]},
-                "both": {"DEFER_SUMMARY": True, "FULL_MASK_BRANCH_MAX_D_MODEL": row["d_model"]}}
+    settings = {"committed": {}, "unmasked_first": {"UNMASKED_FIRST_MAX_D_MODEL": row["d_model"]}}
     cfg = None
     models, outputs, out = {}, {}, {"settings": settings, "rounds": rounds, "calls": calls}
     with torch.inference_mode():

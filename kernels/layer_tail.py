@@ -68,8 +68,8 @@ def _layer_tail_fwd(
                        BLOCK_F)
     # rows index the flat [N, d] output and [N] mask: one "sequence" (b = 0), row stride d_model, mask stride 1, of
     # n_tokens rows whose mask is read as it is (no prefix summary)
-    _store_rows(x2, Y, Mask, 0, 0, d_model, 1, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps, n_tokens, True, 0,
-                HAS_MASK, FINAL_NORM, False, False)
+    _store_rows(x2, Y, Mask, 0, 0, d_model, 1, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps, n_tokens, True,
+                HAS_MASK, FINAL_NORM, False)
 
 
 # ----------------------------------------------------------------------------------------------

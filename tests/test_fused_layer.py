@@ -151,39 +151,22 @@ def test_row_mask_branch_off_matches_fp64(summary, mask_kind, launch, monkeypatc
 @pytest.mark.parametrize("launch", list(SUMMARY_LAUNCHES), ids=list(SUMMARY_LAUNCHES))
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
 @pytest.mark.parametrize("summary", ["computed", "written", "given"])
-def test_full_mask_branch_matches_fp64(summary, mask_kind, launch, final, monkeypatch):
-    """With session 13's switch on for every width (fused_layer.FULL_MASK_BRANCH_MAX_D_MODEL: a sequence whose
-    every token is valid runs the unmasked code, picked per program at run time), every way of learning the summary
-    gives the contract's layer, with and without the final norm: all-True sequences take the unmasked copy, the
-    others the masked one, both in one launch for the "mixed" batch; the summary written is kernels.mask's."""
+def test_unmasked_first_matches_fp64(summary, mask_kind, launch, final, monkeypatch):
+    """With session 14's switch on for every width (fused_layer.UNMASKED_FIRST_MAX_D_MODEL: the unmasked layer
+    first, the summary after its rows, the masked layer over them where not every token is valid), every way of
+    learning the summary gives the contract's layer, with and without the final norm: all-True sequences keep the
+    unmasked rows, the others are overwritten by the masked ones, both in one launch for the "mixed" batch; the
+    summary written is kernels.mask's."""
     from shapewise.kernels import fused_layer as fused_module
 
-    monkeypatch.setattr(fused_module, "FULL_MASK_BRANCH_MAX_D_MODEL", 128)
+    monkeypatch.setattr(fused_module, "UNMASKED_FIRST_MAX_D_MODEL", 128)
     check_summary_path(summary, mask_kind, launch, final=final, seed=11)
 
 
-@pytest.mark.parametrize("final, full_branch", [(False, None), (True, None), (False, 128)],
-                         ids=["layer", "final-norm", "with-full-branch"])
-@pytest.mark.parametrize("launch", list(SUMMARY_LAUNCHES), ids=list(SUMMARY_LAUNCHES))
-@pytest.mark.parametrize("mask_kind", MASK_KINDS)
-@pytest.mark.parametrize("summary", ["computed", "written", "given"])
-def test_deferred_summary_matches_fp64(summary, mask_kind, launch, final, full_branch, monkeypatch):
-    """With session 14's switch on (fused_layer.DEFER_SUMMARY: a launch not given the summary reads the mask into
-    its tiles and writes the summary after its rows), alone and beside the full branch (which then serves only the
-    launches given the summary), every way of learning the summary gives the contract's layer on every mask kind,
-    with and without the final norm, and the summary written after the rows is kernels.mask's."""
-    from shapewise.kernels import fused_layer as fused_module
-
-    monkeypatch.setattr(fused_module, "DEFER_SUMMARY", True)
-    monkeypatch.setattr(fused_module, "FULL_MASK_BRANCH_MAX_D_MODEL", full_branch)
-    check_summary_path(summary, mask_kind, launch, final=final, seed=13)
-
-
 # (module switch, the constexpr it sets, its off and on values; S7-d48-H3's d_model is 48)
-SWITCHES = {"DEFER_SUMMARY": ("MASK_TILES", False, True),
-            "ROW_MASK_BRANCH": ("ROW_MASK_BRANCH", False, True),
-            "FULL_MASK_BRANCH_MAX_D_MODEL": ("FULL_BRANCH", None, 64),
-            "FULL_MASK_BRANCH_MAX_D_MODEL-below": ("FULL_BRANCH", None, 32)}
+SWITCHES = {"ROW_MASK_BRANCH": ("ROW_MASK_BRANCH", False, True),
+            "UNMASKED_FIRST_MAX_D_MODEL": ("UNMASKED_FIRST", None, 64),
+            "UNMASKED_FIRST_MAX_D_MODEL-below": ("UNMASKED_FIRST", None, 32)}
 
 
 @pytest.mark.parametrize("case", list(SWITCHES))
@@ -206,13 +189,9 @@ def test_mask_switches_reach_the_launch(case, monkeypatch):
     for value in (off, on):
         monkeypatch.setattr(fused_module, switch, value)
         fused_layer(x, w, num_heads=H, causal=True, mask=mask)
-    assert launched == [False, case != "FULL_MASK_BRANCH_MAX_D_MODEL-below"]
-    if constexpr in ("FULL_BRANCH", "MASK_TILES"):
-        fused_layer(x, w, num_heads=H, causal=True)  # no mask: never the branch, no mask to read
-        assert launched[-1] is False
-    if constexpr == "MASK_TILES":  # given the summary, a launch reads it instead of the mask
-        fused_layer(x, w, num_heads=H, causal=True, mask=mask,
-                    mask_prefix_lengths=torch.full((B,), S, dtype=torch.int32, device=DEVICE))
+    assert launched == [False, case != "UNMASKED_FIRST_MAX_D_MODEL-below"]
+    if constexpr == "UNMASKED_FIRST":
+        fused_layer(x, w, num_heads=H, causal=True)  # no mask: the plain unmasked kernel
         assert launched[-1] is False
 
 

@@ -1,9 +1,12 @@
 """Offline sm_90a (no GPU): registers, spills, SASS instructions and barriers of official rows 7 and 12's fused layer
 at the policy's launch, without a mask, with the summary written (layer 0) and given (layers 1-3), each with
-kernels.fused_layer's FULL_BRANCH off and on (session 13; the row-mask branch on, as committed), and layer 0 with
-MASK_TILES (session 14's DEFER_SUMMARY: the mask read into the tiles, the summary written after the rows).
+kernels.fused_layer's UNMASKED_FIRST off and on (session 14, UNMASKED_FIRST_MAX_D_MODEL: the unmasked layer first,
+the summary after its rows, the masked layer only where the summary says not every token is valid; the row-mask
+branch on, as committed). Session 13's FULL_BRANCH and session 14's MASK_TILES, both measured slower on the H200 and
+removed, are in git history (7c15e89), their figures in experiments/data/fused_full_branch_sass-sm90.json (this
+script's earlier version, experiments/fused_full_branch_sass.py at 7c15e89).
 
-Usage: PYTHONPATH=.:workflow python3 experiments/fused_full_branch_sass.py OUT.json
+Usage: PYTHONPATH=.:workflow python3 experiments/fused_unmasked_first_sass.py OUT.json
 """
 import json
 import os
@@ -21,11 +24,10 @@ from shapewise.manifest import MODEL_FIELDS, official_rows
 from shapewise.model.routing import Shape, fused_launch
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-# (label, HAS_MASK, PREFIX_IN, PREFIX_OUT, FULL_BRANCH, MASK_TILES)
-VARIANTS = (("unmasked", False, False, False, False, False),
-            ("written", True, False, True, False, False), ("written+full", True, False, True, True, False),
-            ("given", True, True, False, False, False), ("given+full", True, True, False, True, False),
-            ("written+tiles", True, False, True, False, True))
+# (label, HAS_MASK, PREFIX_IN, PREFIX_OUT, UNMASKED_FIRST)
+VARIANTS = (("unmasked", False, False, False, False),
+            ("written", True, False, True, False), ("written+unmasked_first", True, False, True, True),
+            ("given", True, True, False, False), ("given+unmasked_first", True, True, False, True))
 
 
 def sass_counts(cubin: bytes) -> tuple:
@@ -43,9 +45,9 @@ def main(path):
     for n in (7, 12):
         row = rows[n]
         block_m, warps, stages = fused_launch(Shape(**{f: row[f] for f in MODEL_FIELDS}))
-        for label, has_mask, given, write, full, tiles in VARIANTS:
+        for label, has_mask, given, write, first in VARIANTS:
             consts = constexprs(row, block_m, False, has_mask=has_mask, summary_given=given)
-            consts.update(PREFIX_OUT=write, ROW_MASK_BRANCH=True, FULL_BRANCH=full, MASK_TILES=tiles)
+            consts.update(PREFIX_OUT=write, ROW_MASK_BRANCH=True, UNMASKED_FIRST=first)
             kernel = _compile(_fused_layer_fwd, consts, warps, stages)
             instructions, barriers = sass_counts(kernel.asm["cubin"])
             rec = dict(row=n, variant=label, launch=[block_m, warps, stages], instructions=instructions,
