@@ -1,7 +1,7 @@
 """Where the official call's all-True mask costs time, kernel by kernel (issue #12 item 2).
 
 Usage (CUDA machine): python -m experiments.h200_mask_parts OUT.json [--rows 1,5,10,13,6,8,7,12]
-       [--cap-ab] [--own-loop] [--fused-switches] [--unmasked-first]
+       [--cap-ab] [--own-loop] [--fused-switches]
 
 experiments/h200/session9/mask-after.json measured model(x, all-True mask) 2-5 % slower than model(x) on rows 1, 5,
 6 and 8 (rows 1-13 on the routes of cba9ddd). Per row, each kernel the mask touches, timed as a CUDA graph of 10
@@ -18,16 +18,15 @@ launches (experiments.h200_probe.graph_ms), without and with the mask as the mod
   a5dfab5 from the grid: `cap_by_grid`; since, always: `cap_launcher`), and always (`attention_tile_*`);
 - --own-loop (session 12): attention with the all-True and a left-padded mask, one stage-2 loop for both kinds of
   mask against a loop of its own for a mask that is no prefix (`attention_mask_{prefix,left}_{one,own}_loop`);
-- --fused-switches (session 12, fused rows) and --unmasked-first (session 14, fused rows): the layer with its summary
-  written and given (`fused_mask_summary_*`, the committed switches) and under one kernels.fused_layer switch off
-  and on, the others as committed: ROW_MASK_BRANCH (`*_off_row_mask_branch`, `*_row_mask_branch`; on since
-  session 13), UNMASKED_FIRST_MAX_D_MODEL (`*_off_unmasked_first`; `*_unmasked_first`: on for the row's d_model);
-  then the unmasked layer timed again last (`fused_unmasked_again`: the drift). Earlier flags whose switches were
-  measured slower and removed: --full-branch (session 13's FULL_MASK_BRANCH_MAX_D_MODEL) and --defer-summary
-  (DEFER_SUMMARY), both run by session 14's call 1 at 7c15e89 (experiments/h200/session14/call1/mask-parts.json);
-  session 12's call 7 ran --fused-switches at 94b1010, when ROW_MASK_BRANCH was off and `fused_mask_summary_*` was
-  its off setting; that commit also had a switch SUMMARY_ONE_REDUCTION (`*_one_reduction`, `*_both`), removed after
-  it measured no better.
+- --fused-switches (session 12, fused rows): the layer with its summary written and given (`fused_mask_summary_*`,
+  the committed switches) and with ROW_MASK_BRANCH off and on (`*_off_row_mask_branch`, `*_row_mask_branch`; on
+  since session 13), then the unmasked layer timed again last (`fused_unmasked_again`: the drift). Flags for
+  switches measured slower and removed (their A/B the same way): --full-branch (session 13's
+  FULL_MASK_BRANCH_MAX_D_MODEL) and --defer-summary (DEFER_SUMMARY), run at 7c15e89
+  (experiments/h200/session14/call1/mask-parts.json); --unmasked-first (UNMASKED_FIRST_MAX_D_MODEL), run at
+  8aa2a3b (session14/call2/); session 12's call 7 ran --fused-switches at 94b1010, when ROW_MASK_BRANCH was off and
+  `fused_mask_summary_*` was its off setting, with a switch SUMMARY_ONE_REDUCTION (`*_one_reduction`, `*_both`),
+  removed after it measured no better.
 OUT.json is written after every row.
 """
 from __future__ import annotations
@@ -109,7 +108,7 @@ def own_loop_runs(q, k, v, mask, prefix):
             "attention_mask_left_own_loop": run(left, left_prefix, 64)}
 
 
-def row_parts(row, cap_ab=False, own_loop=False, fused_switches=False, unmasked_first=False):
+def row_parts(row, cap_ab=False, own_loop=False, fused_switches=False):
     B, S, d, H, ffn = shape_of(row)
     D = d // H
     reps = 5 if B * S > 10**6 else 30
@@ -143,8 +142,6 @@ def row_parts(row, cap_ab=False, own_loop=False, fused_switches=False, unmasked_
         ab = []
         if fused_switches:  # session 12: the output rows' mask read in a branch
             ab.append(("_row_mask_branch", "ROW_MASK_BRANCH", False, True))
-        if unmasked_first:  # session 14: the unmasked layer first, the summary after it, on for this row's width
-            ab.append(("_unmasked_first", "UNMASKED_FIRST_MAX_D_MODEL", None, d))
         for name in ("fused_mask_summary_written", "fused_mask_summary_given") if ab else ():
             default = runs[name]
             for suffix, attr, off, on in ab:
@@ -180,16 +177,13 @@ def main():
     ap.add_argument("--cap-ab", action="store_true", help="the 64x64 tile with the register cap never/by grid/always")
     ap.add_argument("--own-loop", action="store_true", help="the mask's own stage-2 loop against one loop")
     ap.add_argument("--fused-switches", action="store_true", help="fused rows: session 12's summary switches")
-    ap.add_argument("--unmasked-first", action="store_true",
-                    help="fused rows: the unmasked layer first, the summary after it (UNMASKED_FIRST_MAX_D_MODEL)")
     args = ap.parse_args()
     out = {"device": torch.cuda.get_device_name(), "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
            "masked_max_registers": {str(k): v for k, v in attention_module.MASKED_MAX_REGISTERS.items()},
            "rows": []}
     with torch.inference_mode():
         for row in (int(r) for r in args.rows.split(",")):
-            out["rows"].append(row_parts(row, args.cap_ab, args.own_loop, args.fused_switches,
-                                         args.unmasked_first))
+            out["rows"].append(row_parts(row, args.cap_ab, args.own_loop, args.fused_switches))
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
             torch.cuda.empty_cache()

@@ -6,7 +6,8 @@
 #   (experiments.h200_mask_parts); whole model, rows 7 and 12, the mask cost under each setting, paired rounds
 #   (experiments.h200_mask_cost --switch-ab); the host's and the GPU's time per call on rows 2, 3, 7, 12
 #   (experiments.host_path --cuda).
-# CALL=2 (default): the same for the switch that replaced them (UNMASKED_FIRST_MAX_D_MODEL), without the host path.
+# CALL=2 (default; ran at 8aa2a3b): the same for the switch that replaced them (UNMASKED_FIRST_MAX_D_MODEL, measured
+#   slower too and removed), without the host path. Neither call runs at a later commit: their switches are gone.
 # Step logs in $OUT/steps.log.
 set -uo pipefail
 source experiments/device_env.sh

@@ -147,9 +147,6 @@ def _fused_layer_fwd(
     PREFIX_IN: tl.constexpr,  # with HAS_MASK: read the mask's summary from Prefix instead of computing it
     PREFIX_OUT: tl.constexpr,  # with HAS_MASK, not PREFIX_IN: write the summary to Prefix (for the next layers)
     ROW_MASK_BRANCH: tl.constexpr,  # ROW_MASK_BRANCH: the output rows' mask read in a branch (_store_rows)
-    UNMASKED_FIRST: tl.constexpr,  # UNMASKED_FIRST_MAX_D_MODEL, with HAS_MASK: the layer runs as if every token
-    # were valid, the summary is read or computed after its rows are stored, and a sequence whose summary says
-    # otherwise runs the masked layer over them
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -167,38 +164,17 @@ def _fused_layer_fwd(
     if HAS_MASK and PREFIX_IN:  # the summary layer 0 wrote: one value, no barrier; its latency hides behind X's
         summary = tl.load(Prefix + b)
 
-    # LayerNorm 1 of every key row (unless K and V come precomputed) and this program's query rows
-    xq, hk = _layer_inputs(x_base, stride_xs, N1w, N1b, rows, keys, cols, col_ok, row_ok, seq_len, d_model, eps,
-                           op_ty, KV_GLOBAL)
+    # LayerNorm 1 of every key row (unless K and V come precomputed) and of this program's query rows
+    if not KV_GLOBAL:
+        xk = tl.load(x_base + keys[:, None] * stride_xs + cols[None, :],
+                     mask=(keys < seq_len)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        hk = _layer_norm_rows(xk, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
+    xq = tl.load(x_base + rows[:, None] * stride_xs + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                 other=0.0).to(tl.float32)
     # The mask is summarized after the residual rows are requested: read before them (session 10), its load and the
     # barrier of its layout change delayed those loads by a memory round trip (offline SASS of official row 7:
     # first barrier at instruction 83, first residual load at 87), and row 7's layer took 18 % longer with an
     # all-True mask than without (experiments/h200/session11/call1/mask-parts.json).
-    args = (Y, Mask, Wqkv, Bqkv, Wo, Bo, Win, Bin, Wout, Bout, N1w, N1b, N2w, N2b, NFw, NFb, KV, stride_kvb,
-            stride_kvs, stride_yb, stride_ys, stride_mb, seq_len, d_model, ffn_dim, qk_scale, eps, b, pid_m, rows,
-            keys, cols, hcol, col_ok, row_ok, key_ok, hd_ok, mask_row)
-    if HAS_MASK and UNMASKED_FIRST:
-        # the mask's first block requested now, its summary reduced only after the unmasked layer: its latency
-        # and its barriers hide behind that work instead of delaying it
-        if not PREFIX_IN:
-            mask_head = first_mask_block(mask_row, seq_len, BLOCK_S, True)
-        _layer_rest(xq, hk, *args, seq_len, False, NUM_HEADS, HEAD_DIM, BLOCK_HD, BLOCK_D, BLOCK_F, BLOCK_M, BLOCK_S,
-                    IS_CAUSAL, False, FINAL_NORM, KV_GLOBAL, BLOCK_N, ROW_MASK_BRANCH)
-        if not PREFIX_IN:
-            summary = prefix_length_of_row(mask_row, seq_len, mask_head, BLOCK_S)
-            if PREFIX_OUT:
-                if pid_m == 0:
-                    tl.store(Prefix + b, summary)
-        if summary != seq_len:  # not every token valid: the masked layer over the rows just stored
-            not_prefix = summary < 0
-            tl.debug_barrier()  # the rows' first stores before their second, whichever threads made them
-            # the inputs again from memory: kept in registers through the unmasked layer they would crowd it
-            xq, hk = _layer_inputs(x_base, stride_xs, N1w, N1b, rows, keys, cols, col_ok, row_ok, seq_len, d_model,
-                                   eps, op_ty, KV_GLOBAL)
-            _layer_rest(xq, hk, *args, tl.where(not_prefix, seq_len, summary), not_prefix, NUM_HEADS, HEAD_DIM,
-                        BLOCK_HD, BLOCK_D, BLOCK_F, BLOCK_M, BLOCK_S, IS_CAUSAL, True, FINAL_NORM, KV_GLOBAL,
-                        BLOCK_N, ROW_MASK_BRANCH)
-        return
     key_len = seq_len  # where this sequence's mask is a prefix: its length
     not_prefix = False
     if HAS_MASK:
@@ -210,38 +186,6 @@ def _fused_layer_fwd(
                     tl.store(Prefix + b, summary)
         not_prefix = summary < 0
         key_len = tl.where(not_prefix, seq_len, summary)
-    _layer_rest(xq, hk, *args, key_len, not_prefix, NUM_HEADS, HEAD_DIM, BLOCK_HD, BLOCK_D, BLOCK_F, BLOCK_M,
-                BLOCK_S, IS_CAUSAL, HAS_MASK, FINAL_NORM, KV_GLOBAL, BLOCK_N, ROW_MASK_BRANCH)
-
-
-@triton.jit
-def _layer_inputs(x_base, stride_xs, N1w, N1b, rows, keys, cols, col_ok, row_ok, seq_len, d_model, eps, op_ty,
-                  KV_GLOBAL: tl.constexpr):
-    """(xq, hk): this program's residual rows (fp32) and LayerNorm 1 of every key row in the operand dtype (0
-    when the keys and values come precomputed)."""
-    if KV_GLOBAL:
-        hk = 0  # not read: the keys and values come from KV
-    else:
-        xk = tl.load(x_base + keys[:, None] * stride_xs + cols[None, :],
-                     mask=(keys < seq_len)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        hk = _layer_norm_rows(xk, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
-    xq = tl.load(x_base + rows[:, None] * stride_xs + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                 other=0.0).to(tl.float32)
-    return xq, hk
-
-
-@triton.jit
-def _layer_rest(xq, hk, Y, Mask, Wqkv, Bqkv, Wo, Bo, Win, Bin, Wout, Bout, N1w, N1b, N2w, N2b, NFw, NFb, KV,
-                stride_kvb, stride_kvs, stride_yb, stride_ys, stride_mb, seq_len, d_model, ffn_dim, qk_scale, eps,
-                b, pid_m, rows, keys, cols, hcol, col_ok, row_ok, key_ok, hd_ok, mask_row, key_len, not_prefix,
-                NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr, KV_GLOBAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                ROW_MASK_BRANCH: tl.constexpr):
-    """The layer from LayerNorm 1 of this program's query rows `xq` (hk: LayerNorm 1 of every key row, when the
-    keys and values are not read from KV) to its stored output rows; the mask as the kernel summarized it
-    (key_len, not_prefix), read where HAS_MASK."""
-    op_ty = Wqkv.dtype.element_ty
     hq = _layer_norm_rows(xq, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
 
     # a prefix's visibility is index arithmetic, as without a mask; only a mask that is no prefix is read into the
@@ -509,16 +453,6 @@ def _block_size(name: str, value, default: int, most: int) -> int:
 # predicated off (the report at c5875fb ran that). On from session 13 (experiments/NOTES.md).
 ROW_MASK_BRANCH = True
 
-# Up to this d_model, with a mask, the layer first runs as if every token were valid (the unmasked layer's code)
-# and reads or computes the mask's summary after its rows are stored; a sequence whose summary says otherwise (not
-# every token valid) then runs the masked layer over the same rows: the official harness's all-True mask costs
-# the summary's load and reduction, off the critical path, where before they came before the layer's first use of
-# the mask. Session 14's replacement for two switches measured slower on the H200
-# (experiments/h200/session14/call1/: the unmasked copy picked up front, session 13's FULL_MASK_BRANCH_MAX_D_MODEL,
-# official row 7 layers 1-3 12.70 -> 12.83 us; the mask read into the tiles with the summary written after,
-# DEFER_SUMMARY, layer 0 13.43 -> 14.13). None: off, the summary first, as the committed report ran.
-UNMASKED_FIRST_MAX_D_MODEL = None
-
 
 def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=None, out=None, block_m=None,
                 num_warps=4, num_stages=1, kv_precompute=False, key_block=None, ffn_block=None,
@@ -583,8 +517,6 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
     kv = _ln_project(x, w, d, 2 * d) if kv_precompute else out  # out: a placeholder pointer, never read
     grid = (triton.cdiv(S, block_m), B)
     prefix = mask_prefix_lengths if mask_prefix_lengths is not None else prefix_out
-    unmasked_first = (mask is not None and UNMASKED_FIRST_MAX_D_MODEL is not None
-                      and d <= UNMASKED_FIRST_MAX_D_MODEL)
     _fused_layer_fwd[grid](
         x, out, m, prefix if prefix is not None else m,
         w["qkv_w"], w["qkv_b"], w["o_w"], w["o_b"], w["in_w"], w["in_b"], w["out_w"], w["out_b"],
@@ -596,7 +528,7 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
         BLOCK_D=block_d, BLOCK_F=block_f, BLOCK_M=block_m, BLOCK_S=block_s,
         IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, FINAL_NORM=final is not None,
         KV_GLOBAL=bool(kv_precompute), BLOCK_N=block_n, PREFIX_IN=mask_prefix_lengths is not None,
-        PREFIX_OUT=prefix_out is not None, ROW_MASK_BRANCH=ROW_MASK_BRANCH, UNMASKED_FIRST=unmasked_first,
+        PREFIX_OUT=prefix_out is not None, ROW_MASK_BRANCH=ROW_MASK_BRANCH,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

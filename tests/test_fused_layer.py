@@ -103,32 +103,23 @@ def test_mask_summary_paths_match_fp64(summary, mask_kind, launch):
     the model's layer 0 does; given, as the later layers read it), it gives the contract's layer on prefix masks,
     where it uses the length alone, and on masks that are none (left padding, holes, a sequence without a valid
     token, prefix and holes in one batch); the summary it writes is kernels.mask's."""
-    check_summary_path(summary, mask_kind, launch)
-
-
-def check_summary_path(summary, mask_kind, launch, final=False, seed=7):
-    """One launch of SUMMARY_LAUNCHES with the summary `summary` (computed, written, given) against the fp64 layer
-    (and final norm, with LayerNorm 2's parameters standing in for its own), and the summary written."""
     name, kv, key_block = SUMMARY_LAUNCHES[launch]
     B, S, d, H, ffn = SHAPES[name]
     B = max(B, 3)
     causal = S % 2 == 1
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(7)
     x = torch.randn(B, S, d, generator=g).to(DEVICE)
     w = weights(d, ffn, torch.float16)
     mask = make_mask(mask_kind, B, S)
     want_summary = prefix_lengths_reference(mask)
-    kwargs = dict(num_heads=H, causal=causal, block_m=16, kv_precompute=kv, key_block=key_block,
-                  final=(w["n2_w"], w["n2_b"]) if final else None)
+    kwargs = dict(num_heads=H, causal=causal, block_m=16, kv_precompute=kv, key_block=key_block)
     written = torch.full((B,), -7, dtype=torch.int32, device=DEVICE)
     if summary == "written":
         kwargs["prefix_out"] = written
     elif summary == "given":
         kwargs["mask_prefix_lengths"] = want_summary
     y = fused_layer(x, w, mask=mask, **kwargs)
-    ref_w = {k: v.double() for k, v in w.items()}
-    want = fused_layer_reference(x, ref_w, num_heads=H, causal=causal, mask=mask,
-                                 final=(ref_w["n2_w"], ref_w["n2_b"]) if final else None)
+    want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal, mask=mask)
     check(y, want, torch.float16)
     if summary == "written":
         assert torch.equal(written.cpu(), want_summary.cpu())
@@ -144,55 +135,27 @@ def test_row_mask_branch_off_matches_fp64(summary, mask_kind, launch, monkeypatc
     from shapewise.kernels import fused_layer as fused_module
 
     monkeypatch.setattr(fused_module, "ROW_MASK_BRANCH", False)
-    check_summary_path(summary, mask_kind, launch)
+    test_mask_summary_paths_match_fp64(summary, mask_kind, launch)
 
 
-@pytest.mark.parametrize("final", [False, True], ids=["layer", "final-norm"])
-@pytest.mark.parametrize("launch", list(SUMMARY_LAUNCHES), ids=list(SUMMARY_LAUNCHES))
-@pytest.mark.parametrize("mask_kind", MASK_KINDS)
-@pytest.mark.parametrize("summary", ["computed", "written", "given"])
-def test_unmasked_first_matches_fp64(summary, mask_kind, launch, final, monkeypatch):
-    """With session 14's switch on for every width (fused_layer.UNMASKED_FIRST_MAX_D_MODEL: the unmasked layer
-    first, the summary after its rows, the masked layer over them where not every token is valid), every way of
-    learning the summary gives the contract's layer, with and without the final norm: all-True sequences keep the
-    unmasked rows, the others are overwritten by the masked ones, both in one launch for the "mixed" batch; the
-    summary written is kernels.mask's."""
+def test_row_mask_branch_reaches_the_launch(monkeypatch):
     from shapewise.kernels import fused_layer as fused_module
 
-    monkeypatch.setattr(fused_module, "UNMASKED_FIRST_MAX_D_MODEL", 128)
-    check_summary_path(summary, mask_kind, launch, final=final, seed=11)
-
-
-# (module switch, the constexpr it sets, its off and on values; S7-d48-H3's d_model is 48)
-SWITCHES = {"ROW_MASK_BRANCH": ("ROW_MASK_BRANCH", False, True),
-            "UNMASKED_FIRST_MAX_D_MODEL": ("UNMASKED_FIRST", None, 64),
-            "UNMASKED_FIRST_MAX_D_MODEL-below": ("UNMASKED_FIRST", None, 32)}
-
-
-@pytest.mark.parametrize("case", list(SWITCHES))
-def test_mask_switches_reach_the_launch(case, monkeypatch):
-    from shapewise.kernels import fused_layer as fused_module
-
-    switch = case.split("-")[0]
-    constexpr, off, on = SWITCHES[case]
     launched = []
 
     class Recorder:
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: launched.append(kwargs[constexpr])
+            return lambda *args, **kwargs: launched.append(kwargs["ROW_MASK_BRANCH"])
 
     B, S, d, H, ffn = SHAPES["S7-d48-H3"]
     x = torch.randn(B, S, d).to(DEVICE)
     w = weights(d, ffn, torch.float16)
     mask = torch.ones(B, S, dtype=torch.bool, device=DEVICE)
     monkeypatch.setattr(fused_module, "_fused_layer_fwd", Recorder())
-    for value in (off, on):
-        monkeypatch.setattr(fused_module, switch, value)
+    for switch in (False, True):
+        monkeypatch.setattr(fused_module, "ROW_MASK_BRANCH", switch)
         fused_layer(x, w, num_heads=H, causal=True, mask=mask)
-    assert launched == [False, case != "UNMASKED_FIRST_MAX_D_MODEL-below"]
-    if constexpr == "UNMASKED_FIRST":
-        fused_layer(x, w, num_heads=H, causal=True)  # no mask: the plain unmasked kernel
-        assert launched[-1] is False
+    assert launched == [False, True]
 
 
 def test_summary_arguments_are_checked():
