@@ -98,7 +98,6 @@ def switch_ab(row, rounds=40, calls=100):
 
     settings = {"committed": {}, **{name: {k: v(row) if callable(v) else v for k, v in attrs.items()}
                                     for name, attrs in SWITCH_SETTINGS.items()}}
-    cfg = None
     models, outputs, out = {}, {}, {"settings": settings, "rounds": rounds, "calls": calls}
     with torch.inference_mode():
         for name, attrs in settings.items():
@@ -125,7 +124,8 @@ def switch_ab(row, rounds=40, calls=100):
                 times[name]["nomask"].append(timed(lambda: opt(x), calls))
     for name in settings:
         paired = stats.paired_round_ratio(times[name]["mask"], times[name]["nomask"], ("mask", "nomask"))
-        out[name] = {"mask_cost": paired["ratio"] - 1, "mask_cost_ci": [paired["low"] - 1, paired["high"] - 1],
+        ci = paired["interval"]
+        out[name] = {"mask_cost": paired["ratio"] - 1, "mask_cost_ci": [ci["low"] - 1, ci["high"] - 1],
                      "mask_median_ms": statistics.median(t for r in times[name]["mask"] for t in r),
                      "nomask_median_ms": statistics.median(t for r in times[name]["nomask"] for t in r),
                      "mask_round_medians_ms": stats.round_medians(times[name]["mask"]),

@@ -83,9 +83,9 @@ def test_paired_round_ratio_is_the_median_of_round_ratios_and_needs_paired_round
     den = [[1.0], [2.0, 2.0], [3.0, 3.0]]
     out = stats.paired_round_ratio(num, den)
     assert out["round_ratios"] == pytest.approx([1.1, 1.05, 1.1]) and out["ratio"] == pytest.approx(1.1)
-    assert 1.05 <= out["low"] <= out["high"] <= 1.1 and out["level"] == stats.LEVEL
+    assert 1.05 <= out["interval"]["low"] <= out["interval"]["high"] <= 1.1 and out["interval"]["level"] == stats.LEVEL
     alone = stats.paired_round_ratio(num[:1], den[:1])
-    assert alone["ratio"] == pytest.approx(1.1) and alone["low"] is None and alone["high"] is None
+    assert alone["ratio"] == pytest.approx(1.1) and alone["interval"] is None
     with pytest.raises(ValueError, match="paired"):
         stats.paired_round_ratio(num, den[:2])
     with pytest.raises(ValueError, match="without timed calls"):

@@ -79,14 +79,19 @@ def model_summary(rounds):
     }
 
 
+def _check_paired(caller, numerator_rounds, denominator_rounds, names):
+    """Both models' rounds timed (no empty round) and paired (as many of each)."""
+    _check(numerator_rounds, f"{caller} ({names[0]})")
+    _check(denominator_rounds, f"{caller} ({names[1]})")
+    if len(numerator_rounds) != len(denominator_rounds):
+        raise ValueError(f"{caller}: {len(numerator_rounds)} {names[0]} rounds but "
+                         f"{len(denominator_rounds)} {names[1]} rounds; the rounds must be paired")
+
+
 def ratio_interval(numerator_rounds, denominator_rounds, names=("numerator", "denominator")):
     """{"low", "high", "level", "method"} of the paired ratio of two models' medians, or None (too few rounds):
     round i of both was timed close together, and each resample draws the same round indices for both."""
-    _check(numerator_rounds, f"ratio_interval ({names[0]})")
-    _check(denominator_rounds, f"ratio_interval ({names[1]})")
-    if len(numerator_rounds) != len(denominator_rounds):
-        raise ValueError(f"ratio_interval: {len(numerator_rounds)} {names[0]} rounds but "
-                         f"{len(denominator_rounds)} {names[1]} rounds; the rounds must be paired")
+    _check_paired("ratio_interval", numerator_rounds, denominator_rounds, names)
     if len(numerator_rounds) < MIN_ROUNDS:
         return None
     draws = _draws(len(numerator_rounds))
@@ -100,21 +105,18 @@ PAIRED_METHOD = (f"median over rounds of the ratio of the two round medians (rou
 
 
 def paired_round_ratio(numerator_rounds, denominator_rounds, names=("numerator", "denominator")):
-    """{"ratio", "low", "high", "level", "method", "round_ratios"}: the median over rounds of round i's median of
-    the numerator over round i's median of the denominator, and its bootstrap interval over rounds (None with too
-    few rounds). Paired within a round, so a moment of the machine that slows both (a host-bound spell of a
-    launch-bound model) cancels, where the ratio of the pooled medians takes whichever rounds the spells hit."""
-    _check(numerator_rounds, f"paired_round_ratio ({names[0]})")
-    _check(denominator_rounds, f"paired_round_ratio ({names[1]})")
-    if len(numerator_rounds) != len(denominator_rounds):
-        raise ValueError(f"paired_round_ratio: {len(numerator_rounds)} {names[0]} rounds but "
-                         f"{len(denominator_rounds)} {names[1]} rounds; the rounds must be paired")
+    """{"ratio", "round_ratios", "interval"}: the median over rounds of round i's median of the numerator over round
+    i's median of the denominator, the per-round ratios, and the bootstrap interval over rounds of that median
+    ({"low", "high", "level", "method"}, or None with too few rounds). Paired within a round, so a moment of the
+    machine that slows both (a host-bound spell of a launch-bound model) cancels, where the ratio of the pooled
+    medians takes whichever rounds the spells hit."""
+    _check_paired("paired_round_ratio", numerator_rounds, denominator_rounds, names)
     ratios = np.asarray(round_medians(numerator_rounds)) / np.asarray(round_medians(denominator_rounds))
-    out = {"ratio": float(np.median(ratios)), "low": None, "high": None, "level": LEVEL, "method": PAIRED_METHOD,
-           "round_ratios": [float(r) for r in ratios]}
+    interval = None
     if len(ratios) >= MIN_ROUNDS:
-        out["low"], out["high"] = _interval(np.median(ratios[_draws(len(ratios))], axis=1))
-    return out
+        low, high = _interval(np.median(ratios[_draws(len(ratios))], axis=1))
+        interval = {"low": low, "high": high, "level": LEVEL, "method": PAIRED_METHOD}
+    return {"ratio": float(np.median(ratios)), "round_ratios": [float(r) for r in ratios], "interval": interval}
 
 
 def speedup_interval(reference_rounds, optimized_rounds):

@@ -193,11 +193,10 @@ def mask_cost(rounds, summary, mask_kind, routes):
     masked, unmasked = summary["optimized"], summary["optimized_unmasked"]
     paired = stats.paired_round_ratio(rounds["optimized"], rounds["optimized_unmasked"],
                                       ("model(x, mask)", "model(x)"))
-    ratio = paired.pop("ratio")
-    round_ratios = paired.pop("round_ratios")
+    ratio = paired["ratio"]
     return {
         "measured": True, "limit": MASK_COST_LIMIT, "call": "model(x)", "compared_with": "model(x, mask)",
-        "ratio": ratio, "ratio_ci": paired if paired["low"] is not None else None, "round_ratios": round_ratios,
+        "ratio": ratio, "ratio_ci": paired["interval"], "round_ratios": paired["round_ratios"],
         "ratio_of_medians": masked["median_ms"] / unmasked["median_ms"],
         "ratio_of_medians_ci": stats.ratio_interval(rounds["optimized"], rounds["optimized_unmasked"],
                                                     ("model(x, mask)", "model(x)")),
