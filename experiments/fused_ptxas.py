@@ -46,7 +46,7 @@ def constexprs(row, block_m, kv_global, key_block=None, ffn_block=None, has_mask
                 BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_F=min(ffn_block or 64, ffn_pad),
                 BLOCK_M=min(block_s, block_m), BLOCK_S=block_s, IS_CAUSAL=True, HAS_MASK=has_mask, FINAL_NORM=False,
                 KV_GLOBAL=kv_global, BLOCK_N=min(key_block or block_s, block_s), PREFIX_IN=summary_given,
-                PREFIX_OUT=False, ROW_MASK_BRANCH=False, KEY_MASK_BRANCH=True)
+                PREFIX_OUT=False, ROW_MASK_BRANCH=False)
 
 
 def ptxas_usage(ptx: str) -> dict:

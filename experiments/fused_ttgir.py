@@ -40,7 +40,7 @@ def _compile(fn, consts, num_warps, num_stages):
 def compile_for_sm90(block_m, num_warps, num_stages, kv_global=False):
     consts = dict(NUM_HEADS=4, HEAD_DIM=32, BLOCK_HD=32, BLOCK_D=128, BLOCK_F=64, BLOCK_M=block_m, BLOCK_S=128,
                   IS_CAUSAL=True, HAS_MASK=False, FINAL_NORM=False, KV_GLOBAL=kv_global, BLOCK_N=128, PREFIX_IN=False,
-                  PREFIX_OUT=False, ROW_MASK_BRANCH=False, KEY_MASK_BRANCH=True)
+                  PREFIX_OUT=False, ROW_MASK_BRANCH=False)
     return _compile(_fused_layer_fwd, consts, num_warps, num_stages)
 
 

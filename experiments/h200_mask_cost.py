@@ -10,13 +10,13 @@ calls are compared (they must agree: an all-True mask changes nothing), and the 
 --row14: official row 14 (batch 32) with the all-True mask: the first call (wall clock, synchronized) and 2 timed
 calls, then 1 timed call without mask. --sdpa: PyTorch SDPA backends on row 14's attention (batch 4 of 32).
 --switch-ab ROWS (session 14): per row, one model per setting of kernels.fused_layer's mask switches (committed, and
-SWITCH_SETTINGS: KEY_MASK_BRANCH off; at 7c15e89 DEFER_SUMMARY, FULL_MASK_BRANCH_MAX_D_MODEL at the row's d_model
-and both, experiments/h200/session14/call1/switch-ab.json; at 8aa2a3b UNMASKED_FIRST_MAX_D_MODEL, call2/), each set
-while the
-model's graphs are captured (first call and 20 warm-up calls of each kind); then 40 rounds, each timing every
-setting's model(x, mask) and model(x), 100 calls each, back to back; per setting the paired mask cost (median over
-rounds of the ratio of the two round medians, shapewise.stats.paired_round_ratio, the timing job's estimator) and
-the masked output's largest difference from the committed setting's (0: the same to the bit).
+SWITCH_SETTINGS: at 7c15e89 DEFER_SUMMARY, FULL_MASK_BRANCH_MAX_D_MODEL at the row's d_model and both,
+experiments/h200/session14/call1/switch-ab.json; at 8aa2a3b UNMASKED_FIRST_MAX_D_MODEL, call2/; at 7b9ff0b
+KEY_MASK_BRANCH off, experiments/h200/session15/call1/switch-ab.json), each set while the model's graphs are
+captured (first call and 20 warm-up calls of each kind); then 40 rounds, each timing every setting's model(x, mask)
+and model(x), 100 calls each, back to back; per setting the paired mask cost (median over rounds of the ratio of
+the two round medians, shapewise.stats.paired_round_ratio, the timing job's estimator) and the masked output's
+largest difference from the committed setting's (0: the same to the bit).
 Reads shapes/official.yaml with plain YAML (no pipeline code), writes OUT.json after every row.
 """
 from __future__ import annotations
@@ -87,9 +87,8 @@ def row_cost(n, row):
 
 
 # The settings --switch-ab times beside the committed one: {name: {kernels.fused_layer attribute: value, or a
-# function of the row}}. The switches session 14 measured were slower and are gone (the docstring); next: the
-# keys' mask predicated off for a prefix (KEY_MASK_BRANCH, session 14, offline only).
-SWITCH_SETTINGS = {"key_mask_predicated": {"KEY_MASK_BRANCH": False}}
+# function of the row}}. Empty on main: the switches it measured were slower and are gone (the docstring).
+SWITCH_SETTINGS = {}
 
 
 def switch_ab(row, rounds=40, calls=100):

@@ -1,7 +1,7 @@
 """Where the official call's all-True mask costs time, kernel by kernel (issue #12 item 2).
 
 Usage (CUDA machine): python -m experiments.h200_mask_parts OUT.json [--rows 1,5,10,13,6,8,7,12]
-       [--cap-ab] [--own-loop] [--fused-switches] [--key-mask-branch]
+       [--cap-ab] [--own-loop] [--fused-switches]
 
 experiments/h200/session9/mask-after.json measured model(x, all-True mask) 2-5 % slower than model(x) on rows 1, 5,
 6 and 8 (rows 1-13 on the routes of cba9ddd). Per row, each kernel the mask touches, timed as a CUDA graph of 10
@@ -20,12 +20,12 @@ launches (experiments.h200_probe.graph_ms), without and with the mask as the mod
   mask against a loop of its own for a mask that is no prefix (`attention_mask_{prefix,left}_{one,own}_loop`);
 - --fused-switches (session 12, fused rows): the layer with its summary written and given (`fused_mask_summary_*`,
   the committed switches) and with ROW_MASK_BRANCH off and on (`*_off_row_mask_branch`, `*_row_mask_branch`; on
-  since session 13), then the unmasked layer timed again last (`fused_unmasked_again`: the drift);
-  --key-mask-branch (session 14) the same for KEY_MASK_BRANCH (`*_off_key_mask_predicated`: the committed branch,
-  `*_key_mask_predicated`: the keys' mask predicated off for a prefix). Flags for
+  since session 13), then the unmasked layer timed again last (`fused_unmasked_again`: the drift). Flags for
   switches measured slower and removed (their A/B the same way): --full-branch (session 13's
   FULL_MASK_BRANCH_MAX_D_MODEL) and --defer-summary (DEFER_SUMMARY), run at 7c15e89
-  (experiments/h200/session14/call1/mask-parts.json); --unmasked-first (UNMASKED_FIRST_MAX_D_MODEL), run at
+  (experiments/h200/session14/call1/mask-parts.json); --key-mask-branch (KEY_MASK_BRANCH, the keys' mask
+  predicated off for a prefix), run at 7b9ff0b (experiments/h200/session15/call1/mask-parts.json:
+  `*_off_key_mask_predicated` the committed branch); --unmasked-first (UNMASKED_FIRST_MAX_D_MODEL), run at
   8aa2a3b (session14/call2/); session 12's call 7 ran --fused-switches at 94b1010, when ROW_MASK_BRANCH was off and
   `fused_mask_summary_*` was its off setting, with a switch SUMMARY_ONE_REDUCTION (`*_one_reduction`, `*_both`),
   removed after it measured no better.
@@ -110,7 +110,7 @@ def own_loop_runs(q, k, v, mask, prefix):
             "attention_mask_left_own_loop": run(left, left_prefix, 64)}
 
 
-def row_parts(row, cap_ab=False, own_loop=False, fused_switches=False, key_mask_branch=False):
+def row_parts(row, cap_ab=False, own_loop=False, fused_switches=False):
     B, S, d, H, ffn = shape_of(row)
     D = d // H
     reps = 5 if B * S > 10**6 else 30
@@ -144,8 +144,6 @@ def row_parts(row, cap_ab=False, own_loop=False, fused_switches=False, key_mask_
         ab = []
         if fused_switches:  # session 12: the output rows' mask read in a branch
             ab.append(("_row_mask_branch", "ROW_MASK_BRANCH", False, True))
-        if key_mask_branch:  # session 14: the keys' mask predicated off for a prefix (on: the committed branch)
-            ab.append(("_key_mask_predicated", "KEY_MASK_BRANCH", True, False))
         for name in ("fused_mask_summary_written", "fused_mask_summary_given") if ab else ():
             default = runs[name]
             for suffix, attr, off, on in ab:
@@ -181,16 +179,13 @@ def main():
     ap.add_argument("--cap-ab", action="store_true", help="the 64x64 tile with the register cap never/by grid/always")
     ap.add_argument("--own-loop", action="store_true", help="the mask's own stage-2 loop against one loop")
     ap.add_argument("--fused-switches", action="store_true", help="fused rows: session 12's summary switches")
-    ap.add_argument("--key-mask-branch", action="store_true",
-                    help="fused rows: the keys' mask predicated off for a prefix (KEY_MASK_BRANCH False)")
     args = ap.parse_args()
     out = {"device": torch.cuda.get_device_name(), "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
            "masked_max_registers": {str(k): v for k, v in attention_module.MASKED_MAX_REGISTERS.items()},
            "rows": []}
     with torch.inference_mode():
         for row in (int(r) for r in args.rows.split(",")):
-            out["rows"].append(row_parts(row, args.cap_ab, args.own_loop, args.fused_switches,
-                                         args.key_mask_branch))
+            out["rows"].append(row_parts(row, args.cap_ab, args.own_loop, args.fused_switches))
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
             torch.cuda.empty_cache()

@@ -7,6 +7,8 @@
 # 3. Whole model, rows 7 and 12: the paired mask cost, committed against KEY_MASK_BRANCH off
 #    (experiments.h200_mask_cost --switch-ab; SWITCH_SETTINGS).
 # Device call (carry [".whl"]): bash experiments/h200_session15.sh. Step logs in $OUT/steps.log.
+# Ran at 7b9ff0b (session 15, call 1: experiments/h200/session15/call1/); the switch was measured slower and removed
+# after it, with --key-mask-branch, so this script runs only at that commit.
 set -uo pipefail
 source experiments/device_env.sh
 source experiments/device_step.sh  # step(), $log, $start

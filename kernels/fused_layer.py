@@ -147,8 +147,6 @@ def _fused_layer_fwd(
     PREFIX_IN: tl.constexpr,  # with HAS_MASK: read the mask's summary from Prefix instead of computing it
     PREFIX_OUT: tl.constexpr,  # with HAS_MASK, not PREFIX_IN: write the summary to Prefix (for the next layers)
     ROW_MASK_BRANCH: tl.constexpr,  # ROW_MASK_BRANCH: the output rows' mask read in a branch (_store_rows)
-    KEY_MASK_BRANCH: tl.constexpr,  # KEY_MASK_BRANCH: the keys' mask read in a branch on "no prefix", else its load
-    # predicated off for a prefix
 ):
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -194,11 +192,8 @@ def _fused_layer_fwd(
     # [BLOCK_M, BLOCK_S] tile
     visible = (keys < key_len)[None, :]
     if HAS_MASK:
-        if KEY_MASK_BRANCH:
-            if not_prefix:
-                visible = (key_ok & (tl.load(mask_row + keys, mask=key_ok, other=0) != 0))[None, :]
-        else:  # no branch: one visibility tile, not two merged (key_len = seq_len where not a prefix)
-            visible = visible & (tl.load(mask_row + keys, mask=key_ok & not_prefix, other=1) != 0)[None, :]
+        if not_prefix:
+            visible = (key_ok & (tl.load(mask_row + keys, mask=key_ok, other=0) != 0))[None, :]
     if IS_CAUSAL:
         visible = visible & (keys[None, :] <= rows[:, None])
     KEY_BLOCKS: tl.constexpr = KV_GLOBAL and BLOCK_N < BLOCK_S
@@ -458,14 +453,6 @@ def _block_size(name: str, value, default: int, most: int) -> int:
 # predicated off (the report at c5875fb ran that). On from session 13 (experiments/NOTES.md).
 ROW_MASK_BRANCH = True
 
-# The keys' mask (the visibility tile of a sequence whose mask is no prefix) loaded in a branch on "no prefix"
-# (True: the committed report ran that) or predicated off for a prefix (False). Session 14, offline only (sm_90a,
-# experiments/fused_mask_branch_sass.py, experiments/data/fused_mask_branch_sass-sm90.json): on official row 7 the
-# branch merges two visibility tiles, and with the summary given the layer has 4 904 SASS instructions against
-# 4 408 unmasked (+205 IMAD, +207 LOP3, +48 SEL); predicated, 4 656 (242 registers against 205, no spills).
-# Not yet measured on the H200.
-KEY_MASK_BRANCH = True
-
 
 def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=None, out=None, block_m=None,
                 num_warps=4, num_stages=1, kv_precompute=False, key_block=None, ffn_block=None,
@@ -541,7 +528,7 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
         BLOCK_D=block_d, BLOCK_F=block_f, BLOCK_M=block_m, BLOCK_S=block_s,
         IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, FINAL_NORM=final is not None,
         KV_GLOBAL=bool(kv_precompute), BLOCK_N=block_n, PREFIX_IN=mask_prefix_lengths is not None,
-        PREFIX_OUT=prefix_out is not None, ROW_MASK_BRANCH=ROW_MASK_BRANCH, KEY_MASK_BRANCH=KEY_MASK_BRANCH,
+        PREFIX_OUT=prefix_out is not None, ROW_MASK_BRANCH=ROW_MASK_BRANCH,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

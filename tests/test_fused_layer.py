@@ -125,42 +125,35 @@ def test_mask_summary_paths_match_fp64(summary, mask_kind, launch):
         assert torch.equal(written.cpu(), want_summary.cpu())
 
 
-# (module switch, its setting off the committed one): session 12's output-row mask predicated off for a prefix
-# instead of read in a branch; session 14's keys' mask likewise
-SWITCHES_OFF = {"ROW_MASK_BRANCH": False, "KEY_MASK_BRANCH": False}
-
-
 @pytest.mark.parametrize("launch", ["S7-whole", "S33-key-blocks", "S128-whole"])
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
 @pytest.mark.parametrize("summary", ["computed", "written", "given"])
-@pytest.mark.parametrize("switch", list(SWITCHES_OFF))
-def test_mask_branch_switches_off_match_fp64(switch, summary, mask_kind, launch, monkeypatch):
-    """With a mask-load switch off (fused_layer.ROW_MASK_BRANCH or KEY_MASK_BRANCH False: that mask predicated off
-    for a prefix instead of read in a branch; both on by default, which the test above runs), every way of learning
-    the summary still gives the contract's layer on every mask kind, and the summary written is kernels.mask's."""
+def test_row_mask_branch_off_matches_fp64(summary, mask_kind, launch, monkeypatch):
+    """With session 12's switch off (fused_layer.ROW_MASK_BRANCH False: the output rows' mask predicated off for a
+    prefix instead of read in a branch; on by default, which the test above runs), every way of learning the
+    summary still gives the contract's layer on every mask kind, and the summary written is kernels.mask's."""
     from shapewise.kernels import fused_layer as fused_module
 
-    monkeypatch.setattr(fused_module, switch, SWITCHES_OFF[switch])
+    monkeypatch.setattr(fused_module, "ROW_MASK_BRANCH", False)
     test_mask_summary_paths_match_fp64(summary, mask_kind, launch)
 
 
-@pytest.mark.parametrize("switch", list(SWITCHES_OFF))
-def test_mask_branch_switches_reach_the_launch(switch, monkeypatch):
+def test_row_mask_branch_reaches_the_launch(monkeypatch):
     from shapewise.kernels import fused_layer as fused_module
 
     launched = []
 
     class Recorder:
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: launched.append(kwargs[switch])
+            return lambda *args, **kwargs: launched.append(kwargs["ROW_MASK_BRANCH"])
 
     B, S, d, H, ffn = SHAPES["S7-d48-H3"]
     x = torch.randn(B, S, d).to(DEVICE)
     w = weights(d, ffn, torch.float16)
     mask = torch.ones(B, S, dtype=torch.bool, device=DEVICE)
     monkeypatch.setattr(fused_module, "_fused_layer_fwd", Recorder())
-    for value in (False, True):
-        monkeypatch.setattr(fused_module, switch, value)
+    for switch in (False, True):
+        monkeypatch.setattr(fused_module, "ROW_MASK_BRANCH", switch)
         fused_layer(x, w, num_heads=H, causal=True, mask=mask)
     assert launched == [False, True]
 

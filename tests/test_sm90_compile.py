@@ -62,18 +62,17 @@ SCRIPT = textwrap.dedent('''
         done.append(f"_layer_tail_fwd {f}")
     layer = dict(tail, Wqkv=fp16, Bqkv=fp16, N1w=fp32, N1b=fp32, KV=fp16)
     # without a mask; with one: the summary computed, computed and written, read; then session 12's switch on
-    # (ROW_MASK_BRANCH) with the summary written and read; then session 14's (KEY_MASK_BRANCH) off
-    summaries = [(False, False, False, False, True), (True, False, False, False, True),
-                 (True, False, True, False, True), (True, True, False, False, True), (True, False, True, True, True),
-                 (True, True, False, True, True), (True, False, True, True, False), (True, True, False, True, False)]
-    for (has_mask, given, write, row_branch, key_branch), (kv, block_n) in itertools.product(
+    # (ROW_MASK_BRANCH) with the summary written and read
+    summaries = [(False, False, False, False), (True, False, False, False), (True, False, True, False),
+                 (True, True, False, False), (True, False, True, True), (True, True, False, True)]
+    for (has_mask, given, write, switches), (kv, block_n) in itertools.product(
             summaries, ((False, 128), (True, 128), (True, 32))):
         consts = dict(NUM_HEADS=4, HEAD_DIM=32, BLOCK_HD=32, BLOCK_D=128, BLOCK_F=64, BLOCK_M=32, BLOCK_S=128,
                       IS_CAUSAL=True, FINAL_NORM=True, HAS_MASK=has_mask, KV_GLOBAL=kv, BLOCK_N=block_n,
-                      PREFIX_IN=given, PREFIX_OUT=write, ROW_MASK_BRANCH=row_branch, KEY_MASK_BRANCH=key_branch)
+                      PREFIX_IN=given, PREFIX_OUT=write, ROW_MASK_BRANCH=switches)
         compile_for_h200(fused_layer._fused_layer_fwd, dict(layer, Prefix=i32), consts, 4, 2)
         done.append(f"_fused_layer_fwd mask={has_mask} given={given} write={write} kv={kv} block_n={block_n} "
-                    f"row_branch={row_branch} key_branch={key_branch}")
+                    f"switches={switches}")
     for f in flags("HAS_ROW_MASK"):
         compile_for_h200(layernorm._add_layernorm_fwd,
                          dict(R=fp32, Br=fp16, W=fp32, Bias=fp32, RowMask=i8, ResOut=fp32, Out=fp16),
@@ -83,9 +82,9 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-# attention 4 (the last: a mask with its own loop), mask summary 1, ln_kv 2, layer tail 4, fused layer 8 x 3,
+# attention 4 (the last: a mask with its own loop), mask summary 1, ln_kv 2, layer tail 4, fused layer 6 x 3,
 # add+LayerNorm 2
-N_KERNELS = 4 + 1 + 2 + 4 + 8 * 3 + 2
+N_KERNELS = 4 + 1 + 2 + 4 + 6 * 3 + 2
 
 
 def _compiler_available():
