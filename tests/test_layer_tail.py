@@ -152,8 +152,8 @@ def test_bad_inputs_are_named():
 
 
 
-def test_the_split_layer_experiment_runs_on_a_tiny_row(tmp_path):
-    """experiments/h200_split_layer.py as the device call runs it (`python -m`), on its tiny CPU row: the split
+def test_the_split_layer_benchmark_runs_on_a_tiny_row(tmp_path):
+    """benchmarks/split_layer.py as a user runs it (`python -m`), on its tiny CPU row: the split
     twin takes the split layer, the first model does not (its split_layer optimization is off), and both pass the
     official check against the reference."""
     import json
@@ -166,7 +166,7 @@ def test_the_split_layer_experiment_runs_on_a_tiny_row(tmp_path):
     out = tmp_path / "split.json"
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(root / "workflow"), str(root), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "experiments.h200_split_layer", str(out), "--tiny"], cwd=root,
+    done = subprocess.run([sys.executable, "-m", "benchmarks.split_layer", str(out), "--tiny"], cwd=root,
                           env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     (row,) = json.loads(out.read_text())["rows"]

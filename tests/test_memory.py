@@ -260,8 +260,8 @@ def test_preflight_job_records_the_plan(tmp_path, monkeypatch):
     assert result["models"]["optimized"]["plan"]["routes"][0].startswith("sdpa/fp32")
 
 
-def test_h200_memory_script_runs_on_tiny_shapes(tmp_path):
-    """experiments/h200_memory.py as the lead runs it (`python -m`), on tiny stand-ins of row 14 on the CPU: the
+def test_memory_cap_benchmark_runs_on_tiny_shapes(tmp_path):
+    """benchmarks/memory_cap.py as a user runs it (`python -m`), on tiny stand-ins of row 14 on the CPU: the
     capped run streams and passes the official tolerance against the chunked reference."""
     import os
     import subprocess
@@ -272,7 +272,7 @@ def test_h200_memory_script_runs_on_tiny_shapes(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(root / "workflow"))
     env.pop(memory.BUDGET_ENV, None)
     out = tmp_path / "mem.json"
-    done = subprocess.run([sys.executable, "-m", "experiments.h200_memory", str(out), "--tiny",
+    done = subprocess.run([sys.executable, "-m", "benchmarks.memory_cap", str(out), "--tiny",
                            "--runs", "row14,row14-cap40GB"], cwd=root, env=env, capture_output=True, text=True,
                           timeout=600, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -283,6 +283,6 @@ def test_h200_memory_script_runs_on_tiny_shapes(tmp_path):
         assert r["status"] == "ran" and r["targets"]["passes"], r
         assert r["accuracy"]["method"] == "chunked_reference_forward" and r["accuracy"]["batch_indices"] == [0, 3]
     assert "row14-cap40GB" in done.stdout and "failed/compared" in done.stdout  # the table
-    bad = subprocess.run([sys.executable, "-m", "experiments.h200_memory", str(out), "--device", "cpu"], cwd=root,
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.memory_cap", str(out), "--device", "cpu"], cwd=root,
                          env=env, capture_output=True, text=True, timeout=600, check=False)
     assert bad.returncode == 2 and "--device must be cuda" in bad.stderr

@@ -1,0 +1,65 @@
+"""Host time per call against GPU time per call of the official call `model(x, mask)`, per official row.
+
+Usage (CUDA machine): python -m benchmarks.host_path [OUT.json] [--rows 2,3,7,12] [--calls 50] [--repeats 20]
+
+A call is host-bound when the host needs longer to issue it than the GPU needs to run it: then the GPU waits and
+the call's median follows the host. Per row (the launch-bound rows by default), after 20 calls that compile and
+capture: `repeats` batches of `calls` back-to-back `model(x, mask)` calls, each batch started right after a
+synchronize so that the launch queue never fills and blocks the host. Per batch, the host's time is the wall time
+until the last call returns (perf_counter), the GPU's the time between a CUDA event pair around the same calls;
+the medians over batches, per call, are `host_us` and `gpu_us`, and `host_bound` is host_us > gpu_us. Nothing is
+synchronized inside a batch. The models and inputs are the pipeline's (the row's weights and its first trial).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from benchmarks.common import CUDA, device_name, official, parser, require_cuda, row_numbers, setup, write_json
+
+
+def host_and_gpu_us(shape_row, calls, repeats):
+    _, _, model, x, mask = setup(shape_row, CUDA, reference=False)
+    out = {"row": shape_row["id"], "calls": calls, "repeats": repeats}
+    host, gpu = [], []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.inference_mode():
+        for _ in range(20):
+            model(x, mask)
+        out["route"] = str(model.last_route)
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start.record()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                model(x, mask)
+            t1 = time.perf_counter()
+            end.record()
+            torch.cuda.synchronize()
+            host.append((t1 - t0) / calls * 1e6)
+            gpu.append(start.elapsed_time(end) / calls * 1e3)
+    out.update(host_us=statistics.median(host), gpu_us=statistics.median(gpu))
+    out["host_bound"] = out["host_us"] > out["gpu_us"]
+    return out
+
+
+def main():
+    p = parser(__doc__, "host-path.json")
+    p.add_argument("--rows", default="2,3,7,12", help="official rows (default: the launch-bound ones)")
+    p.add_argument("--calls", type=int, default=50, help="calls per batch")
+    p.add_argument("--repeats", type=int, default=20, help="batches per row")
+    args = p.parse_args()
+    require_cuda()
+    result = {"device": device_name(CUDA), "torch": torch.__version__, "rows": {}}
+    for n in row_numbers(args.rows):
+        rec = host_and_gpu_us(official(n), args.calls, args.repeats)
+        result["rows"][n] = rec
+        print(f"official row {n}: host {rec['host_us']:.1f} us, GPU {rec['gpu_us']:.1f} us per call"
+              f"{' (host-bound)' if rec['host_bound'] else ''}; {rec['route']}", flush=True)
+        write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()

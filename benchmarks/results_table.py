@@ -1,0 +1,86 @@
+"""The results table of a committed report's README (reports/h200/README.md), printed from its summary.csv.
+
+Usage: python -m benchmarks.results_table [REPORT_DIR]   (default: reports/h200)
+
+Every column but "best public" comes from the report's summary.csv (its columns are described by the report
+itself and by workflow/shapewise/report_data.py). "Best public" is the strongest public solution's median under the
+official script and call (BEST_PUBLIC). A mask cost above the timing job's limit (`mask_cost.limit` in the row's
+data/timing/<id>.json) is bold. Rows without a reference median (the reference does not fit in memory) show "does
+not fit" and the mask cost of their single round. Lists on stderr
+the rows whose median is above the best public one.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+from benchmarks.common import ROOT
+
+BEST_PUBLIC = ROOT / "benchmarks" / "data" / "best-public-2026-11-29.json"
+
+
+def best_public_ms():
+    return {int(n): ms for n, ms in json.loads(BEST_PUBLIC.read_text())["median_ms"].items()}
+
+
+def sig(x, digits=3):
+    """x with `digits` significant digits, at most 3 decimals from 1 up (1.037, 8.985, 3113)."""
+    if x >= 1000:
+        return f"{x:.0f}"
+    if x >= 1:
+        return f"{x:.3f}".rstrip("0").rstrip(".") if x < 10 else f"{x:.4g}"
+    return f"{x:.{digits}g}"
+
+
+def pct(x):
+    return f"{x * 100:+.1f}".replace("-", "−")
+
+
+def row_number(r):
+    """The official row number of a summary.csv row (official-07 -> 7)."""
+    return int(r["id"].rsplit("-", 1)[1])
+
+
+def mask_cost_limit(report_dir, row_id):
+    """The mask cost the row's timing job held it to."""
+    timing = json.loads((Path(report_dir) / "data" / "timing" / f"{row_id}.json").read_text())
+    return timing["mask_cost"]["limit"]
+
+
+def row_line(r, best, limit):
+    n = row_number(r)
+    cost = float(r["mask_cost"])
+    cost_text = f"**{pct(cost)} %**" if cost > limit else f"{pct(cost)} %"
+    if r["reference_median_ms"]:
+        ref = sig(float(r["reference_median_ms"]))
+        speed = f"{float(r['speedup']):.3g} [{float(r['speedup_ci_low']):.3g}, {float(r['speedup_ci_high']):.3g}]"
+        cost_text += f" [{pct(float(r['mask_cost_ci_low']))}, {pct(float(r['mask_cost_ci_high']))}]"
+    else:
+        ref, speed = "does not fit", "—"
+        cost_text += " (1 round)"
+    return (f"| {n} | {r['route']} | {sig(float(r['optimized_median_ms']))} | {best[n]:g} | {float(r['target_ms']):g} "
+            f"| {ref} | {speed} | {cost_text} | {r['failed_elements']} / {r['total_elements']} "
+            f"| {r['strict_failed_elements']} |")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("report_dir", nargs="?", default="reports/h200")
+    args = p.parse_args()
+    with open(Path(args.report_dir) / "summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    best = best_public_ms()
+    print("| row | route | optimized ms | best public ms | target ms | reference ms | speedup [95 % interval] | "
+          "mask cost [95 % interval] | failed / compared (official) | strict failed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(row_line(r, best, mask_cost_limit(args.report_dir, r["id"])))
+    behind = [row_number(r) for r in rows if float(r["optimized_median_ms"]) > best[row_number(r)]]
+    print(f"\nrows above the best public median: {behind or 'none'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
