@@ -133,8 +133,8 @@ def _is_heavy(shape):
 
 
 def row_priority(wildcards):
-    """Cheaper rows first (higher priority runs first): a run stopped at a time limit, or a lent GPU
-    taken back, has finished the most rows it could. Priority = -log2(FLOPs of one forward)."""
+    """Cheaper rows first (higher priority runs first): a run stopped early (a time limit, a GPU gone) has
+    finished the most rows it could. Priority = -log2(FLOPs of one forward)."""
     from shapewise import roofline
 
     row = ROWS.get(wildcards.shape)
