@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shapewise import fingerprint as sw_fp
+from shapewise import inventory as sw_inventory
 from shapewise import manifest as sw_manifest
 from shapewise import paths as sw_paths
 
@@ -79,14 +79,14 @@ def row_param(wildcards):
 # environment digest covers the software (the same on a login node and on
 # the compute nodes sharing its file system); the hardware each result came
 # from is recorded by the job itself and separates machines in the report.
-ENV_DIGEST = sw_fp.digest_of(sw_fp.software_environment())
-IMPL_DIGEST = sw_fp.implementation(BASEDIR)["digest"]
+ENV_DIGEST = sw_inventory.digest_of(sw_inventory.software_environment())
+IMPL_DIGEST = sw_inventory.implementation(BASEDIR)["digest"]
 DIGESTS = {"environment": ENV_DIGEST, "implementation": IMPL_DIGEST}
 # The measuring code itself: editing it reruns the measurements, editing the
 # report code does not.
 HARNESS_FILES = sorted((BASEDIR / "workflow" / "shapewise" / "jobs").glob("*.py")) + [
     BASEDIR / "workflow" / "shapewise" / "roofline.py"]
-HARNESS_DIGEST = sw_fp.digest_of({p.name: sw_fp.sha256_file(p) for p in HARNESS_FILES if p.is_file()})
+HARNESS_DIGEST = sw_inventory.digest_of({p.name: sw_inventory.sha256_file(p) for p in HARNESS_FILES if p.is_file()})
 
 FINGERPRINTS = dict(sw_paths.FINGERPRINTS)
 
