@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-FIRST_TRIAL_SEED = 1234  # trial t draws its inputs with seed 1234 + t
+FIRST_TRIAL_SEED = 1234  # trial t draws its inputs with this seed + t
 MASK_SEED_OFFSET = 7919  # left/holes masks come from their own generator, seed + this
 
 

@@ -52,7 +52,7 @@ PROTOCOL_NAMES = ("official", "stable")
 # The order within a round. optimized_unmasked: the optimized model called as model(x) on the same x, timed beside
 # the official call model(x, mask) where the row's mask is all-True (see mask_cost).
 MODELS = ("reference", "optimized", "optimized_unmasked")
-# What the official harness's all-True mask may cost the optimized model against no mask: within 3 %.
+# What the official harness's all-True mask may cost the optimized model against no mask, as a fraction.
 MASK_COST_LIMIT = 0.03
 
 
