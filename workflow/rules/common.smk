@@ -13,10 +13,10 @@ import json
 import math
 import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
+from shapewise import gpuslots as sw_gpuslots
 from shapewise import inventory as sw_inventory
 from shapewise import manifest as sw_manifest
 from shapewise import paths as sw_paths
@@ -28,15 +28,6 @@ BASEDIR = Path(workflow.basedir).resolve()
 wildcard_constraints:
     shape="[A-Za-z0-9][A-Za-z0-9_-]*",
     kind="environment|implementation",
-
-
-def _has_cuda_gpu():
-    """Whether `nvidia-smi -L` lists a GPU here (a real one: the fake GPU pool of tests picks no manifests)."""
-    try:
-        done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return done.returncode == 0 and "GPU" in done.stdout
 
 
 # DEVICE_ARG is what the jobs get: cuda or cpu when the user says so
@@ -51,7 +42,8 @@ if DEVICE_ARG not in _DEVICES:
     raise WorkflowError(
         f"SHAPEWISE_DEVICE / config device must be {', '.join(_DEVICES[:-1])} or {_DEVICES[-1]}, got {DEVICE_ARG!r}"
     )
-DEVICE = DEVICE_ARG if DEVICE_ARG != "auto" else ("cuda" if _has_cuda_gpu() else "cpu")
+# A real GPU, as `nvidia-smi -L` lists it: the fake GPU pool of tests (an empty environ here) picks no manifests.
+DEVICE = DEVICE_ARG if DEVICE_ARG != "auto" else ("cuda" if sw_gpuslots.list_gpus(environ={}) else "cpu")
 
 
 def _manifest_names():
