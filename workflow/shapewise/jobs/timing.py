@@ -12,7 +12,7 @@ by its own pair of CUDA events (so p90 is a per-call figure); on a CPU by time.p
   (or, with one model, of each model's median) is within +-`ci_half_width`, at most `max_rounds`. With
   `core_pick: fastest-launch` (GPU only) the launching thread is pinned before every round to the core of its
   allowed set on which a tiny kernel launch costs least at that moment (shapewise.jobs.device.pick_core): on a
-  virtual machine a core's launch cost switches between levels ~40 % apart within a minute, and a launch-bound
+  virtual machine a core's launch cost switches between levels within a minute (docs/decisions.md), and a launch-bound
   model's time with it. Each round's core and launch cost are recorded (`core_pick`).
 
 Both record the GPU's clocks, temperature and power before and after, and the other processes on the GPU
