@@ -10,33 +10,21 @@ sys.path.insert(0, f"{workflow.basedir}/workflow")
 
 from snakemake.utils import min_version, validate
 
+from shapewise import paths as sw_paths
+from shapewise import settings as sw_settings
+
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+configfile: sw_paths.CONFIG_FILE
 
 
 # Before any job: the config, then (common.smk) every selected manifest. An
-# unknown key, e.g. a typo on --config, is named on one line (the schema's
-# own error would print the whole schema and config after it).
-def _unknown_config_keys():
-    import difflib
-
-    import yaml
-    from shapewise.paths import CONFIG_SCHEMA
-
-    known = sorted(yaml.safe_load(CONFIG_SCHEMA.read_text())["properties"])
-    problems = []
-    for key in sorted(set(config) - set(known)):
-        close = difflib.get_close_matches(key, known, n=1)
-        problems.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    if problems:
-        raise WorkflowError(f"unknown config key {', '.join(problems)} in --config or config/config.yaml; "
-                            f"the keys are: {', '.join(known)}")
-
-
-_unknown_config_keys()
-validate(config, "workflow/schemas/config.schema.yaml")
+# unknown key, e.g. a typo on --config, is named on one line.
+_unknown_keys = sw_settings.unknown_keys(config)
+if _unknown_keys:
+    raise WorkflowError(_unknown_keys)
+validate(config, sw_paths.CONFIG_SCHEMA)
 
 
 include: "workflow/rules/common.smk"
@@ -46,9 +34,9 @@ include: "workflow/rules/report.smk"
 
 
 rule all:
+    default_target: True
     input:
         rules.report.output,
         # every per-shape result too: one deleted by hand is scheduled again (the report's outputs are kept
         # on failure, so Snakemake would not look behind them for a missing input)
         RESULT_TARGETS,
-    default_target: True

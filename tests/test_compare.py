@@ -8,7 +8,8 @@ import pytest
 from shapewise import compare
 from shapewise.cli import main as cli_main
 
-# summary.csv columns of the current report (CONTRACT.md), and of reports written before the intervals.
+# summary.csv columns of the current report (shapewise.report_data.SUMMARY_COLUMNS, spelled out so that a change
+# of that list fails here), and of reports written before the intervals.
 COLUMNS = ["id", "machine", "status", "call", "route", "failed_elements", "total_elements", "max_abs_error",
            "strict_failed_elements", "reference_median_ms", "reference_ci_low_ms", "reference_ci_high_ms",
            "optimized_median_ms", "optimized_ci_low_ms", "optimized_ci_high_ms", "speedup", "speedup_ci_low",

@@ -72,6 +72,32 @@ def test_one_definition_of_a_heavy_row():
                             schema())
 
 
+def test_the_schema_owns_the_device_choices():
+    """config `device`, SHAPEWISE_DEVICE (common.smk) and a job's --device (shapewise.cli) take the schema's enum."""
+    import argparse
+
+    from shapewise import settings
+    from shapewise.cli import build_parser
+
+    assert settings.devices() == tuple(schema()["properties"]["device"]["enum"]) == ("auto", "cuda", "cpu")
+    job = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["job"]
+    steps = next(a for a in job._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, step in steps.items():
+        device = next(a for a in step._actions if a.dest == "device")
+        assert tuple(device.choices) == settings.devices(), name
+
+
+def test_pass_env_keeps_the_named_variables_that_are_set():
+    """One reading of config pass_env (a list, or --config's comma-separated string) for the jobs and the report."""
+    from shapewise.settings import pass_env
+
+    environ = {"SHAPEWISE_ROUTE": "reference", "SHAPEWISE_DISABLE": "a=b", "SHAPEWISE_OTHER": "x"}
+    assert pass_env(["SHAPEWISE_DISABLE", "SHAPEWISE_ROUTE"], environ) == {"SHAPEWISE_DISABLE": "a=b",
+                                                                           "SHAPEWISE_ROUTE": "reference"}
+    assert list(pass_env("SHAPEWISE_ROUTE,SHAPEWISE_UNSET", environ)) == ["SHAPEWISE_ROUTE"]
+    assert pass_env([], environ) == {}
+
+
 # --- Snakemake at parse time (dry runs: no job runs) ---------------------------------------------------------
 
 @pytest.fixture(scope="module")

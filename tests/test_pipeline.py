@@ -77,7 +77,7 @@ def test_report_summary_and_provenance(workdir):
     with open(report / "summary.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert [r["id"] for r in rows] == ["tiny-triton", "tiny-holes"]
-    assert list(rows[0]) == [  # CONTRACT.md "summary.csv columns"
+    assert list(rows[0]) == [  # shapewise.report_data.SUMMARY_COLUMNS, spelled out
         "id", "machine", "status", "call", "route", "failed_elements", "total_elements", "max_abs_error",
         "strict_failed_elements", "reference_median_ms", "reference_ci_low_ms", "reference_ci_high_ms",
         "optimized_median_ms", "optimized_ci_low_ms", "optimized_ci_high_ms", "speedup", "speedup_ci_low",

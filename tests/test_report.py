@@ -454,8 +454,8 @@ def _snakemake(cwd, *args):
 
 
 def test_deleted_result_is_scheduled_again(tmp_path):
-    """Rule all requests RESULT_TARGETS (workflow/rules/report.smk) besides the report: Snakemake does not rerun the
-    job of a missing intermediate file whose consumer is up to date (issue #13: "Nothing to be done")."""
+    """Rule all requests RESULT_TARGETS (workflow/rules/common.smk) besides the report: Snakemake does not rerun the
+    job of a missing intermediate file whose consumer is up to date (it would say "Nothing to be done")."""
     from shapewise import manifest
 
     copy_checkout(tmp_path)

@@ -1,6 +1,6 @@
 # Parse-time helpers: device choice, manifest loading and validation, the
 # digests that decide what reruns, the SHAPEWISE_* variables passed to the
-# jobs, and the job command line.
+# jobs, the parts every measuring rule shares, and the report's inputs.
 #
 # Nothing here may depend on where the checkout lies: a params value, an input
 # path or a rule's shell command (before formatting) that held an absolute
@@ -8,31 +8,26 @@
 #
 # Nothing here imports torch (it would cost seconds on every `snakemake` call).
 
+import hashlib
 import json
 import math
 import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
-from shapewise import fingerprint as sw_fp
+from shapewise import gpuslots as sw_gpuslots
+from shapewise import inventory as sw_inventory
 from shapewise import manifest as sw_manifest
 from shapewise import paths as sw_paths
+from shapewise import settings as sw_settings
 
 BASEDIR = Path(workflow.basedir).resolve()
+
 
 wildcard_constraints:
     shape="[A-Za-z0-9][A-Za-z0-9_-]*",
     kind="environment|implementation",
-
-
-def _has_cuda_gpu():
-    try:
-        done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return done.returncode == 0 and "GPU" in done.stdout
 
 
 # DEVICE_ARG is what the jobs get: cuda or cpu when the user says so
@@ -41,14 +36,18 @@ def _has_cuda_gpu():
 # command line and params the same whether Snakemake parses this file on a
 # GPU node or on a cluster's login node. DEVICE (this machine's guess) only
 # picks the default manifests.
-DEVICE_ARG = os.environ.get("SHAPEWISE_DEVICE") or config.get("device", "auto")
-if DEVICE_ARG not in ("auto", "cuda", "cpu"):
-    raise WorkflowError(f"SHAPEWISE_DEVICE / config device must be auto, cuda or cpu, got {DEVICE_ARG!r}")
-DEVICE = DEVICE_ARG if DEVICE_ARG != "auto" else ("cuda" if _has_cuda_gpu() else "cpu")
+DEVICE_ARG = os.environ.get("SHAPEWISE_DEVICE") or config["device"]
+_DEVICES = sw_settings.devices()
+if DEVICE_ARG not in _DEVICES:
+    raise WorkflowError(
+        f"SHAPEWISE_DEVICE / config device must be {', '.join(_DEVICES[:-1])} or {_DEVICES[-1]}, got {DEVICE_ARG!r}"
+    )
+# A real GPU, as `nvidia-smi -L` lists it: the fake GPU pool of tests (an empty environ here) picks no manifests.
+DEVICE = DEVICE_ARG if DEVICE_ARG != "auto" else ("cuda" if sw_gpuslots.list_gpus(environ={}) else "cpu")
 
 
 def _manifest_names():
-    chosen = config.get("shapes", "auto")
+    chosen = config["shapes"]
     if chosen == "auto":
         return ["official", "contract"] if DEVICE == "cuda" else ["smoke"]
     if isinstance(chosen, str):
@@ -79,35 +78,25 @@ def row_param(wildcards):
 # environment digest covers the software (the same on a login node and on
 # the compute nodes sharing its file system); the hardware each result came
 # from is recorded by the job itself and separates machines in the report.
-ENV_DIGEST = sw_fp.digest_of(sw_fp.software_environment())
-IMPL_DIGEST = sw_fp.implementation(BASEDIR)["digest"]
+ENV_DIGEST = sw_inventory.digest_of(sw_inventory.software_environment())
+IMPL_DIGEST = sw_inventory.implementation(BASEDIR)["digest"]
 DIGESTS = {"environment": ENV_DIGEST, "implementation": IMPL_DIGEST}
 # The measuring code itself: editing it reruns the measurements, editing the
 # report code does not.
 HARNESS_FILES = sorted((BASEDIR / "workflow" / "shapewise" / "jobs").glob("*.py")) + [
-    BASEDIR / "workflow" / "shapewise" / "roofline.py"]
-HARNESS_DIGEST = sw_fp.digest_of({p.name: sw_fp.sha256_file(p) for p in HARNESS_FILES if p.is_file()})
+    BASEDIR / "workflow" / "shapewise" / "roofline.py"
+]
+HARNESS_DIGEST = sw_inventory.digest_of({p.name: sw_inventory.sha256_file(p) for p in HARNESS_FILES if p.is_file()})
 
 FINGERPRINTS = dict(sw_paths.FINGERPRINTS)
-
 
 # SHAPEWISE_* variables of this shell that the jobs keep (config pass_env);
 # shapewise.cli removes every other one inside the job. Each is passed as
 # `--env NAME=VALUE`, and the whole string is a params value of every
-# measuring job, so setting, changing or unsetting one reruns them. A name
-# not set in this shell is not passed (the job sees it unset, as the shell).
-def _pass_env_args():
-    names = config.get("pass_env") or []
-    if isinstance(names, str):  # --config pass_env=A,B
-        names = names.split(",")
-    args = []
-    for name in names:
-        if name in os.environ:
-            args.append("--env " + shlex.quote(f"{name}={os.environ[name]}"))
-    return " ".join(args)
-
-
-PASS_ENV = _pass_env_args()
+# measuring job, so setting, changing or unsetting one reruns them; the
+# report records the same values.
+PASSED_ENV = sw_settings.pass_env(config["pass_env"])
+PASS_ENV = " ".join(f"--env {shlex.quote(f'{name}={value}')}" for name, value in PASSED_ENV.items())
 
 
 def device_settings(section, shape=None):
@@ -133,8 +122,8 @@ def _is_heavy(shape):
 
 
 def row_priority(wildcards):
-    """Cheaper rows first (higher priority runs first): a run stopped at a time limit, or a lent GPU
-    taken back, has finished the most rows it could. Priority = -log2(FLOPs of one forward)."""
+    """Cheaper rows first (higher priority runs first): a run stopped early (a time limit, a GPU gone) has
+    finished the most rows it could. Priority = -log2(FLOPs of one forward)."""
     from shapewise import roofline
 
     row = ROWS.get(wildcards.shape)
@@ -152,12 +141,87 @@ def res(name):
     return pick
 
 
-# The job command: our package, from this checkout, with the Python that runs
+# The job commands: our package, from this checkout, with the Python that runs
 # Snakemake. A job that resolves to the CPU switches on TRITON_INTERPRET=1
 # itself (shapewise.cli) before anything imports triton.
+#
+# Lints that stay (.ci/lint.py accepts exactly these):
+# - The shell commands name JOB, REPORT, BASEDIR, DEVICE_ARG, IMPL_DIGEST and
+#   ENV_DIGEST as globals rather than params, because params are a rerun
+#   trigger and none of these may be one: JOB, REPORT and BASEDIR hold absolute
+#   paths (a copied checkout would rerun everything); DEVICE_ARG says how a
+#   job picks its device, which each result records (the report groups results
+#   by machine), so changing it reruns nothing by itself; the digests already
+#   rerun each job through the fingerprint files it takes as input (the
+#   microbenchmark, which measures the machine, takes only the environment's).
+# - The rules name no conda environment or container, because every job runs
+#   this Python, whose packages the environment fingerprint records, and
+#   another software stack would measure something other than what it says.
 _env = f"PYTHONPATH={shlex.quote(str(BASEDIR / 'workflow'))}${{PYTHONPATH:+:$PYTHONPATH}}"
 JOB = f"{_env} {shlex.quote(sys.executable)} -m shapewise job"
+REPORT = f"{_env} {shlex.quote(sys.executable)} -m shapewise.report"
+
+
+def job_shell(step, options, out="{output}"):
+    """The shell command of the measuring job `step` with its own `options`: every such job gets the device, the
+    implementation and environment digests (recorded in its result's identity), the variables of config
+    pass_env, its result file and its log."""
+    return (
+        f"{{JOB}} {step} --device {{DEVICE_ARG}} {options} --impl-digest {{IMPL_DIGEST}} "
+        f"--env-digest {{ENV_DIGEST}} {{params.pass_env}} --out {out} > {{log}} 2>&1"
+    )
+
+
+# The parts the measuring rules share: both fingerprints and the row's
+# preflight result as inputs (every per-shape job after preflight); the row,
+# the measuring code's digest and the passed variables as params (each a
+# rerun trigger); a GPU of its own and the row's memory and time (res; the
+# microbenchmark, of no row, gets resources.default).
+ROW_INPUTS = {**FINGERPRINTS, "preflight": sw_paths.result("preflight", "{shape}")}
+ROW_PARAMS = {"row": row_param, "harness": HARNESS_DIGEST, "pass_env": PASS_ENV}
+MEASURE_RESOURCES = {"gpu": 1, "mem_mb": res("mem_mb"), "runtime": res("runtime")}
+# What the light jobs (fingerprints, preflight) ask for, whatever the row.
+LIGHT_RESOURCES = {"mem_mb": 2000, "runtime": 10}
+CHUNKED_CHECK = json.dumps(config["chunked_check"], sort_keys=True)
 
 
 def per_shape_outputs(shape):
     return list(sw_paths.per_shape(shape).values())
+
+
+# Every per-row result. Rule `all` must request these besides the report: Snakemake does not rerun the job of a
+# missing intermediate file whose consumer (the report) is up to date, so a deleted result is only scheduled
+# again when it is a target itself.
+RESULT_TARGETS = [path for shape in SHAPES for path in per_shape_outputs(shape)]
+
+
+def report_inputs(wildcards):
+    """Write the report's inputs file (content-addressed, once) and return its path (report.smk says why)."""
+    inputs = {
+        "rows": [
+            {
+                "row": ROWS[shape],
+                "results": sw_paths.per_shape(shape),
+                "profile_csv": sw_paths.profile_extra(shape)["csv"],
+                "profile_trace": sw_paths.profile_extra(shape)["trace"],
+            }
+            for shape in SHAPES
+        ],
+        "manifests": MANIFESTS,
+        "fingerprints": dict(FINGERPRINTS),
+        "microbench": sw_paths.MICROBENCH,
+        "environment_digest": ENV_DIGEST,
+        "baseline": config["baseline"],
+        "commit": config["commit"],
+        "pass_env": PASSED_ENV,
+        "root": ".",
+    }
+    text = json.dumps(inputs, indent=1, sort_keys=True) + "\n"
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = Path(sw_paths.REPORT_INPUTS) / f"{digest}.json"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    return path.as_posix()

@@ -5,25 +5,21 @@
 # GPU of its own (shapewise.gpuslots); under SLURM each uses the GPU SLURM
 # gives it. The environment fingerprint asks for gpu=1 (it records the GPU);
 # the implementation fingerprint and the report ask for none. Result and log
-# paths come from shapewise.paths.
-#
-# Every measuring job gets the implementation and environment digests (it
-# records them in its result's identity) and the SHAPEWISE_* variables of
-# config pass_env (params.pass_env: a change reruns the job).
+# paths come from shapewise.paths; what the per-shape rules share (ROW_INPUTS,
+# ROW_PARAMS, MEASURE_RESOURCES, job_shell) from common.smk.
 
 
 rule fingerprint:
     output:
         f"{Path(sw_paths.FINGERPRINTS['env']).parent}/{{kind}}.json",
-    params:
-        digest=lambda wc: DIGESTS[wc.kind],
     log:
         sw_paths.log("fingerprint", "{kind}"),
     threads: 1
     resources:
+        **LIGHT_RESOURCES,
         gpu=lambda wc: 1 if wc.kind == "environment" else 0,
-        mem_mb=2000,
-        runtime=10,
+    params:
+        digest=lambda wc: DIGESTS[wc.kind],
     shell:
         "{JOB} fingerprint --kind {wildcards.kind} --device {DEVICE_ARG} "
         "--dag-digest {params.digest} --root {BASEDIR:q} --out {output} > {log} 2>&1"
@@ -34,21 +30,17 @@ rule microbench:
         env=FINGERPRINTS["env"],
     output:
         sw_paths.MICROBENCH,
-    params:
-        settings=device_settings("microbench"),
-        harness=HARNESS_DIGEST,
-        pass_env=PASS_ENV,
     log:
         sw_paths.log("microbench", "microbench"),
     threads: res("threads")
     resources:
-        gpu=1,
-        mem_mb=res("mem_mb"),
-        runtime=res("runtime"),
+        **MEASURE_RESOURCES,
+    params:
+        settings=device_settings("microbench"),
+        harness=HARNESS_DIGEST,
+        pass_env=PASS_ENV,
     shell:
-        "{JOB} microbench --device {DEVICE_ARG} --settings {params.settings:q} "
-        "--threads {threads} --impl-digest {IMPL_DIGEST} --env-digest {ENV_DIGEST} {params.pass_env} "
-        "--out {output} > {log} 2>&1"
+        job_shell("microbench", "--settings {params.settings:q} --threads {threads}")
 
 
 rule preflight:
@@ -56,123 +48,106 @@ rule preflight:
         **FINGERPRINTS,
     output:
         sw_paths.result("preflight", "{shape}"),
-    params:
-        row=row_param,
-        headroom=config["preflight"]["headroom"],
-        harness=HARNESS_DIGEST,
-        pass_env=PASS_ENV,
-    priority: row_priority
     log:
         sw_paths.log("preflight", "{shape}"),
+    priority: row_priority
     threads: 1
     resources:
+        **LIGHT_RESOURCES,
         gpu=1,
-        mem_mb=2000,
-        runtime=10,
+    params:
+        **ROW_PARAMS,
+        headroom=config["preflight"]["headroom"],
     shell:
-        "{JOB} preflight --device {DEVICE_ARG} --row {params.row:q} --headroom {params.headroom} "
-        "--impl-digest {IMPL_DIGEST} --env-digest {ENV_DIGEST} {params.pass_env} --out {output} > {log} 2>&1"
+        job_shell("preflight", "--row {params.row:q} --headroom {params.headroom}")
 
 
 rule accuracy:
     input:
-        **FINGERPRINTS,
-        preflight=sw_paths.result("preflight", "{shape}"),
+        **ROW_INPUTS,
     output:
         sw_paths.result("accuracy", "{shape}"),
-    params:
-        row=row_param,
-        chunked=json.dumps(config["chunked_check"], sort_keys=True),
-        harness=HARNESS_DIGEST,
-        pass_env=PASS_ENV,
-    priority: row_priority
     log:
         sw_paths.log("accuracy", "{shape}"),
+    priority: row_priority
     threads: res("threads")
     resources:
-        gpu=1,
-        mem_mb=res("mem_mb"),
-        runtime=res("runtime"),
+        **MEASURE_RESOURCES,
+    params:
+        **ROW_PARAMS,
+        chunked=CHUNKED_CHECK,
     shell:
-        "{JOB} accuracy --device {DEVICE_ARG} --row {params.row:q} --preflight {input.preflight} "
-        "--chunked {params.chunked:q} --threads {threads} "
-        "--impl-digest {IMPL_DIGEST} --env-digest {ENV_DIGEST} {params.pass_env} --out {output} > {log} 2>&1"
+        job_shell(
+            "accuracy",
+            "--row {params.row:q} --preflight {input.preflight} --chunked {params.chunked:q} --threads {threads}",
+        )
 
 
 rule timing:
     input:
-        **FINGERPRINTS,
-        preflight=sw_paths.result("preflight", "{shape}"),
+        **ROW_INPUTS,
         microbench=sw_paths.MICROBENCH,
     output:
         sw_paths.result("timing", "{shape}"),
-    params:
-        row=row_param,
-        protocol=protocol_of("timing"),
-        harness=HARNESS_DIGEST,
-        pass_env=PASS_ENV,
-    priority: row_priority
     log:
         sw_paths.log("timing", "{shape}"),
+    priority: row_priority
     threads: res("threads")
     resources:
-        gpu=1,
-        mem_mb=res("mem_mb"),
-        runtime=res("runtime"),
+        **MEASURE_RESOURCES,
+    params:
+        **ROW_PARAMS,
+        protocol=protocol_of("timing"),
     shell:
-        "{JOB} timing --device {DEVICE_ARG} --row {params.row:q} --preflight {input.preflight} "
-        "--microbench {input.microbench} --protocol {params.protocol:q} --threads {threads} "
-        "--impl-digest {IMPL_DIGEST} --env-digest {ENV_DIGEST} {params.pass_env} --out {output} > {log} 2>&1"
+        job_shell(
+            "timing",
+            "--row {params.row:q} --preflight {input.preflight} --microbench {input.microbench} "
+            "--protocol {params.protocol:q} --threads {threads}",
+        )
 
 
 rule profile:
     input:
-        **FINGERPRINTS,
-        preflight=sw_paths.result("preflight", "{shape}"),
+        **ROW_INPUTS,
     output:
-        table=sw_paths.result("profile", "{shape}"),
         **sw_paths.profile_extra("{shape}"),
-    params:
-        row=row_param,
-        capture=protocol_of("profile"),
-        harness=HARNESS_DIGEST,
-        pass_env=PASS_ENV,
-    priority: row_priority
+        table=sw_paths.result("profile", "{shape}"),
     log:
         sw_paths.log("profile", "{shape}"),
+    priority: row_priority
     threads: res("threads")
     resources:
-        gpu=1,
-        mem_mb=res("mem_mb"),
-        runtime=res("runtime"),
+        **MEASURE_RESOURCES,
+    params:
+        **ROW_PARAMS,
+        capture=protocol_of("profile"),
     shell:
-        "{JOB} profile --device {DEVICE_ARG} --row {params.row:q} --preflight {input.preflight} "
-        "--capture {params.capture:q} --threads {threads} --out {output.table} --csv {output.csv} "
-        "--trace {output.trace} --impl-digest {IMPL_DIGEST} --env-digest {ENV_DIGEST} {params.pass_env} "
-        "> {log} 2>&1"
+        job_shell(
+            "profile",
+            "--row {params.row:q} --preflight {input.preflight} --capture {params.capture:q} "
+            "--threads {threads} --csv {output.csv} --trace {output.trace}",
+            out="{output.table}",
+        )
 
 
 rule ablation:
     input:
-        **FINGERPRINTS,
-        preflight=sw_paths.result("preflight", "{shape}"),
+        **ROW_INPUTS,
     output:
         sw_paths.result("ablation", "{shape}"),
-    params:
-        row=row_param,
-        protocol=protocol_of("ablation"),
-        chunked=json.dumps(config["chunked_check"], sort_keys=True),
-        harness=HARNESS_DIGEST,
-        pass_env=PASS_ENV,
-    priority: row_priority
     log:
         sw_paths.log("ablation", "{shape}"),
+    priority: row_priority
     threads: res("threads")
     resources:
-        gpu=1,
-        mem_mb=res("mem_mb"),
-        runtime=res("runtime"),
+        **MEASURE_RESOURCES,
+    params:
+        **ROW_PARAMS,
+        protocol=protocol_of("ablation"),
+        chunked=CHUNKED_CHECK,
     shell:
-        "{JOB} ablation --device {DEVICE_ARG} --row {params.row:q} --preflight {input.preflight} "
-        "--protocol {params.protocol:q} --chunked {params.chunked:q} --threads {threads} "
-        "--impl-digest {IMPL_DIGEST} --env-digest {ENV_DIGEST} {params.pass_env} --out {output} > {log} 2>&1"
+        job_shell(
+            "ablation",
+            "--row {params.row:q} --preflight {input.preflight} --protocol {params.protocol:q} "
+            "--chunked {params.chunked:q} --threads {threads}",
+        )

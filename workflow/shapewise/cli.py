@@ -17,12 +17,14 @@ import sys
 
 
 def _job_parser(sub):
+    from shapewise.settings import devices
+
     job = sub.add_parser("job", help="run one pipeline job (Snakemake calls this)")
     steps = job.add_subparsers(dest="step", required=True)
 
     def step(name, *options):
         p = steps.add_parser(name)
-        p.add_argument("--device", choices=["auto", "cuda", "cpu"], required=True)
+        p.add_argument("--device", choices=devices(), required=True)
         p.add_argument("--threads", type=int, default=None)
         p.add_argument("--out", required=True)
         p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",

@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent  # the checkout: Snakefile,
 SCHEMAS = ROOT / "workflow" / "schemas"
 SHAPES_SCHEMA = SCHEMAS / "shapes.schema.yaml"
 CONFIG_SCHEMA = SCHEMAS / "config.schema.yaml"
+CONFIG_FILE = "config/config.yaml"  # the pipeline's config, relative to the root (Snakemake's working directory)
 SHAPES_DIR = ROOT / "shapes"
 OFFICIAL_MANIFEST = SHAPES_DIR / "official.yaml"
 TEMPLATES = ROOT / "reports" / "templates"
@@ -21,6 +22,11 @@ SHAPE_STEPS = ("preflight", "accuracy", "timing", "profile", "ablation")
 FINGERPRINTS = {"env": f"{RESULTS}/fingerprint/environment.json",
                 "impl": f"{RESULTS}/fingerprint/implementation.json"}
 MICROBENCH = f"{RESULTS}/microbench/microbench.json"
+# The report of a run: its files (shapewise.report writes them, figures/ and data/ beside them) and the
+# content-addressed inputs files its rule writes.
+REPORT_DIR = f"{RESULTS}/report"
+REPORT_FILES = {"md": "report.md", "html": "report.html", "summary": "summary.csv", "provenance": "provenance.json"}
+REPORT_INPUTS = f"{RESULTS}/report-inputs"
 
 
 def manifest(name: str) -> str:

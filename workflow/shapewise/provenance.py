@@ -31,7 +31,7 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
-from shapewise.fingerprint import sha256_file
+from shapewise.inventory import sha256_file
 
 FORMAT = 2
 FORMATS = (1, 2)  # the formats verify understands

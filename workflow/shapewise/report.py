@@ -5,7 +5,7 @@
 INPUTS.json is written by the report rule (workflow/rules/report.smk): the rows of the run and their result files,
 as the DAG knows them (report_data.load checks each result's identity against its row). Results are grouped by
 the machine that produced them (GPU or CPU model plus a digest of the software, see
-shapewise.fingerprint.machine_key): each group gets its own table and geomean, and timings of different machines
+shapewise.inventory.machine_key): each group gets its own table and geomean, and timings of different machines
 are never mixed into one number.
 
 A report that cannot be built leaves the previous one as it was: everything is rendered into a temporary

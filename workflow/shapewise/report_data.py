@@ -21,7 +21,7 @@ import pandas as pd
 
 from shapewise import identity, paths, roofline
 
-# The columns of summary.csv, in this order (CONTRACT.md; shapewise.compare reads them).
+# The columns of summary.csv, in this order: their one list (the report writes them, shapewise.compare reads them).
 SUMMARY_COLUMNS = [
     "id", "machine", "status", "call", "route", "failed_elements", "total_elements", "max_abs_error",
     "strict_failed_elements", "reference_median_ms", "reference_ci_low_ms", "reference_ci_high_ms",
@@ -274,7 +274,7 @@ def gpu_label(gpu):
     return " ".join(parts)
 
 
-# ------------------------------------------------------------------ host CPUs of a timing result (issue #14)
+# ------------------------------------------------------------------ host CPUs of a timing result
 
 NOT_RECORDED = "not recorded"  # a result written before the timing job recorded its CPUs
 NOT_TIMED = "not timed (resource skip)"

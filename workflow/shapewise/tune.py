@@ -9,8 +9,8 @@ something else is never picked for speed. The rows are grouped as the policy's l
 joins the first of GROUPS whose bounds cover it (batch_size*seq_len up to max_tokens, num_heads up to
 max_heads). Small (rows 2 and 12: fewer 32-row programs than the H200 has SMs, so smaller row blocks add
 parallelism); mid (rows 1 and 7, and the unswept 9 and 10: 8192 tokens, few heads); large (rows 5, 6 and 11:
-more tokens, or 16 heads of head_dim 8, where the session-4 sweep measured keys and values computed once per
-layer 12-18 % faster and the plain kernel faster on row 7). Each group gets the configuration with the lowest
+more tokens, or 16 heads of head_dim 8, where keys and values computed once per layer are faster, and the plain
+kernel on row 7). Each group gets the configuration with the lowest
 geometric-mean time among those qualifying on all its rows; a group the sweep has no row of gets no entry.
 If one fused layer of row 6 beats one layer of the unfused triton route by more than 10%, the fused route's
 size bound is raised to cover row 6. Prints every decision; the policy's other entries are kept.

@@ -331,9 +331,8 @@ def pick_core(cores, cost_of):
     """Pin the calling thread (only it: the launching thread) to the core of `cores` with the lowest
     cost_of(core), measured with the thread on that core, twice, keeping the lower. Returns what was chosen.
 
-    On a virtual machine the host cost of a launch differs by core and over time (session 6: 6.7 or 9.3 µs per
-    launch, a core switching between the two within a minute, experiments/h200/session6/vcpu_probe.json), and a
-    launch-bound model's time follows it; the core is picked again before every round."""
+    On a virtual machine the host cost of a launch differs by core and switches between levels within a minute
+    (docs/decisions.md), and a launch-bound model's time follows it; the core is picked again before every round."""
     costs = {}
     for core in cores:
         os.sched_setaffinity(0, {core})

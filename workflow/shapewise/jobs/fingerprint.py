@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shapewise import fingerprint as fp
+from shapewise import inventory
 from shapewise.identity import identity
 from shapewise.jobs.device import setup
 from shapewise.jobs.io import header, log, write_result
@@ -12,7 +12,7 @@ from shapewise.jobs.io import header, log, write_result
 
 def main(args):
     if args.kind == "implementation":
-        impl = fp.implementation(Path(args.root))
+        impl = inventory.implementation(Path(args.root))
         if args.dag_digest and impl["digest"] != args.dag_digest:
             raise SystemExit(
                 f"the implementation changed while the workflow ran (digest {impl['digest'][:12]} now, "
@@ -27,8 +27,8 @@ def main(args):
     result = header("fingerprint", None, args.device, args)
     result["kind"] = "environment"
     result["dag_digest"] = args.dag_digest
-    result["digest"] = fp.digest_of(fp.cheap_environment())
-    result["packages"] = fp.installed_packages()
+    result["digest"] = inventory.digest_of(inventory.cheap_environment())
+    result["packages"] = inventory.installed_packages()
     log(f"environment on {result['environment']['host']}: {result['environment']['machine_key']}")
     write_result(args.out, result)
     return 0

@@ -5,13 +5,12 @@ from __future__ import annotations
 import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-FIRST_TRIAL_SEED = 1234  # trial t draws its inputs with seed 1234 + t
+FIRST_TRIAL_SEED = 1234  # trial t draws its inputs with this seed + t
 MASK_SEED_OFFSET = 7919  # left/holes masks come from their own generator, seed + this
 
 
-# Inputs of at least this many elements are drawn on the GPU (official row 14: 3.3e9 elements, estimated at
-# about 20 s per case on a CPU that draws 10^8 normal values in 0.6 s, five cases in its accuracy job alone);
-# smaller ones on the CPU, so a seed gives the same case on every device.
+# Inputs of at least this many elements are drawn on the GPU (official row 14's 3.3e9 normal values would take
+# tens of seconds a case on a CPU); smaller ones on the CPU, so a seed gives the same case on every device.
 DEVICE_DRAW_MIN_ELEMENTS = 2**30
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from shapewise.fingerprint import job_environment
+from shapewise.inventory import job_environment
 from shapewise.identity import identity
 from shapewise.jobs.device import gpu_identity, job_cpu_affinity
 

@@ -12,7 +12,7 @@ by its own pair of CUDA events (so p90 is a per-call figure); on a CPU by time.p
   (or, with one model, of each model's median) is within +-`ci_half_width`, at most `max_rounds`. With
   `core_pick: fastest-launch` (GPU only) the launching thread is pinned before every round to the core of its
   allowed set on which a tiny kernel launch costs least at that moment (shapewise.jobs.device.pick_core): on a
-  virtual machine a core's launch cost switches between levels ~40 % apart within a minute, and a launch-bound
+  virtual machine a core's launch cost switches between levels within a minute (docs/decisions.md), and a launch-bound
   model's time with it. Each round's core and launch cost are recorded (`core_pick`).
 
 Both record the GPU's clocks, temperature and power before and after, and the other processes on the GPU
@@ -24,8 +24,8 @@ is a resource skip: nothing is built or allocated.
 Where the row's call passes an all-True mask (the official harness's call), each round also times the optimized
 model called without it (model(x), same x, last in the round): `mask_cost` is the median over rounds of the ratio
 of the two calls' round medians, with its interval over rounds (shapewise.stats.paired_round_ratio), against
-MASK_COST_LIMIT; the ratio of the two pooled medians beside it (`ratio_of_medians`, the estimator before session
-14). Its calls are not part of the speedup or the stopping rule.
+MASK_COST_LIMIT; the ratio of the two pooled medians beside it (`ratio_of_medians`, which a round's level moves;
+see mask_cost). Its calls are not part of the speedup or the stopping rule.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ PROTOCOL_NAMES = ("official", "stable")
 # The order within a round. optimized_unmasked: the optimized model called as model(x) on the same x, timed beside
 # the official call model(x, mask) where the row's mask is all-True (see mask_cost).
 MODELS = ("reference", "optimized", "optimized_unmasked")
-# What the official harness's all-True mask may cost the optimized model against no mask (issue #12: within 3 %).
+# What the official harness's all-True mask may cost the optimized model against no mask, as a fraction.
 MASK_COST_LIMIT = 0.03
 
 
@@ -182,9 +182,8 @@ def mask_cost(rounds, summary, mask_kind, routes):
     """The official call's all-True mask against no mask, same process, same x, paired rounds: the median over
     rounds of model(x, mask)'s round median over model(x)'s, its interval, and whether it is within
     MASK_COST_LIMIT. Paired by round because a launch-bound row's rounds switch between a quiet and a host-bound
-    level (reports/h200 at 7b80e22, official row 7: quiet rounds 55.7-56.2 against 53.2-53.4 us, host-bound ones
-    70-109 us on either side), which moves the ratio of the pooled medians by several per cent and widens its
-    interval to +-15 %. Measured only where the row's call passes an all-True mask (with padding, the two calls
+    level on either side, which moves the ratio of the pooled medians by several per cent and widens its interval
+    (docs/decisions.md). Measured only where the row's call passes an all-True mask (with padding, the two calls
     compute different things)."""
     if "optimized_unmasked" not in rounds:
         why = ("the row's call passes no mask" if mask_kind == "none" else

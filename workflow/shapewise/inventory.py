@@ -1,4 +1,5 @@
-"""Environment and implementation fingerprints.
+"""What a result was measured with: the implementation's files, the installed software and the machine, and
+the digests (fingerprints) that stand for them.
 
 `cheap_environment()` and `implementation()` import no torch: Snakemake calls
 them while it builds the DAG, and their digests become `params:` of the
