@@ -332,7 +332,8 @@ def pick_core(cores, cost_of):
     cost_of(core), measured with the thread on that core, twice, keeping the lower. Returns what was chosen.
 
     On a virtual machine the host cost of a launch differs by core and switches between levels within a minute
-    (docs/decisions.md#core-pick), and a launch-bound model's time follows it; the core is picked again before every round."""
+    (docs/decisions.md#core-pick), and a launch-bound model's time follows it; the core is picked again before every
+    round."""
     costs = {}
     for core in cores:
         os.sched_setaffinity(0, {core})

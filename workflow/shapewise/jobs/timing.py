@@ -12,8 +12,8 @@ by its own pair of CUDA events (so p90 is a per-call figure); on a CPU by time.p
   (or, with one model, of each model's median) is within +-`ci_half_width`, at most `max_rounds`. With
   `core_pick: fastest-launch` (GPU only) the launching thread is pinned before every round to the core of its
   allowed set on which a tiny kernel launch costs least at that moment (shapewise.jobs.device.pick_core): on a
-  virtual machine a core's launch cost switches between levels within a minute (docs/decisions.md#core-pick), and a launch-bound
-  model's time with it. Each round's core and launch cost are recorded (`core_pick`).
+  virtual machine a core's launch cost switches between levels within a minute (docs/decisions.md#core-pick), and
+  a launch-bound model's time with it. Each round's core and launch cost are recorded (`core_pick`).
 
 Both record the GPU's clocks, temperature and power before and after, and the other processes on the GPU
 (`contention`). Reported per model: the median over all timed calls, its bootstrap interval over rounds, the
@@ -183,8 +183,8 @@ def mask_cost(rounds, summary, mask_kind, routes):
     rounds of model(x, mask)'s round median over model(x)'s, its interval, and whether it is within
     MASK_COST_LIMIT. Paired by round because a launch-bound row's rounds switch between a quiet and a host-bound
     level on either side, which moves the ratio of the pooled medians by several per cent and widens its interval
-    (docs/decisions.md#mask-cost-paired). Measured only where the row's call passes an all-True mask (with padding, the two calls
-    compute different things)."""
+    (docs/decisions.md#mask-cost-paired). Measured only where the row's call passes an all-True mask (with padding,
+    the two calls compute different things)."""
     if "optimized_unmasked" not in rounds:
         why = ("the row's call passes no mask" if mask_kind == "none" else
                f"the row's mask is {mask_kind}, not all-True: without it the model computes something else")
