@@ -3,9 +3,9 @@
 Usage: shapewise tune SWEEP.json [POLICY.json]   (default policy: the model's own routing_policy.json)
 
 Reads the `fused` records of a launch sweep (benchmarks/launch_sweep.py writes them). Per official row, a
-configuration qualifies when it compiled and its errors against the fp64 reference (plain and masked) are at most twice those of the
-baseline configuration (the sweep's first, the one the policy ran before): a configuration that computes
-something else is never picked for speed. The rows are grouped as the policy's launch entries are: each row
+configuration qualifies when it compiled and its errors against the fp64 reference (plain and masked) are at most
+twice those of the baseline configuration (the sweep's first, the one the policy ran before): a configuration
+that computes something else is never picked for speed. The rows are grouped as the policy's launch entries are: each row
 joins the first of GROUPS whose bounds cover it (batch_size*seq_len up to max_tokens, num_heads up to
 max_heads). Small (rows 2 and 12: fewer 32-row programs than the H200 has SMs, so smaller row blocks add
 parallelism); mid (rows 1 and 7, and the unswept 9 and 10: 8192 tokens, few heads); large (rows 5, 6 and 11:
