@@ -161,3 +161,17 @@ def _refused_again(inputs):
     with pytest.raises(report_data.ReportInputError) as info:
         report.render(inputs, "results/report")
     return str(info.value)
+
+
+def test_result_file_problem_before_a_job_runs(tmp_path):
+    """The check a rule can make of an earlier result when Snakemake builds the DAG (no torch)."""
+    path = tmp_path / "pre.json"
+    assert provenance.result_file_problem(path) == "is missing"
+    io.write_result(path, {"step": "preflight", "models": {}})
+    assert provenance.result_file_problem(path) is None
+    edit_raw(path, lambda d: d.update(models={"optimized": {"fits": True}}))
+    assert "edited after its job wrote it" in provenance.result_file_problem(path)
+    path.write_text(path.read_text()[:40])
+    assert provenance.result_file_problem(path).startswith("is not valid JSON")
+    path.write_text('{"step": "preflight"}')  # no digest: taken as it is
+    assert provenance.result_file_problem(path) is None

@@ -29,6 +29,7 @@ MAX_YAML_BYTES = 1 * 2**20  # a manifest row takes ~200 bytes: 1 MiB holds thous
 MAX_JSON_BYTES = 64 * 2**20  # a sweep or provenance record is well under a MiB; a trace is never read
 MAX_YAML_DEPTH = 8  # a manifest needs 3 levels: the list, a row, a value
 MAX_JSON_DEPTH = 32  # the package's JSON records (results, sweeps, provenance) need at most 7
+MAX_CONFIG_NODES = 10_000  # config/config.yaml holds ~150 values; an alias bomb expands past any such bound
 
 
 class InputFileError(ValueError):
@@ -128,6 +129,22 @@ def _depth(value):
         children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
         stack.extend((child, level + 1) for child in children)
     return deepest
+
+
+def check_loaded(value, source, max_nodes=MAX_CONFIG_NODES, max_depth=MAX_YAML_DEPTH):
+    """Raise InputFileError naming `source` when `value`, data another loader built (Snakemake's config, whose
+    loader keeps aliases), nests deeper than `max_depth` or expands to more than `max_nodes` values: every
+    occurrence of a shared node counts, so an alias bomb stops after `max_nodes` steps, not 9^9."""
+    count, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        count += 1
+        if count > max_nodes:
+            raise InputFileError(f"{source}: more than {max_nodes} values once expanded (YAML aliases?)")
+        if level > max_depth:
+            raise InputFileError(f"{source}: nested deeper than {max_depth} levels")
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((child, level + 1) for child in children)
 
 
 def load_json(path, what, max_bytes=MAX_JSON_BYTES):

@@ -67,6 +67,23 @@ def seal(record: dict) -> dict:
     return dict(record, **{CONTENT_FIELD: content_sha256(record)})
 
 
+def result_file_problem(path):
+    """None when `path` holds a result a later job may read (a JSON object whose content digest, when it carries
+    one, matches), else what is wrong (one clause). For a check before a job runs, e.g. of a preflight result
+    when Snakemake builds the DAG; reads no torch."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return "is missing"
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"cannot be read ({exc})"
+    except ValueError as exc:
+        return f"is not valid JSON ({exc})"
+    if not isinstance(data, dict):
+        return f"is a JSON {type(data).__name__}, not a result object"
+    return seal_problem(data) if CONTENT_FIELD in data else None
+
+
 def seal_problem(record: dict):
     """None when the record carries its correct content digest, else what is wrong (one clause)."""
     found = record.get(CONTENT_FIELD)

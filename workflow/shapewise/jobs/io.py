@@ -76,21 +76,16 @@ def _json_default(obj):
 
 
 def read_json(path):
-    """An earlier job's result; a damaged one (not JSON, or edited after its job sealed it) stops this job naming
-    the file and the command that redoes it. A result without a digest is taken as it is."""
-    row = Path(path).stem
-    redo = (f"regenerate it with `snakemake --cores all --forcerun {path}` (a row's results: "
-            f"`snakemake --cores all --forcerun $(shapewise targets {row})`)")
-    try:
-        with open(path) as fh:
-            data = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise SystemExit(f"{path} is not valid JSON ({exc}); {redo}") from None
-    if not isinstance(data, dict):
-        raise SystemExit(f"{path} is a JSON {type(data).__name__}, not a result object; {redo}")
-    if provenance.CONTENT_FIELD in data and (problem := provenance.seal_problem(data)):
-        raise SystemExit(f"{path} {problem}; {redo}")
-    return data
+    """An earlier job's result; a damaged one (not JSON, or edited after its job sealed it:
+    shapewise.provenance.result_file_problem) stops this job naming the file and the command that redoes it. A
+    result without a digest is taken as it is."""
+    problem = provenance.result_file_problem(path)
+    if problem:
+        row = Path(path).stem
+        raise SystemExit(f"{path} {problem}; regenerate it with `snakemake --cores all --forcerun {path}` (a row's "
+                         f"results: `snakemake --cores all --forcerun $(shapewise targets {row})`)")
+    with open(path) as fh:
+        return json.load(fh)
 
 
 def resource_skip_reason(preflight, which):
