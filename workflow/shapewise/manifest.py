@@ -214,8 +214,9 @@ def _size_problems(row, source, schema):
                     f"{limits.TENSOR_ELEMENTS_MAX} whose bytes a 64-bit count holds")
     longest = id_length_limit()
     if len(row["id"]) > longest:
-        problems.append(f"{source}: {name[:60]}...: field id: {len(row['id'])} characters, more than the {longest} "
-                        f"that fit in a file name with the suffixes the pipeline adds ({limits.NAME_MAX} bytes)")
+        problems.append(f"{source}: row {row['id'][:40] + '...'!r}: field id: {len(row['id'])} characters, more than "
+                        f"the {longest} that fit in a file name with the suffixes the pipeline adds "
+                        f"({limits.NAME_MAX} bytes)")
     elif (periodic := _PERIODIC.search(row["id"])) is not None:
         problems.append(f"{source}: {name}: field id: ends in {periodic.group(1)!r} repeated "
                         f"{len(periodic.group(0)) // len(periodic.group(1))} times; Snakemake refuses a wildcard "

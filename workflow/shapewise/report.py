@@ -19,6 +19,7 @@ and no line break, so a value cannot start a heading or a list). Nothing in the 
 from __future__ import annotations
 
 import argparse
+import html
 import json
 import os
 import shutil
@@ -27,7 +28,6 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-import html
 import jinja2
 import markupsafe
 
