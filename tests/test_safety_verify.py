@@ -148,3 +148,21 @@ def test_record_size_is_limited(report_dir):
     (report_dir / "provenance.json").write_text(" " * (limits.MAX_JSON_BYTES + 1))
     rc, text = verify(report_dir)
     assert rc == 1 and "larger than" in text
+
+
+@pytest.mark.parametrize("commit", ["--output=/tmp/x", "HEAD", "main", "1234", 5, ["a"]])
+def test_commit_that_is_not_a_full_id_is_never_handed_to_git(report_dir, commit):
+    """Only 40 or 64 hex digits reach `git cat-file`: anything else is checked as a record without a known commit
+    (or refused when it is not even text)."""
+    edit(report_dir, lambda r: r.update(commit=commit))
+    rc, text = verify(report_dir)
+    if isinstance(commit, str):
+        assert rc == 0 and "is not a full commit id" in text and "working tree" in text, text
+    else:
+        assert rc == 1 and "a commit id or null expected" in text
+
+
+def test_dirty_inputs_that_are_not_a_list_of_paths(report_dir):
+    edit(report_dir, lambda r: r.update(dirty_inputs=5))
+    rc, text = verify(report_dir)
+    assert rc == 1 and "dirty_inputs 5: a list of paths expected" in text

@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
@@ -139,9 +140,12 @@ def head_commit(root="."):
 
 
 def commit_known(root, commit):
-    """(True, "") when the repository at root has the commit, else (False, why)."""
+    """(True, "") when the repository at root has the commit, else (False, why). A commit is its full id (40 or 64
+    hex digits): anything else is never handed to git, where a leading '-' would read as an option."""
     if not commit:
         return False, "no commit recorded"
+    if not isinstance(commit, str) or not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", commit):
+        return False, f"{commit!r:.60} is not a full commit id"
     ok, _, err = _git(root, "cat-file", "-e", f"{commit}^{{commit}}")
     return ok, ("" if ok else err)
 
@@ -192,6 +196,11 @@ def _record_problems(report_dir, record):
     if not isinstance(root, str) or any(part != ".." for part in PurePosixPath(root).parts):
         return [f"root {root!r}: the root must be a directory above the report directory ('..', '../..', ...)"]
     problems = []
+    if record.get("commit") is not None and not isinstance(record["commit"], str):
+        problems.append(f"commit {record['commit']!r:.60}: a commit id or null expected")
+    dirty = record.get("dirty_inputs")
+    if dirty is not None and not (isinstance(dirty, list) and all(isinstance(p, str) for p in dirty)):
+        problems.append(f"dirty_inputs {dirty!r:.60}: a list of paths expected")
     for kind, base in (("artifact", report_dir), ("input", report_dir / root)):
         entries = record[f"{kind}s"]
         if not isinstance(entries, list):
@@ -312,7 +321,7 @@ def verify(report_dir, artifacts_only=False, out=print):
         known, why = commit_known(root, commit)
         if fmt >= 2 and record.get("dirty"):
             out(f"verify: produced from a dirty tree: {len(record.get('dirty_inputs') or [])} inputs differed "
-                f"from commit {commit[:12] if commit else '?'}")
+                f"from commit {str(commit)[:12] if commit else '?'}")
         if known:
             problems += _check_inputs_against_commit(root, commit, record, out)
         else:
@@ -321,7 +330,7 @@ def verify(report_dir, artifacts_only=False, out=print):
             elif not commit:
                 reason = "the report was not produced in a git repository"
             else:
-                reason = f"commit {commit[:12]} unknown to the repository at {root} ({why})"
+                reason = f"commit {str(commit)[:12]} unknown to the repository at {root} ({why})"
             hint = "fetch the commit, or use --artifacts-only" if commit else "or use --artifacts-only"
             out(f"verify: inputs: {reason}: checked against the working tree; a mismatch fails because it cannot "
                 f"be told from tampering ({hint})")
