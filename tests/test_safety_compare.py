@@ -162,3 +162,12 @@ def test_baseline_that_is_missing_or_not_a_report(rendered):
     shutil.copytree("results/report", "damaged")
     Path("damaged/summary.csv").write_text("id,status\n")
     assert "missing column(s)" in _refused(dict(rendered, baseline="damaged"))
+
+
+@pytest.mark.parametrize("column", ["id", "machine", "route"])
+def test_a_text_with_a_control_character_is_refused(tmp_path, column):
+    """A terminal acts on escape sequences compare would print (a foreign report's id, machine or route)."""
+    old = summary(tmp_path / "old", [row("a")])
+    new = summary(tmp_path / "new", [row("a", **{column: "a\x1b]0;owned\x07"})])
+    rc, out, err = run_compare(old, new)
+    assert rc == 2 and "holds a control character" in err and "\x1b" not in err and out == ""

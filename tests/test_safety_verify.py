@@ -166,3 +166,9 @@ def test_dirty_inputs_that_are_not_a_list_of_paths(report_dir):
     edit(report_dir, lambda r: r.update(dirty_inputs=5))
     rc, text = verify(report_dir)
     assert rc == 1 and "dirty_inputs 5: a list of paths expected" in text
+
+
+def test_path_with_a_control_character_is_refused(report_dir, capsys):
+    edit(report_dir, lambda r: r["artifacts"].append({"path": "x\x1b[2J.csv", "sha256": "0" * 64}))
+    rc, text = verify(report_dir)
+    assert rc == 1 and "holds a control character" in text and "\x1b" not in text

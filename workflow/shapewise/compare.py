@@ -89,8 +89,13 @@ def _breaks_rule(value, rule):
 
 
 def check_values(row, where):
-    """Raise CompareError when a number of `row` breaks VALUE_RULES; `where` names the file and line. Returns the
-    row with its times as floats."""
+    """Raise CompareError when a number of `row` breaks VALUE_RULES, or a text holds a control character (which
+    a terminal would act on when compare prints it); `where` names the file and line. Returns the row with its
+    times as floats."""
+    for column in TEXT_COLUMNS:
+        value = row.get(column)
+        if isinstance(value, str) and any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise CompareError(f"{where}: {column} {value!r} holds a control character")
     for column, rule in VALUE_RULES.items():
         value = row.get(column)
         if value is None:

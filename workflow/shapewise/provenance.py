@@ -105,6 +105,8 @@ def outside(base, path):
     else why not."""
     if not isinstance(path, str) or not path:
         return f"has no path ({path!r}); an entry needs a relative path"
+    if any(ord(c) < 32 or ord(c) == 127 for c in path):
+        return f"{path!r}: holds a control character"
     pure = PurePosixPath(path)
     if pure.is_absolute():
         return f"{path}: an absolute path; entries are relative to their base"
