@@ -458,7 +458,7 @@ def _snakemake(cwd, *args):
 
 def test_deleted_result_is_scheduled_again(tmp_path):
     """Rule all requests RESULT_TARGETS (workflow/rules/report.smk) besides the report: Snakemake does not rerun the
-    job of a missing intermediate file whose consumer is up to date (issue #13: "Nothing to be done")."""
+    job of a missing intermediate file whose consumer is up to date (it says "Nothing to be done")."""
     from shapewise import manifest
 
     copy_checkout(tmp_path)
