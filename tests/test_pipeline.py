@@ -237,13 +237,15 @@ def test_forced_route_that_cannot_serve_fails_the_job_only(workdir):
 
 def test_results_from_different_gpus_are_reported_apart(workdir):
     """Two rows measured on different device models: two groups, two geomeans, a banner."""
+    from shapewise import provenance
+
     timing = workdir / "results" / "timing" / "tiny-holes.json"
     original = timing.read_bytes()
     stat = timing.stat()
     data = json.loads(original)
     data["environment"]["gpu_name"] = "Another GPU model"
     data["environment"]["machine_key"] = "Another GPU model | software 000000000000"
-    timing.write_text(json.dumps(data))
+    timing.write_text(json.dumps(provenance.seal(data)))  # sealed as a job of that machine would have written it
     try:
         env = dict(os.environ, PYTHONPATH=str(workdir / "workflow"))
         # what the report rule handed the plain run's report: its rows are the manifest's as they are now

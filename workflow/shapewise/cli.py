@@ -118,8 +118,16 @@ def main(argv=None):
 
         return tune_main(args.sweep, args.policy)
     if args.command == "targets":
-        from shapewise import paths
+        import re
 
+        from shapewise import paths
+        from shapewise.manifest import load_schema
+
+        pattern = load_schema()["items"]["properties"]["id"]["pattern"]
+        bad = [i for i in args.ids if not re.fullmatch(pattern, i)]
+        if bad:
+            print(f"targets: not a row id: {', '.join(map(repr, bad))} (ids match {pattern})", file=sys.stderr)
+            return 2
         print(" ".join(path for i in args.ids for path in paths.per_shape(i).values()))
         return 0
     if args.command == "gpus":

@@ -12,7 +12,12 @@ another (those are listed as not comparable). For each model of a row in both ru
 - "n/a" when either median is missing (row not timed, added or removed).
 
 A regression is a row whose optimized model is slower beyond noise; `main` exits 1 when there is one, 0
-otherwise, 2 when a report cannot be read (the message names the file).
+otherwise, 2 when a report cannot be read (the message names the file), when the two runs have no row in common
+(by machine and id: nothing would be compared) or when a noise floor is not a fraction in [0, 1).
+
+Every number compare reads is checked: a time (median or interval bound, ms) or a speedup must be a finite number
+above 0, a count of elements a whole number >= 0, an error a finite number >= 0; anything else (`nan`, `abc`, `-1`)
+is an error naming the file, the line, the row and the column, never a "+nan %" verdict.
 
 OLD or NEW may also be a results directory of a run that rendered no report (e.g. timing jobs only): without a
 summary.csv, its rows are read from <dir>/timing/*.json (median, interval, machine, route of each result).
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 from pathlib import Path
 
@@ -38,6 +44,14 @@ REQUIRED_COLUMNS = ("id", "status", "route", "reference_median_ms", "optimized_m
 TEXT_COLUMNS = ("id", "machine", "status", "call", "route")
 # Columns compare reads as numbers: a cell that is neither empty nor a number is an error, not a silent None.
 NUMBER_COLUMNS = tuple(f"{m}_{c}" for m in MODELS for c in ("median_ms", "ci_low_ms", "ci_high_ms"))
+# What a number of a column may be, for the columns of summary.csv that hold numbers (when present).
+POSITIVE = "a finite number above 0"
+NON_NEGATIVE = "a finite number >= 0"
+COUNT = "a whole number >= 0"
+VALUE_RULES = {**{column: POSITIVE for column in NUMBER_COLUMNS},
+               **{column: POSITIVE for column in ("speedup", "speedup_ci_low", "speedup_ci_high")},
+               **{column: COUNT for column in ("failed_elements", "total_elements", "strict_failed_elements")},
+               "max_abs_error": NON_NEGATIVE}
 
 
 class CompareError(Exception):
@@ -63,6 +77,34 @@ def _cell(text):
         except ValueError:
             pass
     return text
+
+
+def _breaks_rule(value, rule):
+    """Whether a parsed cell (int, float, bool or text) breaks its column's rule."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return True
+    if rule == COUNT:
+        return value < 0 or value != int(value)
+    return value <= 0 if rule == POSITIVE else value < 0
+
+
+def check_values(row, where):
+    """Raise CompareError when a number of `row` breaks VALUE_RULES, or a text holds a control character (which
+    a terminal would act on when compare prints it); `where` names the file and line. Returns the row with its
+    times as floats."""
+    for column in TEXT_COLUMNS:
+        value = row.get(column)
+        if isinstance(value, str) and any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise CompareError(f"{where}: {column} {value!r} holds a control character")
+    for column, rule in VALUE_RULES.items():
+        value = row.get(column)
+        if value is None:
+            continue
+        if _breaks_rule(value, rule):
+            raise CompareError(f"{where} (row {row['id']}): {column} is {value!r}, not {rule}")
+        if column in NUMBER_COLUMNS:
+            row[column] = float(value)
+    return row
 
 
 def _machine_from_timing(report_dir, row_id):
@@ -93,7 +135,7 @@ def rows_from_timing_results(results_dir) -> list[dict]:
             ci = entry.get("median_ci_ms") or (None, None)
             row[f"{model}_median_ms"], row[f"{model}_ci_low_ms"], row[f"{model}_ci_high_ms"] = \
                 entry.get("median_ms"), ci[0], ci[1]
-        rows.append(row)
+        rows.append(check_values(row, str(path)))
     return rows
 
 
@@ -124,13 +166,7 @@ def load_rows(report_dir) -> list[dict]:
         row = {k: (v if k in TEXT_COLUMNS and v != "" else _cell(v)) for k, v in cells.items()}
         if not row["id"]:
             raise CompareError(f"{path}, line {line}: empty id")
-        for column in NUMBER_COLUMNS:
-            value = row.get(column)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise CompareError(f"{path}, line {line} (row {row['id']}): {column} is {cells[column]!r}, "
-                                   f"not a number")
-            if value is not None:
-                row[column] = float(value)
+        check_values(row, f"{path}, line {line}")
         if "machine" in columns and row.get("machine"):
             row["machine_source"] = SUMMARY
         else:
@@ -219,6 +255,38 @@ def compare_rows(old_rows, new_rows, floors=None) -> dict:
     return {"rows": rows, "regressions": regressions, "not_comparable": not_comparable, "floors": floors}
 
 
+def nothing_in_common(result, old_name="OLD", new_name="NEW"):
+    """None when at least one row is in both runs (same machine and id), else the sentence that says why the
+    comparison is empty: no common id, or common ids measured on other machines."""
+    if any(r["status"] == "both" for r in result["rows"]):
+        return None
+    old = sorted({r["id"] for r in result["rows"] if r["status"] == "removed"})
+    new = sorted({r["id"] for r in result["rows"] if r["status"] == "added"})
+    if result["not_comparable"]:
+        machines = "; ".join(f"{n['id']}: {', '.join(n['old_machines'])} against {', '.join(n['new_machines'])}"
+                             for n in result["not_comparable"][:5])
+        return (f"no row of {old_name} is in {new_name} on the same machine, so nothing can be compared "
+                f"(rows with the same id ran on different machines: {machines})")
+    return (f"no row of {old_name} is in {new_name}, so nothing can be compared ({old_name}: {_some(old)}; "
+            f"{new_name}: {_some(new)})")
+
+
+def _some(ids, shown=10):
+    """Up to `shown` ids, then how many more."""
+    if not ids:
+        return "no rows"
+    more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
+    return ", ".join(ids[:shown]) + more
+
+
+def check_floors(floors):
+    """Raise CompareError unless every floor is a fraction in [0, 1)."""
+    for model, floor in (floors or {}).items():
+        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 <= floor < 1:
+            raise CompareError(f"the {model} noise floor is {floor!r}; it must be a fraction in [0, 1), "
+                               f"e.g. {DEFAULT_FLOORS[model]}")
+
+
 def _ms(value):
     return "-" if value is None else f"{value:.4g}"
 
@@ -281,7 +349,11 @@ def format_comparison(result, old_name="OLD", new_name="NEW") -> list[str]:
 def main(old_dir, new_dir, floors=None, out=print, err=print) -> int:
     """Print the comparison of two report directories; 1 on a regression, 0 without, 2 on unreadable input."""
     try:
+        check_floors(floors)
         result = compare_rows(load_rows(old_dir), load_rows(new_dir), floors)
+        empty = nothing_in_common(result, str(old_dir), str(new_dir))
+        if empty:
+            raise CompareError(empty)
     except CompareError as exc:
         err(f"compare: {exc}")
         return 2

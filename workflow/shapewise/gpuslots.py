@@ -367,7 +367,13 @@ def check_intervals(records, min_gpus=2):
 
 
 def check_main(results_dir, min_gpus=2):
-    """`shapewise gpus check DIR`: print the check of DIR's result files; 0 when it passes, 1 when not."""
+    """`shapewise gpus check DIR`: print the check of DIR's result files; 0 when it passes, 1 when not, 2 when DIR
+    is not a directory."""
+    if not Path(results_dir).is_dir():
+        what = "does not exist" if not Path(results_dir).exists() else "is not a directory"
+        print(f"gpus check: {results_dir} {what}; give the results directory of a run (default: results)",
+              file=sys.stderr)
+        return 2
     summary = check_intervals(job_intervals(results_dir), min_gpus)
     print(f"{summary['jobs']} GPU job results under {results_dir}")
     for gpu, count in summary["gpus"].items():

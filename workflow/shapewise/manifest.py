@@ -11,6 +11,16 @@ DTYPES to torch dtypes), shapewise.model.routing owns the route names. The
 enums are written into the schema when it is loaded, so one validation pass
 checks them all. Integers must be written as integers (2, not 2.0) and every
 number must be finite (no .nan, no .inf).
+
+Limits checked before anything else (shapewise.limits owns the numbers): the
+file's size, UTF-8, nesting depth, no YAML alias and no key written twice in
+a row (shapewise.limits.load_yaml); at least one row; every integer fits a
+signed 64-bit count, and so does every tensor a row's models allocate
+(TENSORS, at most limits.TENSOR_ELEMENTS_MAX elements); an id fits in every
+file name the pipeline makes of it (id_length_limit, from shapewise.paths)
+and does not end in a part repeated PERIODIC_REPEATS times (Snakemake refuses
+such a wildcard value as a sign of a cyclic rule); a padded row can pad at
+least one token.
 """
 
 from __future__ import annotations
@@ -19,11 +29,13 @@ import copy
 import functools
 import json
 import math
-from pathlib import Path
+import re
+from pathlib import Path, PurePosixPath
 
 import jsonschema
 import yaml
 
+from shapewise import limits, paths
 from shapewise.model.routing import ROUTES
 from shapewise.paths import OFFICIAL_MANIFEST as OFFICIAL_PATH
 from shapewise.paths import SHAPES_SCHEMA as SCHEMA_PATH
@@ -36,6 +48,18 @@ MASKS = ("none", "prefix", "left", "holes")
 ENUMS = {"dtype": DTYPES, "mask": MASKS, "route": ("auto",) + tuple(ROUTES)}
 # Fields that describe a row without changing its results: left out of row_json.
 NON_IDENTITY_FIELDS = ("manifest", "description", "target_ms")
+# The largest tensors a row's models allocate, as products of its fields: the input and output, the FFN's
+# activations, the reference's attention scores, the weights of all layers.
+TENSORS = {
+    "x [batch_size, seq_len, d_model]": ("batch_size", "seq_len", "d_model"),
+    "FFN activations [batch_size, seq_len, ffn_dim]": ("batch_size", "seq_len", "ffn_dim"),
+    "attention scores [batch_size, num_heads, seq_len, seq_len]": ("batch_size", "num_heads", "seq_len", "seq_len"),
+    "FFN weights [num_layers, d_model, ffn_dim]": ("num_layers", "d_model", "ffn_dim"),
+    "attention weights [num_layers, d_model, d_model]": ("num_layers", "d_model", "d_model"),
+}
+# Snakemake's PeriodicityDetector refuses a wildcard value that ends in one part repeated this many times.
+PERIODIC_REPEATS = 20
+_PERIODIC = re.compile(r"(.+?)\1{%d,}$" % (PERIODIC_REPEATS - 1))
 
 
 def _is_integer(checker, instance):
@@ -43,7 +67,12 @@ def _is_integer(checker, instance):
 
 
 def _is_finite_number(checker, instance):
-    return isinstance(instance, (int, float)) and not isinstance(instance, bool) and math.isfinite(instance)
+    if not isinstance(instance, (int, float)) or isinstance(instance, bool):
+        return False
+    try:
+        return math.isfinite(instance)
+    except OverflowError:  # an integer beyond a float's range
+        return False
 
 
 # jsonschema accepts 2.0 as an integer and NaN / infinity as numbers; a manifest may not.
@@ -105,6 +134,8 @@ def _field_of(error):
 def _message(error):
     """jsonschema's message, plainer where our stricter types rejected a value."""
     value = error.instance
+    if error.validator == "type" and isinstance(value, int) and not isinstance(value, bool):
+        return f"must be a finite number, got an integer of {len(str(abs(value)))} digits"
     if error.validator == "type" and isinstance(value, float):
         if not math.isfinite(value):
             return f"must be a finite number, got {value}"
@@ -152,6 +183,53 @@ def normalize_row(row, schema=None):
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def id_length_limit():
+    """The longest row id whose every file name fits limits.NAME_MAX: NAME_MAX less the most that any file name
+    of a row (a result, a profile file, a log: shapewise.paths) adds to the id. The jobs write a result through
+    a temporary name that does not contain the id (shapewise.jobs.io.write_result)."""
+    probe = "{shape}"
+    names = [*paths.per_shape(probe).values(), *paths.profile_extra(probe).values(),
+             *(paths.log(step, probe) for step in paths.SHAPE_STEPS)]
+    added = max(len(part) - len(probe) for name in names for part in PurePosixPath(name).parts if probe in part)
+    return limits.NAME_MAX - added
+
+
+def _size_problems(row, source, schema):
+    """Integers and tensor sizes beyond what a 64-bit count holds, and ids no file name can hold."""
+    name = f"row {row['id']!r}"
+    problems = []
+    for field, spec in schema["items"]["properties"].items():
+        value = row.get(field)
+        if spec.get("type") == "integer" and isinstance(value, int) and value > limits.COUNT_MAX:
+            problems.append(f"{source}: {name}: field {field}: {value} does not fit a signed 64-bit count "
+                            f"(at most {limits.COUNT_MAX})")
+    if not problems:
+        for tensor, fields in TENSORS.items():
+            elements = math.prod(row[f] for f in fields)
+            if elements > limits.TENSOR_ELEMENTS_MAX:
+                problems.append(
+                    f"{source}: {name}: fields {', '.join(dict.fromkeys(fields))}: the {tensor} would hold "
+                    f"{' x '.join(str(row[f]) for f in fields)} = {elements} elements, more than the "
+                    f"{limits.TENSOR_ELEMENTS_MAX} whose bytes a 64-bit count holds")
+    longest = id_length_limit()
+    if len(row["id"]) > longest:
+        problems.append(f"{source}: row {row['id'][:40] + '...'!r}: field id: {len(row['id'])} characters, more than "
+                        f"the {longest} that fit in a file name with the suffixes the pipeline adds "
+                        f"({limits.NAME_MAX} bytes)")
+    elif (periodic := _PERIODIC.search(row["id"])) is not None:
+        problems.append(f"{source}: {name}: field id: ends in {periodic.group(1)!r} repeated "
+                        f"{len(periodic.group(0)) // len(periodic.group(1))} times; Snakemake refuses a wildcard "
+                        f"value ending in a part repeated {PERIODIC_REPEATS} times or more")
+    return problems
+
+
+def shortest_valid_length(seq_len, padding_ratio):
+    """The fewest valid tokens a padded row's batch element may get: the length rule of
+    shapewise.model.cases.padding_lengths (lengths drawn in [max(1, round(S * (1 - p))), S]), here without torch."""
+    return max(1, round(seq_len * (1.0 - padding_ratio)))
+
+
 def _cross_field_problems(row, source):
     """Checks a JSON schema cannot express; `row` is normalized."""
     name = f"row {row['id']!r}"
@@ -167,6 +245,12 @@ def _cross_field_problems(row, source):
         problems.append(f"{source}: {name}: field mask: padding_ratio > 0 needs a mask other than 'none'")
     if row["padding_ratio"] > 0 and round(row["padding_ratio"] * row["seq_len"]) >= row["seq_len"]:
         problems.append(f"{source}: {name}: field padding_ratio: would pad every token of seq_len {row['seq_len']}")
+    elif row["padding_ratio"] > 0 and shortest_valid_length(row["seq_len"], row["padding_ratio"]) >= row["seq_len"]:
+        problems.append(
+            f"{source}: {name}: field padding_ratio: padding_ratio {row['padding_ratio']} of seq_len "
+            f"{row['seq_len']} pads no token (valid lengths are drawn in [max(1, round(seq_len * (1 - "
+            f"padding_ratio))), seq_len] = [{row['seq_len']}, {row['seq_len']}]); raise seq_len or padding_ratio, "
+            f"or write padding_ratio: 0")
     if not row["pass_mask"] and row["padding_ratio"] > 0:
         problems.append(f"{source}: {name}: field pass_mask: pass_mask false calls model(x) without a mask, "
                         f"but padding_ratio {row['padding_ratio']} > 0 needs one")
@@ -176,8 +260,12 @@ def _cross_field_problems(row, source):
 def parse_rows(rows, source="<manifest>", schema=None):
     """Validate already-loaded rows; return them normalized or raise ManifestError."""
     schema = schema or load_schema()
+    if rows is None:
+        raise ManifestError([f"{source}: the manifest is empty; it must be a YAML list of rows"])
     if not isinstance(rows, list):
         raise ManifestError(_schema_problems(rows, source, schema))
+    if not rows:
+        raise ManifestError([f"{source}: the manifest has no rows (an empty list); it needs at least one"])
     problems, normalized, seen = [], [], {}
     for index, raw in enumerate(rows):
         row_problems = _schema_problems([raw], source, schema)
@@ -188,7 +276,8 @@ def parse_rows(rows, source="<manifest>", schema=None):
             continue
         row = normalize_row(raw, schema)
         normalized.append(row)
-        problems += _cross_field_problems(row, source)
+        size_problems = _size_problems(row, source, schema)
+        problems += size_problems or _cross_field_problems(row, source)
         if row["id"] in seen:
             problems.append(
                 f"{source}: row {row['id']!r}: field id: duplicate id (rows #{seen[row['id']] + 1} and #{index + 1})"
@@ -202,14 +291,12 @@ def parse_rows(rows, source="<manifest>", schema=None):
 
 
 def load_manifest(path, schema=None):
+    """The rows of one manifest file, checked (limits first, see the module docstring) and normalized."""
     path = Path(path)
-    if not path.is_file():
-        raise ManifestError([f"{path}: manifest file not found"])
     try:
-        with open(path) as fh:
-            rows = yaml.safe_load(fh)
-    except yaml.YAMLError as exc:
-        raise ManifestError([f"{path}: not valid YAML: {exc}"]) from exc
+        rows = limits.load_yaml(path, "manifest")
+    except limits.InputFileError as exc:
+        raise ManifestError([str(exc)]) from None
     return parse_rows(rows, source=str(path), schema=schema)
 
 
@@ -218,11 +305,15 @@ def official_rows(path=OFFICIAL_PATH):
     return {int(row["id"].rsplit("-", 1)[1]): row for row in load_manifest(path)}
 
 
-def load_manifests(paths, schema=None):
+def load_manifests(manifest_paths, schema=None):
     """Load several manifests; ids must be unique across all of them."""
     schema = schema or load_schema()
-    rows, problems, owner = [], [], {}
-    for path in paths:
+    rows, problems, owner, seen_files = [], [], {}, set()
+    for path in manifest_paths:
+        if Path(path).resolve() in seen_files:
+            problems.append(f"{path}: manifest selected twice; name each manifest once")
+            continue
+        seen_files.add(Path(path).resolve())
         try:
             loaded = load_manifest(path, schema)
         except ManifestError as exc:

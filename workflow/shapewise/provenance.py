@@ -20,6 +20,21 @@ Format 2 adds the git state of the checkout the report was produced from:
 
 `verify` then checks the inputs against the commit's git objects rather than
 the working tree, so a report stays verifiable after the sources move on.
+
+Every path of a record must stay inside its base: an artifact a relative path
+under the report directory, an input a relative path under the root, and the
+root a directory that holds the report directory; no `..` part, no absolute
+path, nothing that resolves (through a symbolic link) outside. verify refuses
+a record that breaks this before hashing any file.
+
+A result file also carries a digest of its own content (`content_sha256`, see
+seal): the SHA-256 of the canonical JSON of its other fields, written by the
+job that made it (shapewise.jobs.io.write_result). The report refuses a result
+whose digest is missing or wrong, and verify fails a JSON artifact whose
+digest is wrong (results copied into reports before the digest existed carry
+none; their SHA-256 in provenance.json still covers them). Neither hash is a
+signature: anyone who can write the files can recompute both
+(docs/robustness.md, trust model).
 """
 
 from __future__ import annotations
@@ -27,17 +42,85 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 from datetime import datetime, timezone
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
+from shapewise import limits
 from shapewise.inventory import sha256_file
 
 FORMAT = 2
 FORMATS = (1, 2)  # the formats verify understands
+CONTENT_FIELD = "content_sha256"  # a result's digest of its own content (seal)
+
+
+def content_sha256(record: dict) -> str:
+    """SHA-256 of the canonical JSON (sorted keys, no spaces, ASCII) of `record` without its CONTENT_FIELD.
+    `record` holds what JSON reads back (json.loads of the file): the digest is of the file's content."""
+    body = {key: value for key, value in record.items() if key != CONTENT_FIELD}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def seal(record: dict) -> dict:
+    """`record` with CONTENT_FIELD set to its content_sha256."""
+    return dict(record, **{CONTENT_FIELD: content_sha256(record)})
+
+
+def result_file_problem(path):
+    """None when `path` holds a result a later job may read (a JSON object whose content digest, when it carries
+    one, matches), else what is wrong (one clause). For a check before a job runs, e.g. of a preflight result
+    when Snakemake builds the DAG; reads no torch."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return "is missing"
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"cannot be read ({exc})"
+    except ValueError as exc:
+        return f"is not valid JSON ({exc})"
+    if not isinstance(data, dict):
+        return f"is a JSON {type(data).__name__}, not a result object"
+    return seal_problem(data) if CONTENT_FIELD in data else None
+
+
+def seal_problem(record: dict):
+    """None when the record carries its correct content digest, else what is wrong (one clause)."""
+    found = record.get(CONTENT_FIELD)
+    if found is None:
+        return (f"has no {CONTENT_FIELD}: it was written by a shapewise older than result digests, or the field "
+                f"was removed")
+    if found != content_sha256(record):
+        return f"was edited after its job wrote it: its {CONTENT_FIELD} does not match its content"
+    return None
+
+
+class ProvenanceError(ValueError):
+    """A path a record would list that lies outside its base (see the module docstring)."""
+
+
+def outside(base, path):
+    """None when `path` is a relative path that stays inside `base` (also after symbolic links are followed),
+    else why not."""
+    if not isinstance(path, str) or not path:
+        return f"has no path ({path!r}); an entry needs a relative path"
+    if any(ord(c) < 32 or ord(c) == 127 for c in path):
+        return f"{path!r}: holds a control character"
+    pure = PurePosixPath(path)
+    if pure.is_absolute():
+        return f"{path}: an absolute path; entries are relative to their base"
+    if ".." in pure.parts:
+        return f"{path}: has a '..' part; entries stay inside their base"
+    if not (Path(base) / path).resolve().is_relative_to(Path(base).resolve()):
+        return f"{path}: resolves outside {base} (through a symbolic link)"
+    return None
 
 
 def _entry(path, base):
+    problem = outside(base, Path(path).as_posix())
+    if problem:
+        raise ProvenanceError(f"cannot record {problem}")
     full = Path(base) / path
     return {"path": Path(path).as_posix(), "sha256": sha256_file(full), "bytes": full.stat().st_size}
 
@@ -59,9 +142,12 @@ def head_commit(root="."):
 
 
 def commit_known(root, commit):
-    """(True, "") when the repository at root has the commit, else (False, why)."""
+    """(True, "") when the repository at root has the commit, else (False, why). A commit is its full id (40 or 64
+    hex digits): anything else is never handed to git, where a leading '-' would read as an option."""
     if not commit:
         return False, "no commit recorded"
+    if not isinstance(commit, str) or not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", commit):
+        return False, f"{commit!r:.60} is not a full commit id"
     ok, _, err = _git(root, "cat-file", "-e", f"{commit}^{{commit}}")
     return ok, ("" if ok else err)
 
@@ -105,6 +191,33 @@ def write(report_dir, inputs, artifacts, root=".", commit=None):
     return record
 
 
+def _record_problems(report_dir, record):
+    """What makes a record unusable before any file is hashed: a root that is not a directory above the report
+    (only '..' parts), an entry that is not {"path", "sha256"}, a path outside its base."""
+    root = record["root"]
+    if not isinstance(root, str) or any(part != ".." for part in PurePosixPath(root).parts):
+        return [f"root {root!r}: the root must be a directory above the report directory ('..', '../..', ...)"]
+    problems = []
+    if record.get("commit") is not None and not isinstance(record["commit"], str):
+        problems.append(f"commit {record['commit']!r:.60}: a commit id or null expected")
+    dirty = record.get("dirty_inputs")
+    if dirty is not None and not (isinstance(dirty, list) and all(isinstance(p, str) for p in dirty)):
+        problems.append(f"dirty_inputs {dirty!r:.60}: a list of paths expected")
+    for kind, base in (("artifact", report_dir), ("input", report_dir / root)):
+        entries = record[f"{kind}s"]
+        if not isinstance(entries, list):
+            problems.append(f"{kind}s: a list of entries expected, got {type(entries).__name__}")
+            continue
+        for number, entry in enumerate(entries, 1):
+            if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
+                problems.append(f"{kind} #{number}: not an entry with a path and a sha256 string: {entry!r:.120}")
+                continue
+            problem = outside(base, entry.get("path"))
+            if problem:
+                problems.append(f"{kind} #{number} {problem}")
+    return problems
+
+
 def _check_files(kind, base, entries):
     """Problems ("<kind> missing: path", "<kind> changed (SHA-256 mismatch): path") of entries against files."""
     problems = []
@@ -114,6 +227,23 @@ def _check_files(kind, base, entries):
             problems.append(f"{kind} missing: {path}")
         elif sha256_file(path) != entry["sha256"]:
             problems.append(f"{kind} changed (SHA-256 mismatch): {path}")
+    return problems
+
+
+def _check_seals(base, entries):
+    """Problems of JSON artifacts whose own content digest (seal) is wrong; one without a digest is not checked
+    (it predates the digest; its SHA-256 in the record covers it)."""
+    problems = []
+    for entry in entries:
+        path = base / entry["path"]
+        if path.suffix != ".json" or not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+            continue  # not a result: its SHA-256 alone covers it
+        if isinstance(data, dict) and CONTENT_FIELD in data and (problem := seal_problem(data)):
+            problems.append(f"artifact {problem}: {path}")
     return problems
 
 
@@ -164,26 +294,36 @@ def verify(report_dir, artifacts_only=False, out=print):
         out(f"verify: FAILED: {manifest} not found")
         return 1
     try:
-        record = json.loads(manifest.read_text())
+        record = limits.load_json(manifest, "provenance record")
         fmt = record["format"]
-        root = report_dir / record["root"]
-        record["inputs"], record["artifacts"]
-    except (ValueError, KeyError, TypeError) as exc:
+        record["root"], record["inputs"], record["artifacts"]
+    except limits.InputFileError as exc:
+        out(f"verify: FAILED: {exc}")
+        return 1
+    except (KeyError, TypeError) as exc:
         out(f"verify: FAILED: {manifest} is not a provenance record ({type(exc).__name__}: {exc})")
         return 1
     if fmt not in FORMATS:
         out(f"verify: FAILED: {manifest} has format {fmt!r}; this shapewise reads formats {FORMATS}")
         return 1
+    unusable = _record_problems(report_dir, record)
+    if unusable:
+        for problem in unusable:
+            out(f"verify: {manifest}: {problem}")
+        out(f"verify: FAILED: {manifest} lists {len(unusable)} unusable entries; no file was read")
+        return 1
+    root = report_dir / record["root"]
 
     problems = _check_files("artifact", report_dir, record["artifacts"])
     n_art = len(record["artifacts"])
     out(f"verify: artifacts: {n_art - len(problems)} of {n_art} match")
+    problems += _check_seals(report_dir, record["artifacts"])
     if not artifacts_only:
         commit = record.get("commit") if fmt >= 2 else None
         known, why = commit_known(root, commit)
         if fmt >= 2 and record.get("dirty"):
             out(f"verify: produced from a dirty tree: {len(record.get('dirty_inputs') or [])} inputs differed "
-                f"from commit {commit[:12] if commit else '?'}")
+                f"from commit {str(commit)[:12] if commit else '?'}")
         if known:
             problems += _check_inputs_against_commit(root, commit, record, out)
         else:
@@ -192,7 +332,7 @@ def verify(report_dir, artifacts_only=False, out=print):
             elif not commit:
                 reason = "the report was not produced in a git repository"
             else:
-                reason = f"commit {commit[:12]} unknown to the repository at {root} ({why})"
+                reason = f"commit {str(commit)[:12]} unknown to the repository at {root} ({why})"
             hint = "fetch the commit, or use --artifacts-only" if commit else "or use --artifacts-only"
             out(f"verify: inputs: {reason}: checked against the working tree; a mismatch fails because it cannot "
                 f"be told from tampering ({hint})")

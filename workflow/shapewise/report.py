@@ -10,11 +10,16 @@ are never mixed into one number.
 
 A report that cannot be built leaves the previous one as it was: everything is rendered into a temporary
 directory beside the output, then moved into place.
+
+Every value a page shows is escaped: report.html through Jinja's autoescaping (html_value: `&`, `<`, `>` and `"`,
+since every attribute of the template is double-quoted), report.md by md_value (no `<`, so no HTML tag or autolink,
+and no line break, so a value cannot start a heading or a list). Nothing in the templates is marked safe.
 """
 
 from __future__ import annotations
 
 import argparse
+import html
 import json
 import os
 import shutil
@@ -24,6 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import jinja2
+import markupsafe
 
 from shapewise import paths, provenance, report_data, report_figures
 from shapewise.report_data import ReportInputError
@@ -63,6 +69,33 @@ def mib(value):
         if value >= scale:
             return f"{value / scale:.1f} {unit}"
     return f"{int(value)} B"
+
+
+def html_value(value):
+    """A value as report.html shows it: `&`, `<`, `>` and `"` escaped (markupsafe would also turn `'` into `&#39;`,
+    which no double-quoted attribute needs). Markup (a macro's or an escaped filter's output) is kept as it is."""
+    if isinstance(value, markupsafe.Markup):
+        return value
+    return markupsafe.Markup(html.escape(str(value), quote=False).replace('"', "&quot;"))
+
+
+def md_value(value):
+    """A value as report.md shows it: `<` written as `&lt;` (no HTML tag or autolink in a Markdown viewer that
+    renders HTML) and line breaks as spaces (a value stays in its line, table cell or list item)."""
+    if not isinstance(value, str):
+        return value
+    return " ".join(value.replace("<", "&lt;").splitlines())
+
+
+def environments():
+    """{template suffix: Jinja environment}: report.html.j2 escaped for HTML, report.md.j2 for Markdown."""
+    def make(**options):
+        env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(paths.TEMPLATES)),
+                                 undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, **options)
+        env.filters.update(fmt=fmt, pct=pct, signed_pct=signed_pct, mib=mib)
+        return env
+
+    return {"html": make(autoescape=True, finalize=html_value), "md": make(autoescape=False, finalize=md_value)}
 
 
 def source_inputs(root):
@@ -112,13 +145,16 @@ def copy_into(src, outdir, rel):
 
 def baseline_section(baseline, outdir):
     """compare_rows of the baseline report against this one (read back from the summary.csv just written)."""
-    from shapewise.compare import CompareError, compare_rows, load_rows
+    from shapewise.compare import CompareError, compare_rows, load_rows, nothing_in_common
 
     try:
         old = load_rows(baseline)
     except CompareError as exc:
         raise ReportInputError([f"baseline (config baseline={baseline}): {exc}"]) from None
     result = compare_rows(old, load_rows(outdir))
+    problem = nothing_in_common(result, str(baseline), "this run")
+    if problem:
+        raise ReportInputError([f"baseline (config baseline={baseline}): {problem}"])
     result["path"] = str(baseline)
     result["added"] = [r for r in result["rows"] if r["status"] == "added"]
     result["removed"] = [r for r in result["rows"] if r["status"] == "removed"]
@@ -199,14 +235,12 @@ def build(inputs, loaded, outdir):
         "host_cpus_heading": report_data.HOST_CPUS_HEADING,
         "core_pick_note": report_data.core_pick_note([i["data"]["timing"] for i in items]),
     }
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(paths.TEMPLATES)), undefined=jinja2.StrictUndefined,
-                             autoescape=jinja2.select_autoescape(["html"]), trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(fmt=fmt, pct=pct, signed_pct=signed_pct, mib=mib)
+    envs = environments()
     # The provenance appendix lists the artifacts above (the report files themselves are in provenance.json).
     context["inputs"] = [provenance._entry(p, root) for p in source_files]
     context["artifacts_listed"] = [provenance._entry(p, outdir) for p in sorted(set(artifacts))]
-    (outdir / "report.md").write_text(env.get_template("report.md.j2").render(**context))
-    (outdir / "report.html").write_text(env.get_template("report.html.j2").render(**context))
+    for kind in ("md", "html"):
+        (outdir / f"report.{kind}").write_text(envs[kind].get_template(f"report.{kind}.j2").render(**context))
     artifacts += ["report.md", "report.html"]
     provenance.write(outdir, source_files, artifacts, root=root, commit=inputs.get("commit"))
     return context
@@ -258,7 +292,7 @@ def main(argv=None):
         return 2
     try:
         context = render(inputs, args.outdir)
-    except ReportInputError as exc:
+    except (ReportInputError, provenance.ProvenanceError) as exc:
         print(f"report: {exc}\nThe previous report in {args.outdir} is unchanged.", file=sys.stderr)
         return 1
     counts = context["counts"]

@@ -4,8 +4,12 @@ The report rule writes one JSON file of inputs (see workflow/rules/report.smk): 
 manifest fields, each row's result files (from shapewise.paths), the fingerprints, the microbenchmark, the
 environment digest of the run and, optionally, a baseline report directory. Nothing here re-reads a manifest.
 
-Every result is checked before it is used: it must parse, and its `identity` (shapewise.identity) must name the
-row, the row digest, the implementation digest and the environment digest of this run. A result that does not is
+Every result is checked before it is used: it must parse, carry the digest of its own content that its job wrote
+(`content_sha256`, shapewise.provenance.seal: a result edited by hand, or written before the digest existed, is
+refused), and its `identity` (shapewise.identity) must name the row, the row digest, the implementation digest and
+the environment digest of this run. Where the inputs say so, its device must be the one the run asked for
+(`device`: cuda or cpu) and the SHAPEWISE_* variables it recorded must be the ones the run passed (`pass_env`), and
+every manifest must still hold the bytes the rows were read from (`manifest_sha256`). A result that does not is
 refused by file name with the command that regenerates it; all problems are collected first and raised together
 (ReportInputError), so one report run names every bad file.
 """
@@ -19,7 +23,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from shapewise import identity, paths, roofline
+from shapewise import identity, paths, provenance, roofline
+from shapewise.inventory import sha256_file
 
 # The columns of summary.csv, in this order: their one list (the report writes them, shapewise.compare reads them).
 SUMMARY_COLUMNS = [
@@ -70,7 +75,43 @@ def read_result(path, regenerate, problems):
         problems.append(f"{path}: damaged, a JSON {type(data).__name__} instead of an object; "
                         f"regenerate it with: {regenerate}")
         return None
+    sealed = provenance.seal_problem(data)
+    if sealed:
+        problems.append(f"{path}: {sealed}; regenerate it with: {regenerate}")
     return data
+
+
+def check_run_settings(path, data, inputs, regenerate, problems):
+    """Append a problem when a result ran on another device than the run asked for (inputs `device`: cuda or cpu;
+    auto takes either) or with other SHAPEWISE_* variables than the run passed (inputs `pass_env`)."""
+    if data is None:
+        return
+    wanted = inputs.get("device")
+    if wanted in ("cuda", "cpu") and data.get("device") not in (None, wanted):
+        problems.append(f"{path}: ran on {data.get('device')!r}, but this run asks for device {wanted!r}; "
+                        f"regenerate it with: {regenerate}")
+    env = data.get("environment")
+    recorded = env.get("shapewise_variables") if isinstance(env, dict) else None
+    if isinstance(recorded, dict):
+        from shapewise.cli import PIPELINE_PREFIX  # the pipeline's own variables: recorded, never passed
+
+        recorded = {k: v for k, v in recorded.items() if not k.startswith(PIPELINE_PREFIX)}
+        passed = inputs.get("pass_env") or {}
+        if recorded != passed:
+            problems.append(f"{path}: ran with the SHAPEWISE_* variables {recorded or 'none'}, but this run passes "
+                            f"{passed or 'none'} (config pass_env); regenerate it with: {regenerate}")
+
+
+def check_manifests(inputs, problems):
+    """Append a problem for each manifest whose bytes are not those its rows were read from (inputs
+    `manifest_sha256`: {path: SHA-256} when the DAG was built): a manifest edited while the run computed."""
+    root = Path(inputs.get("root", "."))
+    for manifest, digest in (inputs.get("manifest_sha256") or {}).items():
+        path = root / manifest
+        now = sha256_file(path) if path.is_file() else None
+        if now != digest:
+            problems.append(f"{manifest}: {'changed' if now else 'removed'} since this run read its rows, so the "
+                            f"results may not be of the rows it holds now; run snakemake again")
 
 
 def check_identity(path, data, expected, regenerate, problems):
@@ -103,6 +144,8 @@ def load(inputs):
 
     microbench = read_result(inputs["microbench"], regenerate_file(inputs["microbench"]), problems)
     check_identity(inputs["microbench"], microbench, digests, regenerate_file(inputs["microbench"]), problems)
+    check_run_settings(inputs["microbench"], microbench, inputs, regenerate_file(inputs["microbench"]), problems)
+    check_manifests(inputs, problems)
 
     rows = []
     for entry in inputs["rows"]:
@@ -114,6 +157,7 @@ def load(inputs):
             path = entry["results"][step]
             data[step] = read_result(path, regenerate, problems)
             check_identity(path, data[step], expected, regenerate, problems)
+            check_run_settings(path, data[step], inputs, regenerate, problems)
         rows.append({"id": row["id"], "row": row, "data": data, "paths": entry["results"],
                      "profile_csv": entry["profile_csv"], "profile_trace": entry["profile_trace"]})
     if problems:

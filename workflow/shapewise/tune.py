@@ -14,6 +14,10 @@ kernel on row 7). Each group gets the configuration with the lowest
 geometric-mean time among those qualifying on all its rows; a group the sweep has no row of gets no entry.
 If one fused layer of row 6 beats one layer of the unfused triton route by more than 10%, the fused route's
 size bound is raised to cover row 6. Prints every decision; the policy's other entries are kept.
+
+Both files are read through shapewise.limits.load_json (size, UTF-8, nesting, no key twice) and checked before
+anything is decided (check_sweep, check_policy): a missing, damaged or malformed file stops the command with its
+name and, for a sweep record, the record's number and field.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import json
 import math
 from collections import defaultdict
 
+from shapewise import limits
 from shapewise.manifest import official_rows
 
 # (max_tokens, max_heads) of each launch entry, in order; None: no bound. 4096 tokens = 128 programs of 32 rows,
@@ -67,12 +72,63 @@ def best(good, rows):
     return min(cands, key=cands.get), cands
 
 
+CONFIG_FIELDS = ("block_m", "num_warps", "num_stages")  # whole numbers >= 1 in every record
+MEASURED_FIELDS = ("ms", "max_abs_error", "max_abs_error_masked")  # finite numbers >= 0 where no error
+
+
+def _number(value, whole=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return not whole or value == int(value)
+
+
+def check_sweep(sweep, path):
+    """Raise SystemExit naming the file, the record and the field unless `sweep` is a sweep this command reads."""
+    if not isinstance(sweep, dict) or not isinstance(sweep.get("fused"), list) or not sweep["fused"]:
+        raise SystemExit(f"tune: {path}: not a launch sweep: a JSON object with a non-empty list 'fused' expected")
+    for number, record in enumerate(sweep["fused"], 1):
+        where = f"tune: {path}: fused record #{number}"
+        if not isinstance(record, dict):
+            raise SystemExit(f"{where}: a JSON object expected, got {type(record).__name__}")
+        if record.get("row") not in OFFICIAL or isinstance(record.get("row"), bool):
+            raise SystemExit(f"{where}: field row is {record.get('row')!r}, not an official row number "
+                             f"({min(OFFICIAL)}-{max(OFFICIAL)})")
+        for field in CONFIG_FIELDS:
+            if not _number(record.get(field), whole=True) or record[field] < 1:
+                raise SystemExit(f"{where}: field {field} is {record.get(field)!r}, not a whole number >= 1")
+        if "error" in record:
+            continue
+        for field in MEASURED_FIELDS:
+            if not _number(record.get(field)) or record[field] < 0:
+                raise SystemExit(f"{where}: field {field} is {record.get(field)!r}, not a finite number >= 0 "
+                                 "(a failed configuration carries 'error' instead)")
+    if "row6_triton_layer_ms" in sweep and not (_number(sweep["row6_triton_layer_ms"])
+                                                 and sweep["row6_triton_layer_ms"] > 0):
+        raise SystemExit(f"tune: {path}: field row6_triton_layer_ms is {sweep['row6_triton_layer_ms']!r}, not a "
+                         "finite number above 0")
+
+
+def check_policy(policy, path):
+    """Raise SystemExit naming the file unless `policy` has the fused entry this command rewrites."""
+    if not isinstance(policy, dict) or not isinstance(policy.get("fused"), dict):
+        raise SystemExit(f"tune: {path}: not a routing policy: a JSON object with an object 'fused' expected")
+
+
+def _load(path, what):
+    try:
+        return limits.load_json(path, what)
+    except limits.InputFileError as exc:
+        raise SystemExit(f"tune: {exc}") from None
+
+
 def main(sweep_path, policy_path=None):
     from shapewise.model.routing import POLICY_PATH
 
-    sweep = json.load(open(sweep_path))
+    sweep = _load(sweep_path, "sweep")
+    check_sweep(sweep, sweep_path)
     policy_path = policy_path or POLICY_PATH
-    policy = json.load(open(policy_path))
+    policy = _load(policy_path, "routing policy")
+    check_policy(policy, policy_path)
     good, rows = qualifying(sweep["fused"])
     launch = []
     groups = [[] for _ in GROUPS]
@@ -106,10 +162,14 @@ def main(sweep_path, policy_path=None):
         print(f"row 6, one layer: fused {fused6:.3f} ms, triton route {unfused6:.3f} ms -> "
               f"{'fused' if covers else 'unfused'} route")
         if covers:
-            policy["fused"]["max_tokens_x_d_model"] = max(policy["fused"]["max_tokens_x_d_model"], ROW6_TOKENS_X_D)
+            policy["fused"]["max_tokens_x_d_model"] = max(policy["fused"].get("max_tokens_x_d_model") or 0,
+                                                          ROW6_TOKENS_X_D)
             policy["fused"]["max_tokens"] = None  # the ablation's token bound no longer stands once row 6 is fused
-    with open(policy_path, "w") as f:
-        json.dump(policy, f, indent=2)
-        f.write("\n")
+    try:
+        with open(policy_path, "w") as f:
+            json.dump(policy, f, indent=2)
+            f.write("\n")
+    except OSError as exc:
+        raise SystemExit(f"tune: {policy_path}: cannot be written ({exc.strerror})") from None
     print("wrote", policy_path, json.dumps(policy["fused"]))
     return 0

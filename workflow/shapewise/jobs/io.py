@@ -1,7 +1,8 @@
-"""A job's result file and log: the header every result starts with, atomic writes, reads."""
+"""A job's result file and log: the header every result starts with, sealed atomic writes, reads."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from shapewise import provenance
 from shapewise.inventory import job_environment
 from shapewise.identity import identity
 from shapewise.jobs.device import gpu_identity, job_cpu_affinity
@@ -43,15 +45,24 @@ def header(step, row, device, args=None):
     }
 
 
+def partial_path(path):
+    """Where write_result writes `path` before moving it into place: beside it, under a name of fixed length,
+    so the longest file name of a row does not grow with it (shapewise.manifest.id_length_limit)."""
+    path = Path(path)
+    return path.with_name(f".{hashlib.sha256(path.name.encode()).hexdigest()[:16]}.partial")
+
+
 def write_result(path, result):
+    """Write `result` as JSON, sealed with the digest of its content (shapewise.provenance.seal), atomically."""
     t0 = result.pop("_t0", None)
     result["finished"] = now_iso()
     if t0 is not None:
         result["duration_s"] = round(time.perf_counter() - t0, 3)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2, sort_keys=True, default=_json_default) + "\n")
+    content = json.loads(json.dumps(result, default=_json_default))  # what a reader gets back, then its digest
+    tmp = partial_path(path)
+    tmp.write_text(json.dumps(provenance.seal(content), indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
     log(f"wrote {path}")
 
@@ -65,15 +76,16 @@ def _json_default(obj):
 
 
 def read_json(path):
-    """An earlier job's result; a damaged one stops this job naming the file and the command that redoes it."""
-    try:
-        with open(path) as fh:
-            return json.load(fh)
-    except json.JSONDecodeError as exc:
+    """An earlier job's result; a damaged one (not JSON, or edited after its job sealed it:
+    shapewise.provenance.result_file_problem) stops this job naming the file and the command that redoes it. A
+    result without a digest is taken as it is."""
+    problem = provenance.result_file_problem(path)
+    if problem:
         row = Path(path).stem
-        raise SystemExit(f"{path} is not valid JSON ({exc}); regenerate it with "
-                         f"`snakemake --cores all --forcerun {path}` (a row's results: "
-                         f"`snakemake --cores all --forcerun $(shapewise targets {row})`)") from None
+        raise SystemExit(f"{path} {problem}; regenerate it with `snakemake --cores all --forcerun {path}` (a row's "
+                         f"results: `snakemake --cores all --forcerun $(shapewise targets {row})`)")
+    with open(path) as fh:
+        return json.load(fh)
 
 
 def resource_skip_reason(preflight, which):

@@ -9,6 +9,10 @@
   cached memory under any per-process fraction and the user's cap; on a CPU the user's cap when set, else the
   available RAM times the headroom against the unstreamed estimate (the model streams on a CPU only under a cap).
 
+Before the optimized model is built to ask it for its plan, the bytes that building it takes (build_bytes: the
+weights, on the host and on the device) are checked against the available RAM and the device's budget, each times
+the headroom: a row whose weights alone cannot be held is a resource skip without building anything.
+
 A model that does not fit is a resource skip for that model in the later jobs, never a pass.
 """
 
@@ -43,7 +47,7 @@ def main(args):
     estimate = int(estimate_memory_bytes(config, dtype, "reference"))
     reference_fits = budget is not None and estimate <= budget
     models = {"reference": {"estimate_bytes": estimate, "dtype": "float32", "fits": reference_fits}}
-    log(f"{row['id']}: reference needs ~{estimate / 2**30:.2f} GiB of {budget / 2**30:.2f} GiB: "
+    log(f"{row['id']}: reference needs ~{estimate / 2**30:.2f} GiB of {_gib(budget)}: "
         f"{'fits' if reference_fits else 'DOES NOT FIT (resource skip)'}")
     models["optimized"] = optimized_fit(row, config, device, budget, args.headroom)
     result["io_bytes"] = models["optimized"]["io_bytes"]
@@ -52,12 +56,51 @@ def main(args):
     return 0
 
 
+def _gib(value):
+    return "n/a (not known)" if value is None else f"{value / 2**30:.2f} GiB"
+
+
+def build_bytes(config, dtype, device):
+    """(host bytes, device bytes) that build_optimized allocates: build_models holds the reference's and the
+    optimized model's float32 weights on the host at once, then the optimized model's copy in `dtype` (on the
+    device; on a CPU one more host copy)."""
+    from shapewise.model.config import parameter_count
+
+    params = parameter_count(config.d_model, config.ffn_dim, config.num_layers)
+    weights = params * torch.empty((), dtype=dtype).element_size()
+    if device.type == "cuda":
+        return 2 * params * 4, weights
+    return 2 * params * 4 + weights, 0
+
+
+def unbuildable(config, dtype, device, device_budget, headroom):
+    """Why building the optimized model would not fit (build_bytes against the available RAM and the device's
+    budget, times the headroom), or None when it fits or the RAM is not known."""
+    host, on_device = build_bytes(config, dtype, device)
+    available = free_memory_bytes(torch.device("cpu"))[0]
+    if available is not None and host > available * headroom:
+        return (f"building the model takes ~{host} bytes of host RAM for its weights, more than the available "
+                f"{available} bytes x headroom {headroom}")
+    if on_device and device_budget is not None and on_device > device_budget:
+        return (f"the model's weights take {on_device} bytes on {device.type}, more than the budget of "
+                f"{device_budget} bytes (free memory x headroom {headroom})")
+    return None
+
+
 def optimized_fit(row, config, device, ram_budget, headroom):
     """{"estimate_bytes", "io_bytes", "dtype", "fits", "budget_bytes", "budget_source", "plan" or "reason"} of
     the optimized model on this row: the plan its first forward would make, asked before the input exists."""
-    from shapewise.model.memory import MemoryBudgetError
+    from shapewise.model.memory import MemoryBudgetError, estimate_memory_bytes, io_bytes
 
     dtype = DTYPES[row["dtype"]]
+    out = {"dtype": str(dtype).replace("torch.", "")}
+    reason = unbuildable(config, dtype, device, ram_budget, headroom)
+    if reason:
+        out.update(estimate_bytes=estimate_memory_bytes(config, dtype, "optimized"),
+                   io_bytes=sum(io_bytes(config, dtype)), fits=False, budget_bytes=ram_budget, budget_source=f"available memory x headroom {headroom}",
+                   reason=reason)
+        log(f"{row['id']}: optimized DOES NOT FIT (resource skip), not built: {reason}")
+        return out
     model = build_optimized(row, config, device)  # its weights are on the device, as in a job, when it plans
     B, S, d = config.batch_size, config.seq_len, config.d_model
     # stand-ins of the row's inputs with their shapes, dtypes and device and no memory: planning reads no values
@@ -67,7 +110,6 @@ def optimized_fit(row, config, device, ram_budget, headroom):
     available = None
     if device.type != "cuda" and model.memory_budget_bytes is None:
         available = (None, "no memory budget on the CPU: one pass")  # the model does not stream: RAM decides
-    out = {"dtype": str(dtype).replace("torch.", "")}
     from shapewise.model.routing import RouteUnavailable
 
     try:

@@ -1,0 +1,45 @@
+"""The limits of the YAML the pipeline reads besides manifests: a config loaded by Snakemake (whose loader keeps
+aliases) is checked by shapewise.limits.check_loaded, which stops an alias bomb after a bounded number of steps;
+the shipped config and manifests pass the strict reader (shapewise.limits.load_yaml)."""
+
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shapewise import limits
+
+ROOT = Path(__file__).resolve().parent.parent
+# Five levels of thirty aliases: 30^5 = 24 300 000 strings once expanded, seven levels deep.
+BOMB = "".join(["a0: &a0 [lol]\n"] + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 30)}]\n" for i in range(1, 5)])
+
+
+@pytest.mark.parametrize("loader", [yaml.BaseLoader, yaml.SafeLoader], ids=["--config", "--configfile"])
+def test_alias_bomb_loaded_by_snakemake_stops_fast(loader):
+    """`--config KEY=VALUE` values are parsed with YAML's BaseLoader, config files with a safe loader; both keep
+    an alias as one shared node, so loading is cheap and walking it is not."""
+    value = yaml.load(BOMB, Loader=loader)
+    start = time.monotonic()
+    with pytest.raises(limits.InputFileError, match=r"^config: more than 10000 values once expanded"):
+        limits.check_loaded(value, "config")
+    assert time.monotonic() - start < 1
+
+
+def test_deep_config_is_refused():
+    value = []
+    for _ in range(20):
+        value = [value]
+    with pytest.raises(limits.InputFileError, match="nested deeper than 8 levels"):
+        limits.check_loaded({"timing": value}, "config/config.yaml")
+
+
+def test_shipped_config_is_within_the_limits():
+    config = limits.load_yaml(ROOT / "config" / "config.yaml", "config")
+    limits.check_loaded(config, "config/config.yaml")
+
+
+@pytest.mark.parametrize("path", [ROOT / "config" / "config.yaml", *sorted((ROOT / "shapes").glob("*.yaml"))],
+                         ids=lambda p: p.name)
+def test_shipped_yaml_passes_the_strict_reader(path):
+    assert limits.load_yaml(path, "file") is not None
