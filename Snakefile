@@ -10,6 +10,7 @@ sys.path.insert(0, f"{workflow.basedir}/workflow")
 
 from snakemake.utils import min_version, validate
 
+from shapewise import limits as sw_limits
 from shapewise import paths as sw_paths
 from shapewise import settings as sw_settings
 
@@ -19,11 +20,19 @@ min_version("9.0")
 configfile: sw_paths.CONFIG_FILE
 
 
-# Before any job: the config, then (common.smk) every selected manifest. An
-# unknown key, e.g. a typo on --config, is named on one line.
-_unknown_keys = sw_settings.unknown_keys(config)
-if _unknown_keys:
-    raise WorkflowError(_unknown_keys)
+# Before any job: the config, then (common.smk) every selected manifest. The
+# config files within shapewise.limits (size, no alias expansion beyond its
+# bound, nesting), an unknown key (a typo on --config), an empty value or text
+# where a number belongs, each named on one line before the schema's check.
+try:
+    for _file in [sw_paths.CONFIG_FILE, *workflow.config_settings.configfiles]:
+        sw_limits.load_yaml(_file, "config file")
+    sw_limits.check_loaded(config, "the config (config files and --config)")
+except sw_limits.InputFileError as exc:
+    raise WorkflowError(str(exc)) from None
+_problems = [sw_settings.unknown_keys(config)] + sw_settings.value_problems(config)
+if any(_problems):
+    raise WorkflowError("\n".join(p for p in _problems if p))
 validate(config, sw_paths.CONFIG_SCHEMA)
 
 

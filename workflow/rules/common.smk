@@ -20,6 +20,7 @@ from shapewise import gpuslots as sw_gpuslots
 from shapewise import inventory as sw_inventory
 from shapewise import manifest as sw_manifest
 from shapewise import paths as sw_paths
+from shapewise import provenance as sw_provenance
 from shapewise import settings as sw_settings
 
 BASEDIR = Path(workflow.basedir).resolve()
@@ -56,6 +57,8 @@ def _manifest_names():
 
 
 MANIFESTS = [sw_paths.manifest(name) for name in _manifest_names()]
+# The bytes the rows are read from: the report refuses to pair results with a manifest edited since.
+MANIFEST_SHA256 = {m: sw_inventory.sha256_file(m) for m in MANIFESTS if Path(m).is_file()}
 try:
     ROWS = {row["id"]: row for row in sw_manifest.load_manifests(MANIFESTS)}
 except sw_manifest.ManifestError as exc:
@@ -146,14 +149,13 @@ def res(name):
 # itself (shapewise.cli) before anything imports triton.
 #
 # Lints that stay (.ci/lint.py accepts exactly these):
-# - The shell commands name JOB, REPORT, BASEDIR, DEVICE_ARG, IMPL_DIGEST and
-#   ENV_DIGEST as globals rather than params, because params are a rerun
-#   trigger and none of these may be one: JOB, REPORT and BASEDIR hold absolute
-#   paths (a copied checkout would rerun everything); DEVICE_ARG says how a
-#   job picks its device, which each result records (the report groups results
-#   by machine), so changing it reruns nothing by itself; the digests already
-#   rerun each job through the fingerprint files it takes as input (the
-#   microbenchmark, which measures the machine, takes only the environment's).
+# - The shell commands name JOB, REPORT, BASEDIR, IMPL_DIGEST and ENV_DIGEST
+#   as globals rather than params, because params are a rerun trigger and none
+#   of these may be one: JOB, REPORT and BASEDIR hold absolute paths (a copied
+#   checkout would rerun everything); the digests already rerun each job
+#   through the fingerprint files it takes as input (the microbenchmark, which
+#   measures the machine, takes only the environment's). The device choice is
+#   a param: results of another device are never reused.
 # - The rules name no conda environment or container, because every job runs
 #   this Python, whose packages the environment fingerprint records, and
 #   another software stack would measure something other than what it says.
@@ -167,7 +169,7 @@ def job_shell(step, options, out="{output}"):
     implementation and environment digests (recorded in its result's identity), the variables of config
     pass_env, its result file and its log."""
     return (
-        f"{{JOB}} {step} --device {{DEVICE_ARG}} {options} --impl-digest {{IMPL_DIGEST}} "
+        f"{{JOB}} {step} --device {{params.device}} {options} --impl-digest {{IMPL_DIGEST}} "
         f"--env-digest {{ENV_DIGEST}} {{params.pass_env}} --out {out} > {{log}} 2>&1"
     )
 
@@ -177,8 +179,24 @@ def job_shell(step, options, out="{output}"):
 # the measuring code's digest and the passed variables as params (each a
 # rerun trigger); a GPU of its own and the row's memory and time (res; the
 # microbenchmark, of no row, gets resources.default).
-ROW_INPUTS = {**FINGERPRINTS, "preflight": sw_paths.result("preflight", "{shape}")}
-ROW_PARAMS = {"row": row_param, "harness": HARNESS_DIGEST, "pass_env": PASS_ENV}
+def checked(pattern):
+    """An input function for a result that a job reads: the path, after a check that an existing file is a readable
+    result (shapewise.provenance.result_file_problem). Input functions run while the DAG is built, before Snakemake
+    deletes any output it would regenerate, so a damaged preflight stops the run before the good results of its
+    row are removed."""
+
+    def path(wildcards):
+        name = pattern.format(**dict(wildcards.items()))
+        problem = sw_provenance.result_file_problem(name) if Path(name).exists() else None
+        if problem:
+            raise WorkflowError(f"{name} {problem}; nothing was run: remove it (rm {name}) and run again")
+        return name
+
+    return path
+
+
+ROW_INPUTS = {**FINGERPRINTS, "preflight": checked(sw_paths.result("preflight", "{shape}"))}
+ROW_PARAMS = {"row": row_param, "harness": HARNESS_DIGEST, "pass_env": PASS_ENV, "device": DEVICE_ARG}
 MEASURE_RESOURCES = {"gpu": 1, "mem_mb": res("mem_mb"), "runtime": res("runtime")}
 # What the light jobs (fingerprints, preflight) ask for, whatever the row.
 LIGHT_RESOURCES = {"mem_mb": 2000, "runtime": 10}
@@ -208,6 +226,8 @@ def report_inputs(wildcards):
             for shape in SHAPES
         ],
         "manifests": MANIFESTS,
+        "manifest_sha256": MANIFEST_SHA256,
+        "device": DEVICE_ARG,
         "fingerprints": dict(FINGERPRINTS),
         "microbench": sw_paths.MICROBENCH,
         "environment_digest": ENV_DIGEST,

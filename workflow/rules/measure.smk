@@ -39,6 +39,7 @@ rule microbench:
         settings=device_settings("microbench"),
         harness=HARNESS_DIGEST,
         pass_env=PASS_ENV,
+        device=DEVICE_ARG,
     shell:
         job_shell("microbench", "--settings {params.settings:q} --threads {threads}")
 
@@ -86,7 +87,7 @@ rule accuracy:
 rule timing:
     input:
         **ROW_INPUTS,
-        microbench=sw_paths.MICROBENCH,
+        microbench=checked(sw_paths.MICROBENCH),
     output:
         sw_paths.result("timing", "{shape}"),
     log:

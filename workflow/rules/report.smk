@@ -17,6 +17,13 @@
 # worked. A failing report job therefore leaves the previous report intact.
 
 
+if config["baseline"] and not Path(config["baseline"], sw_paths.REPORT_FILES["summary"]).is_file():
+    raise WorkflowError(
+        f"config baseline={config['baseline']}: not a report directory (it holds no "
+        f"{sw_paths.REPORT_FILES['summary']}); give a directory the report wrote, e.g. reports/h200"
+    )
+
+
 rule report:
     input:
         **FINGERPRINTS,

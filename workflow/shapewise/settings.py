@@ -47,3 +47,52 @@ def pass_env(names, environ=None) -> dict:
     if isinstance(names, str):
         names = names.split(",")
     return {name: environ[name] for name in names or [] if name in environ}
+
+
+def _resolve(node: dict) -> dict:
+    """`node` with a local `$ref` (#/definitions/NAME) followed."""
+    ref = node.get("$ref") if isinstance(node, dict) else None
+    if isinstance(ref, str) and ref.startswith("#/definitions/"):
+        return schema()["definitions"][ref.rsplit("/", 1)[1]]
+    return node if isinstance(node, dict) else {}
+
+
+def _types(node: dict) -> set:
+    """The JSON types a schema node takes; empty where it does not say (or says it through oneOf/anyOf alone)."""
+    node = _resolve(node)
+    kinds = node.get("type")
+    if kinds is None:
+        alternatives = node.get("oneOf") or node.get("anyOf") or []
+        found = set()
+        for alternative in alternatives:
+            sub = _types(alternative)
+            if not sub:
+                return set()
+            found |= sub
+        return found
+    return {kinds} if isinstance(kinds, str) else set(kinds)
+
+
+def value_problems(config) -> list[str]:
+    """What Snakemake's schema check would report unclearly: a key left empty on the command line
+    (`--config shapes=`), and text where the schema wants a number or a boolean inside a mapping (Snakemake reads
+    every value inside a `--config key={...}` mapping as text). One line each, naming the key."""
+    problems = []
+    stack = [((key,), value, schema()["properties"].get(key, {})) for key, value in config.items()]
+    while stack:
+        where, value, node = stack.pop()
+        name = ".".join(where)
+        kinds = _types(node)
+        if value is None and kinds and "null" not in kinds:
+            problems.append(f"config {name} is empty (e.g. `--config {name}=`): give it a value; "
+                            f"{_resolve(node).get('description', 'see ' + str(paths.CONFIG_SCHEMA)).strip()}")
+        elif isinstance(value, str) and kinds and "string" not in kinds and kinds & {"number", "integer", "boolean"}:
+            wanted = " or ".join(sorted(kinds & {"number", "integer", "boolean"}))
+            problems.append(f"config {name}: {value!r} is text where {'an' if wanted[0] == 'i' else 'a'} {wanted} is "
+                            f"expected: "
+                            f"Snakemake reads the values inside a --config mapping as text; put nested values in a "
+                            f"YAML file and pass it with --configfile FILE")
+        elif isinstance(value, dict):
+            props = _resolve(node).get("properties", {})
+            stack.extend(((*where, key), sub, props.get(key, {})) for key, sub in value.items())
+    return sorted(problems)
