@@ -21,12 +21,10 @@ import triton.language as tl
 from . import INTERPRET as _INTERPRET
 from . import PRECISIONS
 from .mask import check_summary, prefix_lengths
+from .tiles import DOT_BF16_IN_FP32
 
 MAX_HEAD_DIM = 256  # largest head_dim served (register and shared-memory budget of one tile)
 _PRECISION_CODE = {"fp32": 0, "tf32": 1, "fp16": 2, "bf16": 3}
-# Triton 3.6's interpreter computes garbage for bf16 dots; there, bf16 operands are rounded to bf16 and
-# multiplied in fp32, which gives the same products as the tensor cores (exact products, fp32 sums).
-_BF16_VIA_FP32 = tl.constexpr(_INTERPRET)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -66,7 +64,7 @@ def _operand(x, PRECISION: tl.constexpr):
     if PRECISION == 2:
         return x.to(tl.float16)
     elif PRECISION == 3:
-        if _BF16_VIA_FP32:
+        if DOT_BF16_IN_FP32:
             return x.to(tl.bfloat16).to(tl.float32)
         return x.to(tl.bfloat16)
     else:
@@ -83,7 +81,7 @@ def _dot(a, b, PRECISION: tl.constexpr):
     elif PRECISION == 2:
         return tl.dot(a.to(tl.float16), b.to(tl.float16))
     else:
-        if _BF16_VIA_FP32:
+        if DOT_BF16_IN_FP32:
             return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
 

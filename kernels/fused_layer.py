@@ -1,7 +1,7 @@
 """One whole pre-LayerNorm Transformer layer in one Triton kernel, for short sequences of narrow models.
 
-Where a sequence's activations fit on chip (seq_len <= 128, d_model <= 128), one program takes
-BLOCK_M query rows of one sequence and runs: LayerNorm 1 of the whole sequence (its keys and values),
+Where a sequence's activations fit on chip (`why_unsupported` states where), one program takes BLOCK_M
+query rows of one sequence and runs: LayerNorm 1 of the whole sequence (its keys and values),
 the QKV projection head by head, exact softmax attention over the (short) key range with causal and key
 masks in the tile, the out-projection accumulated head by head, the residual add, LayerNorm 2, the FFN
 (bias, exact GELU, bias) chunk by chunk, the second residual add and the invalid-row zeroing; the last
@@ -29,23 +29,21 @@ import torch
 import triton
 import triton.language as tl
 
-from . import INTERPRET
+from ..model.reference import LAYER_NORM_EPS
+from .layer_tail import layer_tail_reference
 from .mask import check_summary, first_mask_block, prefix_length_of_row, summary_block
+from .tiles import MAX_D_MODEL, MIN_D_MODEL, _ffn_residual, _layer_norm_rows, _mm, _store_rows
 
 MAX_SEQ = 128
-MAX_D_MODEL = 128
 # Largest block_m served. 64 and 128 ended in an illegal memory access on the H200 (Triton 3.6; see
 # experiments/h200/session2/README.md); experiments/h200_fused_isolation.py raises this in its own processes to probe them.
 MAX_BLOCK_M = 32
-# Triton 3.6's interpreter computes garbage for bf16 dots (see kernels/attention.py): there the
-# (already bf16-rounded) operands are multiplied in fp32, which gives the tensor cores' products.
-_DOT_IN_FP32 = tl.constexpr(INTERPRET)
 
 
 # ----------------------------------------------------------------------------------------------
 # Plain torch reference (one layer of the contract, optionally with the final norm)
 # ----------------------------------------------------------------------------------------------
-def fused_layer_reference(x, w, *, num_heads, causal, mask=None, final=None, eps=1e-5):
+def fused_layer_reference(x, w, *, num_heads, causal, mask=None, final=None, eps=LAYER_NORM_EPS):
     """x: [B, S, d] (float); w: dict of fp32/fp64 tensors named as in `pack_layer_weights`."""
     B, S, d = x.shape
     hd = d // num_heads
@@ -59,33 +57,12 @@ def fused_layer_reference(x, w, *, num_heads, causal, mask=None, final=None, eps
     if mask is not None:
         s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
     o = (torch.softmax(s, -1).nan_to_num(0.0) @ v).transpose(1, 2).reshape(B, S, d)
-    from .layer_tail import layer_tail_reference  # the rest of the layer (imported here: it imports this module)
-
-    return layer_tail_reference(o, x, w, mask=mask, final=final, eps=eps)
+    return layer_tail_reference(o, x, w, mask=mask, final=final, eps=eps)  # the rest of the layer
 
 
 # ----------------------------------------------------------------------------------------------
 # Triton kernel
 # ----------------------------------------------------------------------------------------------
-@triton.jit
-def _mm(a, b):
-    """a @ b with fp32 accumulation (operands already in the fp16/bf16 operand type)."""
-    if _DOT_IN_FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
-
-
-@triton.jit
-def _layer_norm_rows(x, w_ptr, b_ptr, cols, col_ok, n_cols, eps):
-    """LayerNorm of each row of an fp32 tile whose padding columns are 0."""
-    mean = tl.sum(x, 1) / n_cols
-    xc = tl.where(col_ok[None, :], x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 1) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0)
-    b = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
-    return xc * rstd[:, None] * w[None, :] + b[None, :]
-
-
 @triton.jit
 def _attend_key_blocks(q, kv_base, mask_base, rows, hcol, hd_ok, stride_kvs, d_model, seq_len, key_hi, qk_scale,
                        key_len, not_prefix,
@@ -253,54 +230,6 @@ def _fused_layer_fwd(
 
 
 @triton.jit
-def _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn_dim, eps,
-                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
-    """x1 + FFN(LayerNorm 2(x1)) for an fp32 [BLOCK_M, BLOCK_D] tile of residual rows (padding columns 0): the
-    FFN chunk by chunk over ffn_dim (bias, exact GELU, bias), operands in the weights' dtype, fp32 sums."""
-    op_ty = Win.dtype.element_ty
-    h2 = _layer_norm_rows(x1, N2w, N2b, cols, col_ok, d_model, eps).to(op_ty)
-    fcol = tl.arange(0, BLOCK_F)
-    ffn = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for f_start in range(0, ffn_dim, BLOCK_F):
-        f_ok = (f_start + fcol) < ffn_dim
-        w_in = tl.load(Win + (f_start + fcol[None, :]) * d_model + cols[:, None],
-                       mask=col_ok[:, None] & f_ok[None, :], other=0.0)  # [BLOCK_D, BLOCK_F] = W_in^T slice
-        b_in = tl.load(Bin + f_start + fcol, mask=f_ok, other=0.0).to(tl.float32)
-        t = _mm(h2, w_in) + b_in[None, :]
-        t = 0.5 * t * (1.0 + tl.erf(t * 0.7071067811865476))  # exact GELU
-        w_out = tl.load(Wout + cols[None, :] * ffn_dim + f_start + fcol[:, None],
-                        mask=f_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_F, BLOCK_D] = W_out^T slice
-        ffn += _mm(t.to(op_ty), w_out)
-    b_out = tl.load(Bout + cols, mask=col_ok, other=0.0).to(tl.float32)
-    return x1 + ffn + b_out[None, :]
-
-
-@triton.jit
-def _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
-                key_len, not_prefix, HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr, BRANCH: tl.constexpr):
-    """Store a tile of rows of sequence b (row r at Y + b * stride_yb + r * stride_ys): invalid rows
-    (Mask[b * stride_mb + r] == 0) as 0, after the final LayerNorm when FINAL_NORM. Where the mask is a prefix
-    (not_prefix False) the rows below key_len are the valid ones and the mask is not read; elsewhere (not_prefix
-    True, key_len the number of rows) the mask says. BRANCH: the mask's load in a branch on not_prefix instead of
-    a load predicated off for a prefix."""
-    if HAS_MASK:
-        if BRANCH:
-            row_valid = rows < key_len
-            if not_prefix:
-                row_valid = row_valid & (tl.load(Mask + b * stride_mb + rows, mask=row_ok, other=1) != 0)
-        else:
-            row_valid = (rows < key_len) & (tl.load(Mask + b * stride_mb + rows, mask=row_ok & not_prefix,
-                                                    other=1) != 0)
-        x2 = tl.where(row_valid[:, None], x2, 0.0)
-    if FINAL_NORM:
-        x2 = _layer_norm_rows(x2, NFw, NFb, cols, col_ok, d_model, eps)
-        if HAS_MASK:
-            x2 = tl.where(row_valid[:, None], x2, 0.0)
-    y_ptrs = Y + b * stride_yb + rows[:, None] * stride_ys + cols[None, :]
-    tl.store(y_ptrs, x2.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
 def _ln_kv_fwd(
     X,  # pointer to the residual stream in, [B, S, d]
     KV,  # pointer to the output [B, S, n_cols]: LN1(x) @ Wqkv[first_col:first_col + n_cols]ᵀ + bias, operand dtype
@@ -394,7 +323,7 @@ def _ln_project(x, w, first_col, n_cols, block_t=None, col_blocks=None, num_warp
         m = prefix = out  # placeholders, never read or written
     _ln_kv_fwd[grid](
         x, out, w["qkv_w"], w["qkv_b"], w["n1_w"], w["n1_b"], x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        S, d, 1e-5, first_col, n_cols, cols_per_program, m, prefix, m.stride(0) if mask is not None else 0,
+        S, d, LAYER_NORM_EPS, first_col, n_cols, cols_per_program, m, prefix, m.stride(0) if mask is not None else 0,
         BLOCK_T=block_t, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=LN_PROJECT_BLOCK_N,
         WRITE_PREFIX=mask is not None, MASK_BLOCK=summary_block(S), num_warps=num_warps, num_stages=1,
     )
@@ -417,9 +346,6 @@ def ln_qkv(x, w, *, block_t=None, col_blocks=None, num_warps=4, mask=None):
     if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, S)):
         raise ValueError(f"ln_qkv: mask must be bool [B, S]={B, S}, got {mask.dtype} {tuple(mask.shape)}")
     return _ln_project(x, w, 0, 3 * d, block_t, col_blocks, num_warps, mask)
-
-
-MIN_D_MODEL = 16  # the smallest tile Triton's dot takes
 
 
 def why_unsupported(seq_len: int, d_model: int, num_heads: int) -> str | None:
@@ -523,7 +449,7 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
         w["n1_w"], w["n1_b"], w["n2_w"], w["n2_b"], nf_w, nf_b,
         kv, kv.stride(0) if kv_precompute else 0, kv.stride(1) if kv_precompute else 0,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), m.stride(0) if mask is not None else 0,
-        S, d, ffn, hd**-0.5 * math.log2(math.e), 1e-5,
+        S, d, ffn, hd**-0.5 * math.log2(math.e), LAYER_NORM_EPS,
         NUM_HEADS=num_heads, HEAD_DIM=hd, BLOCK_HD=max(16, triton.next_power_of_2(hd)),
         BLOCK_D=block_d, BLOCK_F=block_f, BLOCK_M=block_m, BLOCK_S=block_s,
         IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, FINAL_NORM=final is not None,

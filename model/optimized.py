@@ -29,7 +29,7 @@ from .captured import MAX_GRAPHS, CapturedForward, Captures
 from .config import TransformerConfig
 from .memory import available_bytes, memory_fraction, user_budget_bytes
 from .reference import BaselineTransformer, check_inputs
-from .routing import ROUTE_SPECS, ROUTES, RouteUnavailable, Shape, route_module, select_route
+from .routing import KERNEL_DTYPES, ROUTE_SPECS, ROUTES, RouteUnavailable, Shape, route_module, select_route
 from .weights import FP16_SAFE_ABS, DerivedWeights
 
 # Ablation switches: each can be turned off alone (constructor `disable=` or env SHAPEWISE_DISABLE).
@@ -43,6 +43,7 @@ OPTIMIZATIONS = (
     "direct_input",  # a captured graph reads the caller's x and mask in place once their addresses repeat (off: copy in)
     "split_layer",  # where the policy says so: a layer as LN+QKV, our attention and one tail kernel (off: unfused)
 )
+MAX_MEMORY_PLANS = 64  # memory plans a model keeps (one per input signature, cap and memory fraction)
 
 
 def switches_used(route, input_dtype, device_type: str) -> tuple:
@@ -60,6 +61,9 @@ def switches_used(route, input_dtype, device_type: str) -> tuple:
     if spec.captured and (spec.cuda_only or device_type == "cuda"):
         used.update(("cuda_graph", "direct_input"))
     return tuple(name for name in OPTIMIZATIONS if name in used)
+
+
+_SUPPORTED = ", ".join(KERNEL_DTYPES[:-1]) + " and " + KERNEL_DTYPES[-1]  # the dtypes every route serves
 
 
 class UserOptimizedTransformer(BaselineTransformer):
@@ -99,8 +103,8 @@ class UserOptimizedTransformer(BaselineTransformer):
         if x.dtype != params:  # one rule on every route (the reference's matmuls refuse a mix too)
             raise TypeError(
                 f"UserOptimizedTransformer: x is {x.dtype} but the model's parameters are {params}; pass x in the "
-                f"parameters' dtype or convert the model with .to(dtype). Supported: float32, float16 and bfloat16 "
-                f"on every route, any other floating dtype (float64) on the reference and sdpa routes")
+                f"parameters' dtype or convert the model with .to(dtype). Supported: {_SUPPORTED} on every route, "
+                f"any other floating dtype (float64) on the reference and sdpa routes")
         key = (x.shape, x.dtype, x.device, mask is None)  # the input signature
         if not self._streaming:  # memory: decided on the signature's first call under this cap and fraction
             plan = self._memory_plans.get((key, self.memory_budget_bytes, memory_fraction(x.device)))
@@ -201,7 +205,7 @@ class UserOptimizedTransformer(BaselineTransformer):
     def _plan_memory(self, key, x, mask):
         """The plan of this input signature under the current cap and memory fraction: decided on the signature's
         first call and kept, so a changing free-memory reading never re-decides."""
-        if len(self._memory_plans) >= 64:  # many signatures: forget the oldest decision
+        if len(self._memory_plans) >= MAX_MEMORY_PLANS:  # many signatures: forget the oldest decision
             self._memory_plans.pop(next(iter(self._memory_plans)))
         plan = self._memory_plans[(key, self.memory_budget_bytes, memory_fraction(x.device))] = self.memory_plan(
             x, mask)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from ..kernels import OPERAND_DTYPES
 from .config import parameter_count
 from .memory import operand_bytes
+from .reference import LAYER_NORM_EPS
 from .route_sdpa import sdpa_attention
 from .weights import layer_weights, per_layer, unpacked_per_layer
 
@@ -81,7 +82,7 @@ class KernelForward:
             r = res.float() if branch is None else res.float() + branch.float()
             if row_mask is not None:
                 r = r.masked_fill(~row_mask[..., None], 0.0)
-            y = F.layer_norm(r, (d,), w[name + "_w"], w[name + "_b"], 1e-5)
+            y = F.layer_norm(r, (d,), w[name + "_w"], w[name + "_b"], LAYER_NORM_EPS)
             if row_mask is not None:
                 y = y.masked_fill(~row_mask[..., None], 0.0)
             return r, y.to(out_dtype)
