@@ -25,7 +25,7 @@ from shapewise.jobs.device import time_calls
 from shapewise.jobs.timing import run_rounds
 from shapewise.model import BaselineTransformer, TransformerConfig, UserOptimizedTransformer, generate_random_case
 from shapewise.manifest import load_manifest
-from shapewise.model.compare import TOLERANCES, compare_outputs
+from shapewise.model.tolerance import TOLERANCES, compare_outputs
 
 CUDA = torch.device("cuda")
 ROOT = Path(__file__).resolve().parent.parent

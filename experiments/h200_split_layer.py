@@ -62,7 +62,7 @@ def split_model(opt, cfg, x, mask):
 
 
 def accuracy(ref_out, out):
-    """Failed elements and errors at the official and strict tolerances (model.compare)."""
+    """Failed elements and errors at the official and strict tolerances (model.tolerance)."""
     return {name: compare_outputs(ref_out, out, **tol).as_dict() for name, tol in TOLERANCES.items()}
 
 

@@ -20,7 +20,7 @@ explicit fp16 rounding (`t.half().double()`) at each point where the route round
 GEMMs accumulate exactly (fp64) and round once, bias included (cuBLAS: fp32 accumulation, fp32 epilogue, one cast);
 the residual stream is rounded to fp32 after each add. The reference is the pipeline's: BaselineTransformer in fp32
 on the CPU (exact fp32 GEMMs), weights from shapewise.jobs.models.build_models (torch.manual_seed(0)), inputs from
-shapewise.jobs.inputs.make_case (seed 1234 + trial, all-True mask), compared with model/compare.py compare_outputs
+shapewise.jobs.inputs.make_case (seed 1234 + trial, all-True mask), compared with model/tolerance.py compare_outputs
 at the official (2e-3 / 2e-2) and strict (1e-3 / 1e-2) tolerances.
 
 Variants: the full route; the route without one rounding ("- X", leave one out); only one rounding ("only X");
