@@ -13,8 +13,8 @@ With `kv_precompute`, a second small kernel (`_ln_kv_fwd`) first writes every to
 ([B, S, 2d], operand dtype) and the layer kernel reads them, instead of every program recomputing LayerNorm 1
 and the K/V projection of its whole sequence. With it, `key_block` runs each head's softmax over blocks of keys
 (online, fp32 running max and sum; a causal tile stops at its last query) instead of the whole sequence at once,
-and `ffn_block` narrows the FFN's column chunks: fewer live registers (ptxas: no spills on most official fused
-rows, experiments/data/fused_ptxas-sm90.json). Both are off unless the routing policy's launch entry sets them.
+and `ffn_block` narrows the FFN's column chunks: fewer live registers. Both are off unless the routing policy's
+launch entry sets them.
 
 With a mask, each program summarizes its sequence's mask (kernels/mask.py: the prefix length, or -1) and treats a
 prefix, the official harness's all-True mask among them, by its length alone, as index arithmetic; only a mask
@@ -35,8 +35,7 @@ from .mask import check_summary, first_mask_block, prefix_length_of_row, summary
 from .tiles import MAX_D_MODEL, MIN_D_MODEL, _ffn_residual, _layer_norm_rows, _mm, _store_rows
 
 MAX_SEQ = 128
-# Largest block_m served. 64 and 128 ended in an illegal memory access on the H200 (Triton 3.6; see
-# experiments/h200/session2/README.md); experiments/h200_fused_isolation.py raises this in its own processes to probe them.
+# Largest block_m served: 64 and 128 fault on the H200 under Triton 3.6 (docs/decisions.md#fused-block_m).
 MAX_BLOCK_M = 32
 
 
@@ -148,10 +147,8 @@ def _fused_layer_fwd(
         hk = _layer_norm_rows(xk, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
     xq = tl.load(x_base + rows[:, None] * stride_xs + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                  other=0.0).to(tl.float32)
-    # The mask is summarized after the residual rows are requested: read before them (session 10), its load and the
-    # barrier of its layout change delayed those loads by a memory round trip (offline SASS of official row 7:
-    # first barrier at instruction 83, first residual load at 87), and row 7's layer took 18 % longer with an
-    # all-True mask than without (experiments/h200/session11/call1/mask-parts.json).
+    # The mask is summarized after the residual rows are requested: read before them, its load and the barrier of
+    # its layout change would delay those loads by a memory round trip (docs/decisions.md#mask-summary).
     key_len = seq_len  # where this sequence's mask is a prefix: its length
     not_prefix = False
     if HAS_MASK:
@@ -286,8 +283,8 @@ def _ln_kv_fwd(
 # ----------------------------------------------------------------------------------------------
 # _ln_project's launch: 64 columns per step; programs of 64 tokens, or 32 or 16 where even one program per column
 # step leaves fewer than LN_PROJECT_MIN_PROGRAMS // 2 programs (about one per SM of the H200's 132); then as many
-# column blocks as it takes for LN_PROJECT_MIN_PROGRAMS programs. Measured on the H200
-# (experiments/h200/session9/parts.json): 128 tokens 3.7 -> 2.9 us, 8192 tokens 8.8 -> 8.3 us, 1.28 M tokens as before.
+# column blocks as it takes for LN_PROJECT_MIN_PROGRAMS programs, so that a few tokens still fill the GPU
+# (docs/decisions.md#split-layer).
 LN_PROJECT_BLOCK_N = 64
 LN_PROJECT_MIN_PROGRAMS = 264
 
@@ -334,7 +331,7 @@ def ln_qkv(x, w, *, block_t=None, col_blocks=None, num_warps=4, mask=None):
     """LayerNorm 1 and the packed QKV projection of x [B, S, d] (d <= MAX_D_MODEL, unit stride along d) in one
     kernel: [B, S, 3d] (q, k, v) in the weights' dtype (fp16/bf16), with fp32 statistics and sums. `w` as for
     fused_layer (qkv_w, qkv_b, n1_w, n1_b). block_t, col_blocks, num_warps: the launch (None: `_ln_project_grid`'s
-    defaults), for experiments. With `mask` (bool [B, S]): returns (qkv, the mask's prefix summary as
+    defaults), for benchmarks. With `mask` (bool [B, S]): returns (qkv, the mask's prefix summary as
     kernels.mask.prefix_lengths gives it), computed in the same launch."""
     B, S, d = x.shape
     if not MIN_D_MODEL <= d <= MAX_D_MODEL or x.stride(-1) != 1:
@@ -373,10 +370,8 @@ def _block_size(name: str, value, default: int, most: int) -> int:
     return min(value, most)
 
 
-# The output rows' mask loaded in a branch on "no prefix" instead of predicated off for a prefix (_store_rows).
-# Session 12 (experiments/h200/session12/call7/mask-parts.json), us per layer with the summary given (layers 1-3):
-# official row 7 12.88 -> 12.65, row 12 14.21 -> 13.88 (unmasked 12.33-12.46 and 13.72-14.06). False: the mask
-# predicated off (the report at c5875fb ran that). On from session 13 (experiments/NOTES.md).
+# The output rows' mask loaded in a branch on "no prefix" instead of predicated off for a prefix (_store_rows): a
+# prefix then reads no mask at all, as fast as no mask (docs/decisions.md#mask-summary). False: predicated off.
 ROW_MASK_BRANCH = True
 
 

@@ -103,10 +103,8 @@ def layer_tail(o, x, w, *, mask=None, final=None, out_dtype=None, block_m=None, 
     residual into the layer), both contiguous; `w` with o_w, o_b, in_w, in_b, out_w, out_b (fp16/bf16) and n2_w,
     n2_b (fp32), as for fused_layer. Returns the fp32 residual [B, S, d], or with `final=(weight, bias)` the final
     LayerNorm of it in `out_dtype` (default x's dtype). Rows where `mask` (bool [B, S]) is False are 0.
-    Default launch: `tail_block_m` tokens (64 from 8192 tokens), 4 warps, 32 FFN columns per step, 3 stages, the
-    fastest of 16 launches on the H200 (experiments/h200/session8/parts*.json, d_model 128): on row 6's shape
-    1.01 ms per layer against 1.79 ms for 32 tokens with 8 warps (which ptxas compiles without spills; 4 warps
-    spill, and win all the same)."""
+    Default launch: `tail_block_m` tokens (64 from 8192 tokens), 4 warps, 32 FFN columns per step, 3 stages: the
+    fastest measured on the H200 at d_model 128 (docs/decisions.md#split-layer)."""
     B, S, d = x.shape
     why = why_unsupported(d)
     if why:

@@ -86,7 +86,7 @@ def add_layernorm(residual, branch, weight, bias, *, eps=LAYER_NORM_EPS, out_dty
     """Return `(new_residual_fp32 or None, layer_norm(new_residual) in out_dtype)`.
 
     residual: `[..., d]`; branch: same shape, or None (plain LayerNorm of the residual).
-    row_mask: bool `[...]` (the leading dims); rows where it is False become 0 in both outputs.
+    row_mask: bool `[...]` (residual's dimensions but its last); rows where it is False become 0 in both outputs.
     residual_out: fp32 tensor for the new residual (may be `residual` itself: in place).
     write_residual=False skips writing the residual (the model's final norm).
     """

@@ -213,10 +213,9 @@ class UserOptimizedTransformer(BaselineTransformer):
 
 
 def _set_plain(model, name, value):
-    """model.name = value for a plain attribute (never a parameter, buffer or submodule), past nn.Module.__setattr__:
-    its checks cost ~3.5 us a call on the CPU here, twice per forward on the per-call path of the launch-bound
-    routes (`python -m experiments.host_path`: 19.4 -> 16.9 us of Python per call on official row 2,
-    experiments/data/host_path-cpu.txt)."""
+    """model.name = value for a plain attribute (never a parameter, buffer or submodule), past nn.Module.__setattr__,
+    whose checks would cost the per-call path of the launch-bound routes microseconds
+    (docs/decisions.md#_set_plain-host-cost)."""
     object.__setattr__(model, name, value)
 
 

@@ -72,7 +72,7 @@ class DerivedWeights:
     __slots__ = ("params", "inference", "versions", "tables", "screen")
 
     def __init__(self):
-        self.params = None  # the parameters, listed once (walking the module tree costs ~100 us)
+        self.params = None  # the parameters, listed once: the module tree is too slow to walk on every call
         self.inference = False  # some parameter is an inference tensor: only addresses count
         self.versions = None  # the parameters' (addresses, versions) the tables were derived from
         self.tables = {}  # (precision, layout) -> {name: tensor}
