@@ -183,6 +183,10 @@ class UserOptimizedTransformer(BaselineTransformer):
         self._weights.relist()
         return super().load_state_dict(*args, **kwargs)
 
+    def __setstate__(self, state):  # unpickled parameters are plain nn.Parameters: list (and watch) them again
+        super().__setstate__(state)
+        self._weights.relist()
+
     def _apply(self, fn, *args, **kwargs):  # .to(), .cuda(), .half(): derived state is rebuilt lazily
         self._weights.forget()
         self._drop_routes()

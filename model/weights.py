@@ -3,10 +3,10 @@
 A table (one per operand precision and layout) is built on a route's first use, held as plain tensors (never
 registered) and refreshed in place when a parameter's version counter or storage address moves, so that captured
 CUDA graphs keep reading the same buffers. Seen: in-place edits (`p.copy_`, `p.mul_` under no_grad), `p.data = t`,
-`load_state_dict` (also with assign=True) and `.to()`. Not seen, and so `refresh_weights()` after them: writes
-through `p.data` (`p.data.copy_(t)`), which PyTorch does not count on the parameter's version counter, and in-place
-edits of parameters that are inference tensors (created under torch.inference_mode: they carry no version
-counter).
+writes through `p.data` (`p.data.copy_(t)`: see WatchedParameter), `load_state_dict` (also with assign=True) and
+`.to()`. Not seen, and so `refresh_weights()` after them: a write through a `p.data` tensor taken before the
+previous forward, and in-place edits of parameters that are inference tensors (created under
+torch.inference_mode: they carry no version counter).
 
 The fp16 screen: for inputs that are not float16, a route's fp16 operands rest on every parameter lying within
 FP16_SAFE_ABS; `DerivedWeights.fp16_offender` measures that once per weight version.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch import nn
 
 from ..kernels import OPERAND_DTYPES
 
@@ -30,6 +31,29 @@ FP16_SAFE_ABS = 2.0**11
 # One layer's derived weights as the per-layer kernels (fused_layer, ln_qkv, layer_tail) take them: "{i}.{name}".
 LAYER_WEIGHTS = ("qkv_w", "qkv_b", "o_w", "o_b", "in_w", "in_b", "out_w", "out_b", "n1_w", "n1_b", "n2_w", "n2_b")
 _version_of = operator.attrgetter("_version")
+_tensor_data = torch._C.TensorBase.data  # the descriptor WatchedParameter wraps
+
+
+class WatchedParameter(nn.Parameter):
+    """A parameter whose `.data`, once handed out, counts as written. PyTorch gives `p.data` a version counter of its
+    own, so a write through it (`p.data.copy_(w)`) leaves `p._version` where it was, and derived weights keyed on it
+    would stay stale; reading `.data` bumps `p._version` instead (torch.autograd.graph.increment_version, PyTorch's
+    way to report a write it cannot see). Costs: a read that writes nothing rebuilds the derived weights once at the
+    next forward, and, as after any in-place write, a backward pass through a graph that saved `p` before the read
+    refuses to run. Nothing else differs from nn.Parameter; the forward's per-call path reads no more than before.
+    The model's parameters take this class once it derives weights from them (DerivedWeights.table)."""
+
+    @property
+    def data(self):
+        torch.autograd.graph.increment_version(self)
+        return _tensor_data.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        _tensor_data.__set__(self, value)
+
+    def __repr__(self):
+        return repr(nn.Parameter(self.detach(), self.requires_grad))
 
 
 def per_layer(model, dtype, packed: bool = True) -> dict:
@@ -88,6 +112,8 @@ class DerivedWeights:
         if params is None:
             params = self.params = list(model.parameters())
             self.inference = any(p.is_inference() for p in params)
+            if self.tables:
+                _watch(params)
         ptrs = tuple(map(torch.Tensor.data_ptr, params))
         if self.inference:
             return ptrs
@@ -121,6 +147,8 @@ class DerivedWeights:
             self.now(model)
             with torch.inference_mode(False), torch.no_grad():
                 table = {k: v.contiguous().clone() for k, v in layout(model, OPERAND_DTYPES[precision]).items()}
+            if not self.tables:
+                _watch(self.params)
             self.tables[key] = table
         return table
 
@@ -153,3 +181,10 @@ class DerivedWeights:
 
 def _name_of(offender):
     return None if offender is None else offender[0]
+
+
+def _watch(params) -> None:
+    """Make `params` WatchedParameters (in place: the same objects, so every reference to them stays valid)."""
+    for p in params:
+        if type(p) is nn.Parameter:
+            p.__class__ = WatchedParameter

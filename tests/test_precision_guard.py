@@ -55,14 +55,17 @@ def test_weight_beyond_the_bound_gets_bf16_operands_and_back(dtype):
     assert opt.last_route.precision == "fp16" and BIG not in opt.last_route.reason, str(opt.last_route)
 
 
-def test_edits_through_data_are_seen_after_refresh_weights():
-    """Writes through `p.data` do not move the version counter: refresh_weights() checks the range again."""
+def test_edits_through_data_are_seen_and_after_refresh_weights():
+    """A write through `p.data` moves the range check like any other edit; refresh_weights() checks it again."""
     opt, x, mask = _model(torch.bfloat16)
     with torch.no_grad():
         opt(x, mask)
     assert opt.last_route.precision == "fp16"
     p = dict(opt.named_parameters())[BIG]
     p.data.mul_(_beyond(opt))
+    with torch.no_grad():
+        opt(x, mask)
+    assert opt.last_route.precision == "bf16" and BIG in opt.last_route.reason, str(opt.last_route)
     opt.refresh_weights()
     with torch.no_grad():
         opt(x, mask)
