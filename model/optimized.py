@@ -109,6 +109,7 @@ class UserOptimizedTransformer(BaselineTransformer):
         if not self._streaming:  # memory: decided on the signature's first call under this cap and fraction
             plan = self._memory_plans.get((key, self.memory_budget_bytes, memory_fraction(x.device)))
             if plan is None:
+                self._check_device(x)
                 plan = self._plan_memory(key, x, mask)
             _set_plain(self, "last_memory_plan", plan)
             if plan.num_chunks > 1:
@@ -124,6 +125,14 @@ class UserOptimizedTransformer(BaselineTransformer):
                 runner = self._paths[key] = self._runner(x, mask)
         _set_plain(self, "last_route", runner.route)
         return runner(self, x, mask)
+
+    def _check_device(self, x) -> None:
+        """x on the parameters' device, checked on each signature's first call (the signature holds x's device)."""
+        params = self.final_norm.weight.device
+        if x.device != params:
+            held = " (a meta tensor holds no values)" if x.device.type == "meta" else ""
+            raise ValueError(f"UserOptimizedTransformer: x is on {x.device}{held} but the model's parameters are on "
+                             f"{params}; pass x on {params} or move the model with .to({str(x.device)!r})")
 
     def _runner(self, x, mask):
         """The runner of this input signature's route: its module's, captured in CUDA graphs where the route is."""
