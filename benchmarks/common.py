@@ -78,7 +78,7 @@ def reference_output(reference, x, mask):
 
 
 def accuracy(want, got):
-    """Failed elements and errors at each tolerance of model.compare."""
+    """Failed elements and errors at each tolerance of model.tolerance."""
     return {name: compare_outputs(want, got, **tol).as_dict() for name, tol in TOLERANCES.items()}
 
 

@@ -1,4 +1,5 @@
-"""shapewise Triton kernels: fused attention and fused residual + LayerNorm.
+"""shapewise Triton kernels, one op per file: attention, residual add + LayerNorm, the mask summary, the fused layer
+and the layer tail (tiles.py: the device functions the layer kernels share).
 
 Without a GPU, set TRITON_INTERPRET=1 before importing this package to run the kernels on the CPU.
 """

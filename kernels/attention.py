@@ -21,12 +21,10 @@ import triton.language as tl
 from . import INTERPRET as _INTERPRET
 from . import PRECISIONS
 from .mask import check_summary, prefix_lengths
+from .tiles import DOT_BF16_IN_FP32
 
 MAX_HEAD_DIM = 256  # largest head_dim served (register and shared-memory budget of one tile)
 _PRECISION_CODE = {"fp32": 0, "tf32": 1, "fp16": 2, "bf16": 3}
-# Triton 3.6's interpreter computes garbage for bf16 dots; there, bf16 operands are rounded to bf16 and
-# multiplied in fp32, which gives the same products as the tensor cores (exact products, fp32 sums).
-_BF16_VIA_FP32 = tl.constexpr(_INTERPRET)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -66,7 +64,7 @@ def _operand(x, PRECISION: tl.constexpr):
     if PRECISION == 2:
         return x.to(tl.float16)
     elif PRECISION == 3:
-        if _BF16_VIA_FP32:
+        if DOT_BF16_IN_FP32:
             return x.to(tl.bfloat16).to(tl.float32)
         return x.to(tl.bfloat16)
     else:
@@ -83,7 +81,7 @@ def _dot(a, b, PRECISION: tl.constexpr):
     elif PRECISION == 2:
         return tl.dot(a.to(tl.float16), b.to(tl.float16))
     else:
-        if _BF16_VIA_FP32:
+        if DOT_BF16_IN_FP32:
             return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
 
@@ -216,9 +214,8 @@ def _attention_fwd(
                 offs_m, offs_d, start_n, seq_len, key_len, qk_scale, False,
                 HEAD_DIM, BLOCK_D, BLOCK_N, False, EVEN_N, IS_CAUSAL, HAS_KEY_MASK, PRECISION)
         # Stage 2: the diagonal, the ragged end and general masks. One loop for prefix and general masks alike (a
-        # prefix skips the mask loads at run time): session 9's separate prefix loop took 164 KB of shared memory
-        # at head_dim 256 against 98 KB now, and official row 8's masked attention 39.3 us per layer against 29.5
-        # (experiments/h200/session10/mask-parts.json).
+        # prefix skips the mask loads at run time): a separate prefix loop of its own would take more shared memory
+        # and time (docs/decisions.md#mask-summary).
         if HAS_KEY_MASK and MASK_LOOP:
             # A prefix runs the key-length path's own stage 2 (no mask in its code at all); a mask that is no
             # prefix (full_hi is 0 then) reads it in a loop of its own, unpipelined, so that this loop takes no
@@ -266,12 +263,8 @@ def _configs():
 
 
 # Registers per thread the kernel with a key mask (HAS_KEY_MASK) may take, per launch (BLOCK_M, BLOCK_N, BLOCK_D,
-# num_warps, num_stages), where ptxas would otherwise give it enough more than the same launch with key lengths
-# to fit fewer programs on an SM. Read off ptxas for sm_90a (Triton 3.6; `python -m experiments.attention_ptxas`):
-# head_dim 32 on 64x64 tiles takes 122 registers with a mask against 94 with lengths (4 programs of 4 warps per SM
-# instead of 5), and fits 95 without spilling when capped at 96; the H200 ran the all-True mask there 23 % slower
-# than key lengths on official row 6 (experiments/h200/session10/mask-parts.json). Applied whatever the grid: one of
-# a wave or less (official rows 1-4) runs no slower under the cap (experiments/h200/session11/mask-parts.json).
+# num_warps, num_stages), where ptxas would otherwise give it enough more than the same launch with key lengths to
+# fit fewer programs on an SM; each cap fits without spilling (ptxas for sm_90a; docs/decisions.md#attention-tiles).
 MASKED_MAX_REGISTERS = {(64, 64, 32, 4, 3): 96, (32, 32, 64, 4, 2): 96}
 
 
@@ -299,9 +292,9 @@ def _prune(configs, named_args, **kwargs):
     return keep
 
 
-# Batch x heads bucket from which a short sequence's tiles are timed against each other (64x32 beat 64x64 by 4-5 %
-# on official row 6, 40 000 sequence-heads; experiments/h200/session11/attention-ab.json); below it, 64x64 only.
-# None turns it off (every kept tile timed, as in reports/h200 at b9a4c4e); on since session 12.
+# Batch x heads bucket from which a short sequence's tiles are timed against each other; below it 64x64 only, as fast
+# there as any other, and timing kernels of a few microseconds would pick by noise (docs/decisions.md#attention-tiles).
+# None: every kept tile timed.
 SHORT_SEQUENCE_WIDE_GRID = 4096
 
 
@@ -321,37 +314,31 @@ def _prune_tiles(configs, named_args, **kwargs):
         if seq >= 8192 and bm < 64:  # long sequences: large tiles only (tuning each config costs seconds)
             continue
         if 64 < seq <= 256 and bm != 64:
-            # short sequences (official rows 1-12): 64-row tiles. On row 6's shape the autotuner picked 128x128 for
-            # the unmasked key, 1.54 ms against 0.69 for 64x32 (experiments/h200/session5/row6_attention.log)
+            # short sequences: 64-row tiles, since the autotuner's pick among larger ones ran twice as long
+            # (docs/decisions.md#attention-tiles)
             continue
         if (64 < seq <= 256 and bn != 64 and d <= 128 and bh is not None and SHORT_SEQUENCE_WIDE_GRID is not None
                 and bh < SHORT_SEQUENCE_WIDE_GRID):
-            # and 64x64 alone below a wide grid: there it is as fast or faster than 64x32 on every official row
-            # of head_dim 8-128 (rows 1, 2, 9, 10, 11, masked and not; experiments/h200/session11/attention-ab.json),
-            # and timing kernels of 4-17 us picked 64x32 by noise (row 2 with the mask: 4.56 us against 3.77).
-            # head_dim 256 (row 8) was not measured: both still timed there.
+            # and 64x64 alone below a wide grid (SHORT_SEQUENCE_WIDE_GRID), up to head_dim 128: unmeasured beyond,
+            # so both are still timed there
             continue
         if precision == 0 and (bm, bn) not in ((64, 32), (32, 32)):
             # exact fp32 (the reduced_precision ablation's baseline): FMA dots want small tiles, and compiling
-            # all seven candidates per head size cost ~1 minute per pipeline job on the H200 (session 2)
+            # every candidate per head size would take about a minute per job
             continue
         keep.append(c)
     return keep or configs[-1:]
 
 
 # Up to this head block (BLOCK_D), a key mask that is no prefix runs a stage-2 loop of its own (the kernel's
-# MASK_LOOP), leaving a prefix's stage 2 the key-length path's code. With one loop for both, session 12 measured the
-# all-True mask 6 % slower than key lengths on official row 11's attention (16.93 against 15.12 us;
-# experiments/h200/session12/call4/mask-parts.json); with its own loop 15.77 against 17.10 (row 6: 551 against
-# 584), and a left-padded mask 0.4-15 % slower (call5/mask-parts.json). Offline ptxas (sm_90a, 64x64 tiles): the
-# same registers and shared memory up to BLOCK_D 64 (32 under its cap of 96), spills at 128 and 256, hence 64.
-# None: one loop for both (the report at c5875fb ran that). On (64) from session 13 (experiments/NOTES.md).
+# MASK_LOOP), so that a prefix's stage 2 is the key-length path's code and as fast; beyond it the second loop spills
+# registers (ptxas for sm_90a; docs/decisions.md#mask-summary). None: one loop for both.
 MASK_OWN_LOOP_MAX_BLOCK_D = 64
 
 
 # From this sequence length (power-of-two bucket) the kernel is not autotuned: timing each candidate on a full-size
-# call (official row 14 with a mask that is no causal prefix: ~3 s a call) made a first call take minutes. The tile is
-# the first of LONG_SEQUENCE_TILES that the prune keeps for the shape.
+# call, seconds each, would make a first call take minutes. The tile is the first of LONG_SEQUENCE_TILES that the
+# prune keeps for the shape.
 UNTUNED_FROM_SEQ = 32768
 LONG_SEQUENCE_TILES = ((128, 64, 8, 3), (64, 64, 4, 3))
 

@@ -1,7 +1,7 @@
 """One whole pre-LayerNorm Transformer layer in one Triton kernel, for short sequences of narrow models.
 
-Where a sequence's activations fit on chip (seq_len <= 128, d_model <= 128), one program takes
-BLOCK_M query rows of one sequence and runs: LayerNorm 1 of the whole sequence (its keys and values),
+Where a sequence's activations fit on chip (`why_unsupported` states where), one program takes BLOCK_M
+query rows of one sequence and runs: LayerNorm 1 of the whole sequence (its keys and values),
 the QKV projection head by head, exact softmax attention over the (short) key range with causal and key
 masks in the tile, the out-projection accumulated head by head, the residual add, LayerNorm 2, the FFN
 (bias, exact GELU, bias) chunk by chunk, the second residual add and the invalid-row zeroing; the last
@@ -13,8 +13,8 @@ With `kv_precompute`, a second small kernel (`_ln_kv_fwd`) first writes every to
 ([B, S, 2d], operand dtype) and the layer kernel reads them, instead of every program recomputing LayerNorm 1
 and the K/V projection of its whole sequence. With it, `key_block` runs each head's softmax over blocks of keys
 (online, fp32 running max and sum; a causal tile stops at its last query) instead of the whole sequence at once,
-and `ffn_block` narrows the FFN's column chunks: fewer live registers (ptxas: no spills on most official fused
-rows, experiments/data/fused_ptxas-sm90.json). Both are off unless the routing policy's launch entry sets them.
+and `ffn_block` narrows the FFN's column chunks: fewer live registers. Both are off unless the routing policy's
+launch entry sets them.
 
 With a mask, each program summarizes its sequence's mask (kernels/mask.py: the prefix length, or -1) and treats a
 prefix, the official harness's all-True mask among them, by its length alone, as index arithmetic; only a mask
@@ -29,23 +29,20 @@ import torch
 import triton
 import triton.language as tl
 
-from . import INTERPRET
+from ..model.reference import LAYER_NORM_EPS
+from .layer_tail import layer_tail_reference
 from .mask import check_summary, first_mask_block, prefix_length_of_row, summary_block
+from .tiles import MAX_D_MODEL, MIN_D_MODEL, _ffn_residual, _layer_norm_rows, _mm, _store_rows
 
 MAX_SEQ = 128
-MAX_D_MODEL = 128
-# Largest block_m served. 64 and 128 ended in an illegal memory access on the H200 (Triton 3.6; see
-# experiments/h200/session2/README.md); experiments/h200_fused_isolation.py raises this in its own processes to probe them.
+# Largest block_m served: 64 and 128 fault on the H200 under Triton 3.6 (docs/decisions.md#fused-block_m).
 MAX_BLOCK_M = 32
-# Triton 3.6's interpreter computes garbage for bf16 dots (see kernels/attention.py): there the
-# (already bf16-rounded) operands are multiplied in fp32, which gives the tensor cores' products.
-_DOT_IN_FP32 = tl.constexpr(INTERPRET)
 
 
 # ----------------------------------------------------------------------------------------------
 # Plain torch reference (one layer of the contract, optionally with the final norm)
 # ----------------------------------------------------------------------------------------------
-def fused_layer_reference(x, w, *, num_heads, causal, mask=None, final=None, eps=1e-5):
+def fused_layer_reference(x, w, *, num_heads, causal, mask=None, final=None, eps=LAYER_NORM_EPS):
     """x: [B, S, d] (float); w: dict of fp32/fp64 tensors named as in `pack_layer_weights`."""
     B, S, d = x.shape
     hd = d // num_heads
@@ -59,33 +56,12 @@ def fused_layer_reference(x, w, *, num_heads, causal, mask=None, final=None, eps
     if mask is not None:
         s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
     o = (torch.softmax(s, -1).nan_to_num(0.0) @ v).transpose(1, 2).reshape(B, S, d)
-    from .layer_tail import layer_tail_reference  # the rest of the layer (imported here: it imports this module)
-
-    return layer_tail_reference(o, x, w, mask=mask, final=final, eps=eps)
+    return layer_tail_reference(o, x, w, mask=mask, final=final, eps=eps)  # the rest of the layer
 
 
 # ----------------------------------------------------------------------------------------------
 # Triton kernel
 # ----------------------------------------------------------------------------------------------
-@triton.jit
-def _mm(a, b):
-    """a @ b with fp32 accumulation (operands already in the fp16/bf16 operand type)."""
-    if _DOT_IN_FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
-
-
-@triton.jit
-def _layer_norm_rows(x, w_ptr, b_ptr, cols, col_ok, n_cols, eps):
-    """LayerNorm of each row of an fp32 tile whose padding columns are 0."""
-    mean = tl.sum(x, 1) / n_cols
-    xc = tl.where(col_ok[None, :], x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 1) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0)
-    b = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
-    return xc * rstd[:, None] * w[None, :] + b[None, :]
-
-
 @triton.jit
 def _attend_key_blocks(q, kv_base, mask_base, rows, hcol, hd_ok, stride_kvs, d_model, seq_len, key_hi, qk_scale,
                        key_len, not_prefix,
@@ -171,10 +147,8 @@ def _fused_layer_fwd(
         hk = _layer_norm_rows(xk, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
     xq = tl.load(x_base + rows[:, None] * stride_xs + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                  other=0.0).to(tl.float32)
-    # The mask is summarized after the residual rows are requested: read before them (session 10), its load and the
-    # barrier of its layout change delayed those loads by a memory round trip (offline SASS of official row 7:
-    # first barrier at instruction 83, first residual load at 87), and row 7's layer took 18 % longer with an
-    # all-True mask than without (experiments/h200/session11/call1/mask-parts.json).
+    # The mask is summarized after the residual rows are requested: read before them, its load and the barrier of
+    # its layout change would delay those loads by a memory round trip (docs/decisions.md#mask-summary).
     key_len = seq_len  # where this sequence's mask is a prefix: its length
     not_prefix = False
     if HAS_MASK:
@@ -253,54 +227,6 @@ def _fused_layer_fwd(
 
 
 @triton.jit
-def _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn_dim, eps,
-                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
-    """x1 + FFN(LayerNorm 2(x1)) for an fp32 [BLOCK_M, BLOCK_D] tile of residual rows (padding columns 0): the
-    FFN chunk by chunk over ffn_dim (bias, exact GELU, bias), operands in the weights' dtype, fp32 sums."""
-    op_ty = Win.dtype.element_ty
-    h2 = _layer_norm_rows(x1, N2w, N2b, cols, col_ok, d_model, eps).to(op_ty)
-    fcol = tl.arange(0, BLOCK_F)
-    ffn = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for f_start in range(0, ffn_dim, BLOCK_F):
-        f_ok = (f_start + fcol) < ffn_dim
-        w_in = tl.load(Win + (f_start + fcol[None, :]) * d_model + cols[:, None],
-                       mask=col_ok[:, None] & f_ok[None, :], other=0.0)  # [BLOCK_D, BLOCK_F] = W_in^T slice
-        b_in = tl.load(Bin + f_start + fcol, mask=f_ok, other=0.0).to(tl.float32)
-        t = _mm(h2, w_in) + b_in[None, :]
-        t = 0.5 * t * (1.0 + tl.erf(t * 0.7071067811865476))  # exact GELU
-        w_out = tl.load(Wout + cols[None, :] * ffn_dim + f_start + fcol[:, None],
-                        mask=f_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_F, BLOCK_D] = W_out^T slice
-        ffn += _mm(t.to(op_ty), w_out)
-    b_out = tl.load(Bout + cols, mask=col_ok, other=0.0).to(tl.float32)
-    return x1 + ffn + b_out[None, :]
-
-
-@triton.jit
-def _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
-                key_len, not_prefix, HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr, BRANCH: tl.constexpr):
-    """Store a tile of rows of sequence b (row r at Y + b * stride_yb + r * stride_ys): invalid rows
-    (Mask[b * stride_mb + r] == 0) as 0, after the final LayerNorm when FINAL_NORM. Where the mask is a prefix
-    (not_prefix False) the rows below key_len are the valid ones and the mask is not read; elsewhere (not_prefix
-    True, key_len the number of rows) the mask says. BRANCH: the mask's load in a branch on not_prefix instead of
-    a load predicated off for a prefix."""
-    if HAS_MASK:
-        if BRANCH:
-            row_valid = rows < key_len
-            if not_prefix:
-                row_valid = row_valid & (tl.load(Mask + b * stride_mb + rows, mask=row_ok, other=1) != 0)
-        else:
-            row_valid = (rows < key_len) & (tl.load(Mask + b * stride_mb + rows, mask=row_ok & not_prefix,
-                                                    other=1) != 0)
-        x2 = tl.where(row_valid[:, None], x2, 0.0)
-    if FINAL_NORM:
-        x2 = _layer_norm_rows(x2, NFw, NFb, cols, col_ok, d_model, eps)
-        if HAS_MASK:
-            x2 = tl.where(row_valid[:, None], x2, 0.0)
-    y_ptrs = Y + b * stride_yb + rows[:, None] * stride_ys + cols[None, :]
-    tl.store(y_ptrs, x2.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
 def _ln_kv_fwd(
     X,  # pointer to the residual stream in, [B, S, d]
     KV,  # pointer to the output [B, S, n_cols]: LN1(x) @ Wqkv[first_col:first_col + n_cols]ᵀ + bias, operand dtype
@@ -357,8 +283,8 @@ def _ln_kv_fwd(
 # ----------------------------------------------------------------------------------------------
 # _ln_project's launch: 64 columns per step; programs of 64 tokens, or 32 or 16 where even one program per column
 # step leaves fewer than LN_PROJECT_MIN_PROGRAMS // 2 programs (about one per SM of the H200's 132); then as many
-# column blocks as it takes for LN_PROJECT_MIN_PROGRAMS programs. Measured on the H200
-# (experiments/h200/session9/parts.json): 128 tokens 3.7 -> 2.9 us, 8192 tokens 8.8 -> 8.3 us, 1.28 M tokens as before.
+# column blocks as it takes for LN_PROJECT_MIN_PROGRAMS programs, so that a few tokens still fill the GPU
+# (docs/decisions.md#split-layer).
 LN_PROJECT_BLOCK_N = 64
 LN_PROJECT_MIN_PROGRAMS = 264
 
@@ -394,7 +320,7 @@ def _ln_project(x, w, first_col, n_cols, block_t=None, col_blocks=None, num_warp
         m = prefix = out  # placeholders, never read or written
     _ln_kv_fwd[grid](
         x, out, w["qkv_w"], w["qkv_b"], w["n1_w"], w["n1_b"], x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        S, d, 1e-5, first_col, n_cols, cols_per_program, m, prefix, m.stride(0) if mask is not None else 0,
+        S, d, LAYER_NORM_EPS, first_col, n_cols, cols_per_program, m, prefix, m.stride(0) if mask is not None else 0,
         BLOCK_T=block_t, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=LN_PROJECT_BLOCK_N,
         WRITE_PREFIX=mask is not None, MASK_BLOCK=summary_block(S), num_warps=num_warps, num_stages=1,
     )
@@ -405,7 +331,7 @@ def ln_qkv(x, w, *, block_t=None, col_blocks=None, num_warps=4, mask=None):
     """LayerNorm 1 and the packed QKV projection of x [B, S, d] (d <= MAX_D_MODEL, unit stride along d) in one
     kernel: [B, S, 3d] (q, k, v) in the weights' dtype (fp16/bf16), with fp32 statistics and sums. `w` as for
     fused_layer (qkv_w, qkv_b, n1_w, n1_b). block_t, col_blocks, num_warps: the launch (None: `_ln_project_grid`'s
-    defaults), for experiments. With `mask` (bool [B, S]): returns (qkv, the mask's prefix summary as
+    defaults), for benchmarks. With `mask` (bool [B, S]): returns (qkv, the mask's prefix summary as
     kernels.mask.prefix_lengths gives it), computed in the same launch."""
     B, S, d = x.shape
     if not MIN_D_MODEL <= d <= MAX_D_MODEL or x.stride(-1) != 1:
@@ -417,9 +343,6 @@ def ln_qkv(x, w, *, block_t=None, col_blocks=None, num_warps=4, mask=None):
     if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, S)):
         raise ValueError(f"ln_qkv: mask must be bool [B, S]={B, S}, got {mask.dtype} {tuple(mask.shape)}")
     return _ln_project(x, w, 0, 3 * d, block_t, col_blocks, num_warps, mask)
-
-
-MIN_D_MODEL = 16  # the smallest tile Triton's dot takes
 
 
 def why_unsupported(seq_len: int, d_model: int, num_heads: int) -> str | None:
@@ -447,10 +370,8 @@ def _block_size(name: str, value, default: int, most: int) -> int:
     return min(value, most)
 
 
-# The output rows' mask loaded in a branch on "no prefix" instead of predicated off for a prefix (_store_rows).
-# Session 12 (experiments/h200/session12/call7/mask-parts.json), us per layer with the summary given (layers 1-3):
-# official row 7 12.88 -> 12.65, row 12 14.21 -> 13.88 (unmasked 12.33-12.46 and 13.72-14.06). False: the mask
-# predicated off (the report at c5875fb ran that). On from session 13 (experiments/NOTES.md).
+# The output rows' mask loaded in a branch on "no prefix" instead of predicated off for a prefix (_store_rows): a
+# prefix then reads no mask at all, as fast as no mask (docs/decisions.md#mask-summary). False: predicated off.
 ROW_MASK_BRANCH = True
 
 
@@ -523,7 +444,7 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
         w["n1_w"], w["n1_b"], w["n2_w"], w["n2_b"], nf_w, nf_b,
         kv, kv.stride(0) if kv_precompute else 0, kv.stride(1) if kv_precompute else 0,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), m.stride(0) if mask is not None else 0,
-        S, d, ffn, hd**-0.5 * math.log2(math.e), 1e-5,
+        S, d, ffn, hd**-0.5 * math.log2(math.e), LAYER_NORM_EPS,
         NUM_HEADS=num_heads, HEAD_DIM=hd, BLOCK_HD=max(16, triton.next_power_of_2(hd)),
         BLOCK_D=block_d, BLOCK_F=block_f, BLOCK_M=block_m, BLOCK_S=block_s,
         IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, FINAL_NORM=final is not None,

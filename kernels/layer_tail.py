@@ -5,7 +5,7 @@ FFN chunk by chunk (bias, exact GELU, bias), the second residual add, invalid ro
 layer, the final LayerNorm. With `fused_layer.ln_qkv` (LayerNorm 1 and the QKV projection) before it and flash
 attention between, a layer is three kernels whose only global traffic is the residual stream, q/k/v and the
 attention output: the split layer of the triton and graph routes (model/routing.py, `split_layer`; the policy's
-`split_layer.max_d_model` turns it on). A token's row must fit one tile (d_model <= 128). Matmul operands fp16 or
+`split_layer.max_d_model` turns it on). A token's row must fit one tile (`why_unsupported`). Matmul operands fp16 or
 bf16, accumulation and statistics fp32.
 """
 from __future__ import annotations
@@ -14,13 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_layer import MAX_D_MODEL, MIN_D_MODEL, _ffn_residual, _mm, _store_rows
+from ..model.reference import LAYER_NORM_EPS
+from .tiles import MAX_D_MODEL, MIN_D_MODEL, _ffn_residual, _mm, _store_rows
 
 
 # ----------------------------------------------------------------------------------------------
 # Plain torch reference (fp64)
 # ----------------------------------------------------------------------------------------------
-def layer_tail_reference(o, x, w, *, mask=None, final=None, eps=1e-5):
+def layer_tail_reference(o, x, w, *, mask=None, final=None, eps=LAYER_NORM_EPS):
     """o: attention output [B, S, d] (heads concatenated); x: the residual stream into the layer [B, S, d];
     w: o_w, o_b, n2_w, n2_b, in_w, in_b, out_w, out_b. Returns the layer's output residual (or, with
     `final=(weight, bias)`, the final LayerNorm of it) in fp64, invalid rows 0."""
@@ -102,10 +103,8 @@ def layer_tail(o, x, w, *, mask=None, final=None, out_dtype=None, block_m=None, 
     residual into the layer), both contiguous; `w` with o_w, o_b, in_w, in_b, out_w, out_b (fp16/bf16) and n2_w,
     n2_b (fp32), as for fused_layer. Returns the fp32 residual [B, S, d], or with `final=(weight, bias)` the final
     LayerNorm of it in `out_dtype` (default x's dtype). Rows where `mask` (bool [B, S]) is False are 0.
-    Default launch: `tail_block_m` tokens (64 from 8192 tokens), 4 warps, 32 FFN columns per step, 3 stages, the
-    fastest of 16 launches on the H200 (experiments/h200/session8/parts*.json, d_model 128): on row 6's shape
-    1.01 ms per layer against 1.79 ms for 32 tokens with 8 warps (which ptxas compiles without spills; 4 warps
-    spill, and win all the same)."""
+    Default launch: `tail_block_m` tokens (64 from 8192 tokens), 4 warps, 32 FFN columns per step, 3 stages: the
+    fastest measured on the H200 at d_model 128 (docs/decisions.md#split-layer)."""
     B, S, d = x.shape
     why = why_unsupported(d)
     if why:
@@ -130,7 +129,7 @@ def layer_tail(o, x, w, *, mask=None, final=None, out_dtype=None, block_m=None, 
     ffn_pad = max(16, triton.next_power_of_2(ffn))
     _layer_tail_fwd[(triton.cdiv(n_tokens, block_m),)](
         o, x, out, m, w["o_w"], w["o_b"], w["in_w"], w["in_b"], w["out_w"], w["out_b"], w["n2_w"], w["n2_b"],
-        nf_w, nf_b, n_tokens, d, ffn, 1e-5,
+        nf_w, nf_b, n_tokens, d, ffn, LAYER_NORM_EPS,
         BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_F=min(ffn_block, ffn_pad),
         HAS_MASK=mask is not None, FINAL_NORM=final is not None, num_warps=num_warps, num_stages=num_stages,
     )

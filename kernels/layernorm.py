@@ -10,11 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..model.reference import LAYER_NORM_EPS
+
 
 # ----------------------------------------------------------------------------------------------
 # Plain torch reference
 # ----------------------------------------------------------------------------------------------
-def add_layernorm_reference(residual, branch, weight, bias, *, eps=1e-5, out_dtype=torch.float32, row_mask=None):
+def add_layernorm_reference(residual, branch, weight, bias, *, eps=LAYER_NORM_EPS, out_dtype=torch.float32, row_mask=None):
     x = residual.double() if branch is None else residual.double() + branch.double()
     if row_mask is not None:
         x = x.masked_fill(~row_mask.to(x.device)[..., None], 0.0)
@@ -79,12 +81,12 @@ def _rows(name, t, n_cols):
     return t2
 
 
-def add_layernorm(residual, branch, weight, bias, *, eps=1e-5, out_dtype=torch.float32, row_mask=None,
+def add_layernorm(residual, branch, weight, bias, *, eps=LAYER_NORM_EPS, out_dtype=torch.float32, row_mask=None,
                   residual_out=None, write_residual=True, out=None):
     """Return `(new_residual_fp32 or None, layer_norm(new_residual) in out_dtype)`.
 
     residual: `[..., d]`; branch: same shape, or None (plain LayerNorm of the residual).
-    row_mask: bool `[...]` (the leading dims); rows where it is False become 0 in both outputs.
+    row_mask: bool `[...]` (residual's dimensions but its last); rows where it is False become 0 in both outputs.
     residual_out: fp32 tensor for the new residual (may be `residual` itself: in place).
     write_residual=False skips writing the residual (the model's final norm).
     """
@@ -129,7 +131,7 @@ def add_layernorm(residual, branch, weight, bias, *, eps=1e-5, out_dtype=torch.f
     return residual_out, out
 
 
-def layer_norm(x, weight, bias, eps=1e-5, out_dtype=None):
+def layer_norm(x, weight, bias, eps=LAYER_NORM_EPS, out_dtype=None):
     """Plain LayerNorm over the last dimension with fp32 statistics."""
     _, y = add_layernorm(x, None, weight, bias, eps=eps, out_dtype=out_dtype or x.dtype, write_residual=False)
     return y

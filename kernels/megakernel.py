@@ -29,24 +29,22 @@ import torch
 import triton
 import triton.language as tl
 
-from . import INTERPRET
-from .fused_layer import MIN_D_MODEL, _layer_norm_rows, _mm, _store_rows
+from ..model.reference import LAYER_NORM_EPS
 from .fused_layer import fused_layer_reference
 from .mask import first_mask_block, prefix_length_of_row, summary_block
+from .tiles import DOT_BF16_IN_FP32, MAX_D_MODEL, MIN_D_MODEL, _layer_norm_rows, _mm, _store_rows
 
-# A row of the residual stream is one tile; one sequence's scratch (10 * seq_len * d_model bytes at fp16
-# operands) times one program per SM stays well inside the H200's 50 MB L2.
-MAX_D_MODEL = 128
+# A row of the residual stream is one tile (tiles.MAX_D_MODEL); one sequence's scratch (12 * seq_len * d_model
+# bytes at fp16 operands) times one program per SM stays well inside the H200's 50 MB L2.
 MAX_SEQ_X_D_MODEL = 128 * 128
 MAX_HEAD_DIM = 128
-_INTERPRETED = tl.constexpr(INTERPRET)
 LAYER_WEIGHTS = ("qkv_w", "qkv_b", "o_w", "o_b", "in_w", "in_b", "out_w", "out_b", "n1_w", "n1_b", "n2_w", "n2_b")
 
 
 # ----------------------------------------------------------------------------------------------
 # Plain torch reference (fp64)
 # ----------------------------------------------------------------------------------------------
-def megakernel_reference(x, w, *, num_heads, causal, mask=None, eps=1e-5):
+def megakernel_reference(x, w, *, num_heads, causal, mask=None, eps=LAYER_NORM_EPS):
     """The whole forward in fp64 over stacked weights (`stack_layers`'s layout); invalid rows 0."""
     num_layers = w["qkv_w"].shape[0]
     h = x.double()
@@ -63,7 +61,7 @@ def megakernel_reference(x, w, *, num_heads, causal, mask=None, eps=1e-5):
 @triton.jit
 def _mm_acc(a, b, acc):
     """acc + a @ b, accumulated in place (operands already in the fp16/bf16 operand type)."""
-    if _INTERPRETED:  # the interpreter's bf16 dots need _mm's fp32 path
+    if DOT_BF16_IN_FP32:
         return acc + _mm(a, b)
     return tl.dot(a, b, acc)
 
@@ -346,7 +344,7 @@ def megakernel(x, w, *, num_heads, causal, mask=None, out_dtype=None, out=None, 
         x, out, m, res, qkv, att,
         w["qkv_w"], w["qkv_b"], w["o_w"], w["o_b"], w["in_w"], w["in_b"], w["out_w"], w["out_b"],
         w["n1_w"], w["n1_b"], w["n2_w"], w["n2_b"], w["final_w"], w["final_b"],
-        B, S, d, ffn, num_layers, hd**-0.5 * math.log2(math.e), 1e-5,
+        B, S, d, ffn, num_layers, hd**-0.5 * math.log2(math.e), LAYER_NORM_EPS,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), m.stride(0) if mask is not None else 0,
         NUM_HEADS=num_heads, HEAD_DIM=hd, BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_HD=max(16, triton.next_power_of_2(hd)),
@@ -357,4 +355,4 @@ def megakernel(x, w, *, num_heads, causal, mask=None, out_dtype=None, out=None, 
     return out
 
 
-__all__ = ["megakernel", "megakernel_reference", "stack_layers", "why_unsupported", "INTERPRET"]
+__all__ = ["megakernel", "megakernel_reference", "stack_layers", "why_unsupported"]

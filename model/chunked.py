@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TransformerConfig
-from .reference import check_inputs
+from .reference import LAYER_NORM_EPS, check_inputs
 
 
 @torch.no_grad()
@@ -37,7 +37,7 @@ def chunked_reference_forward(
             return F.linear(t, params[name + ".weight"], params[name + ".bias"])
 
         def layer_norm(t, name):
-            return F.layer_norm(t, (d,), params[name + ".weight"], params[name + ".bias"], 1e-5)
+            return F.layer_norm(t, (d,), params[name + ".weight"], params[name + ".bias"], LAYER_NORM_EPS)
 
         keep = None if valid_token_mask is None else valid_token_mask[..., None]
         for i in range(cfg.num_layers):

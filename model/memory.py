@@ -1,8 +1,8 @@
 """How much device memory a forward needs and how much this process may use: the one owner of "what fits".
 
 Three parts, used by the optimized model (each forward's streaming decision) and by the pipeline's preflight:
-- the estimate: `working_set_bytes` (what one forward allocates on a route besides its input and output),
-  `io_bytes`, and `estimate_memory_bytes` (the whole forward, for the reference and the preflight);
+- the estimate: `working_set_bytes` (what one forward allocates on a route besides its input and output; each
+  route's module counts its own activations and weight copies), `io_bytes`, and `estimate_memory_bytes` (the whole forward, for the reference and the preflight);
 - the budget: `available_bytes` reads what this process may still allocate on a device: CUDA free memory plus
   what PyTorch's caching allocator holds unused, bounded by `torch.cuda.set_per_process_memory_fraction` and by
   the user's cap (`memory_budget_bytes=` of the model, or env `SHAPEWISE_MEMORY_BUDGET_GB`);
@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..kernels import OPERAND_DTYPES
 from .config import TransformerConfig, parameter_count
 
 BUDGET_ENV = "SHAPEWISE_MEMORY_BUDGET_GB"  # the user's cap, in GB (10^9 bytes): device memory this process may hold
@@ -28,7 +29,6 @@ BUDGET_ENV = "SHAPEWISE_MEMORY_BUDGET_GB"  # the user's cap, in GB (10^9 bytes):
 CHUNK_WORKSPACE_BYTES = 4 * 2**30
 # Part of the available memory never planned for: cuBLAS / Triton workspaces, allocator rounding and fragmentation.
 RESERVE_FRACTION = 0.05
-_OPERAND_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2}
 
 
 class MemoryBudgetError(MemoryError):
@@ -37,58 +37,43 @@ class MemoryBudgetError(MemoryError):
     needed and the bytes available."""
 
 
-def _elem(dtype) -> int:
+def element_bytes(dtype) -> int:
+    """Bytes of one element of `dtype`."""
     return torch.empty((), dtype=dtype).element_size()
+
+
+def operand_bytes(precision: str) -> int:
+    """Bytes of one matmul operand in operand precision `precision` (kernels.OPERAND_DTYPES)."""
+    return element_bytes(OPERAND_DTYPES[precision])
 
 
 def io_bytes(config, dtype) -> tuple:
     """(input bytes, output bytes) of one forward: x and the output, both `[B, S, d_model]` in `dtype`."""
     cfg = TransformerConfig.from_any(config)
-    one = cfg.tokens * cfg.d_model * _elem(dtype)
+    one = cfg.tokens * cfg.d_model * element_bytes(dtype)
     return one, one
 
 
 def working_set_bytes(config, dtype, route, sdpa_mask: bool = False, captured: bool = False) -> int:
     """Bytes one forward of `config.batch_size` elements allocates on `route` besides its input and its output.
 
-    `route`: a routing.Route (name, precision, kv_precompute are read). `sdpa_mask`: PyTorch SDPA is given a
-    valid-token mask (route sdpa with a mask, or a Triton route whose own attention kernel is switched off), which
-    materializes it as `[B, 1, S, S]`. `captured`: the route runs as a CUDA graph (graph, or fused on CUDA), whose
-    static input and output copies and private memory pool live as long as the capture.
-
-    Per token, with d = d_model, f = ffn_dim, H = num_heads, e = bytes of `dtype`, a = bytes of the route's operands:
-    - reference: the reference's own estimate (five `[B, H, S, S]` score tensors at the peak);
-    - sdpa: e * (8d + 2f) (residual, normalized, packed qkv, attention out and its reshape, projection, FFN);
-    - triton / graph: 4d (fp32 residual) + a * (6d + 2f) (normalized input, qkv, attention out, its reshape, the
-      projection, and the FFN's linear and GELU outputs: the peak of the eager sequence) + 4H (softmax statistics);
-      split layers (4d + 4ad: the next residual, qkv and the attention out) allocate less, and take this bound;
-    - fused: e * 2d (the layer's input and output residual), + a * 2d with precomputed keys/values;
-    plus B * S * S * (1 + a) with `sdpa_mask` (the boolean mask broadcast over queries and its additive form), the
-    route's weight copies in operand precision, and with `captured` the static input and output and mask
-    (2 * e * d + 1 per token).
+    `route`: a routing.Route. Its module's `working_set` (routing.route_module) counts the route's own activations at
+    their peak and its weight copies. `sdpa_mask`: PyTorch SDPA is given a valid-token mask (route sdpa with a mask,
+    or a Triton route whose own attention kernel is switched off), which materializes it as `[B, 1, S, S]`:
+    B * S * S * (1 + a) more (the boolean mask broadcast over queries and its additive form, a the attention's
+    operand bytes: the input dtype's on the eager routes). `captured`: the route runs as a CUDA graph (graph, or
+    fused on CUDA), whose static input and output copies and mask live as long as the capture: 2 * e * d + 1 more
+    per token, e the input dtype's bytes.
     """
+    from .routing import ROUTE_SPECS, route_module  # routing imports no torch; the route modules import this one
+
     cfg = TransformerConfig.from_any(config)
-    B, S, d, H, f, L = cfg.batch_size, cfg.seq_len, cfg.d_model, cfg.num_heads, cfg.ffn_dim, cfg.num_layers
-    t = cfg.tokens
-    e = _elem(dtype)
-    if route.name == "reference":
-        inp, out = io_bytes(cfg, dtype)
-        return estimate_memory_bytes(cfg, dtype, "reference") - parameter_count(d, f, L) * e - inp - out
-    a = e if route.name == "sdpa" else _OPERAND_BYTES[route.precision]
-    if route.name == "sdpa":
-        acts = t * e * (8 * d + 2 * f)
-        weights = 3 * (d * d + d) * e  # the packed QKV weight is concatenated on every call
-    elif route.name in ("triton", "graph"):
-        acts = t * (4 * d + a * (6 * d + 2 * f) + 4 * H)
-        weights = parameter_count(d, f, L) * a
-    elif route.name == "fused":
-        acts = t * (2 * d * e + (2 * d * a if route.kv_precompute else 0))
-        weights = parameter_count(d, f, L) * a
-    else:
-        raise ValueError(f"working_set_bytes: unknown route {route.name!r}")
-    mask_bytes = B * S * S * (1 + a) if sdpa_mask else 0
-    statics = t * (2 * d * e + 1) if captured else 0
-    return int(acts + weights + mask_bytes + statics)
+    e = element_bytes(dtype)
+    own = route_module(route.name).working_set(cfg, dtype, route)
+    a = operand_bytes(route.precision) if ROUTE_SPECS[route.name].kernels else e
+    mask_bytes = cfg.batch_size * cfg.seq_len * cfg.seq_len * (1 + a) if sdpa_mask else 0
+    statics = cfg.tokens * (2 * cfg.d_model * e + 1) if captured else 0
+    return int(own + mask_bytes + statics)
 
 
 def estimate_memory_bytes(config, dtype: torch.dtype, which: str) -> int:
@@ -100,7 +85,7 @@ def estimate_memory_bytes(config, dtype: torch.dtype, which: str) -> int:
     input dtype, or fp16 for float32, unmasked), unchunked: what it needs without streaming.
     """
     cfg = TransformerConfig.from_any(config)
-    elem = _elem(dtype)
+    elem = element_bytes(dtype)
     B, S, d, H, f, L = cfg.batch_size, cfg.seq_len, cfg.d_model, cfg.num_heads, cfg.ffn_dim, cfg.num_layers
     tokens = B * S
     weights = parameter_count(d, f, L) * elem

@@ -1,7 +1,7 @@
 """The reference pre-LayerNorm Transformer of the contract, in plain PyTorch.
 
-Explicit attention scores, softmax in fp32, exact GELU, LayerNorm with eps 1e-5, causal and padding masks,
-invalid rows zeroed.
+Explicit attention scores, softmax in fp32, exact GELU, LayerNorm with eps LAYER_NORM_EPS, causal and padding
+masks, invalid rows zeroed.
 """
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TransformerConfig
+
+LAYER_NORM_EPS = 1e-5  # the contract's LayerNorm epsilon: every LayerNorm of every route uses it
 
 
 def check_inputs(config: TransformerConfig, x: torch.Tensor, valid_token_mask) -> None:
@@ -73,9 +75,9 @@ class ReferenceAttention(nn.Module):
 class ReferenceBlock(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
-        self.norm1 = nn.LayerNorm(config.d_model)
+        self.norm1 = nn.LayerNorm(config.d_model, eps=LAYER_NORM_EPS)
         self.attention = ReferenceAttention(config.d_model, config.num_heads, config.causal)
-        self.norm2 = nn.LayerNorm(config.d_model)
+        self.norm2 = nn.LayerNorm(config.d_model, eps=LAYER_NORM_EPS)
         self.ffn_in = nn.Linear(config.d_model, config.ffn_dim)
         self.ffn_out = nn.Linear(config.ffn_dim, config.d_model)
 
@@ -94,7 +96,7 @@ class BaselineTransformer(nn.Module):
         super().__init__()
         self.config = TransformerConfig.from_any(config)
         self.layers = nn.ModuleList(ReferenceBlock(self.config) for _ in range(self.config.num_layers))
-        self.final_norm = nn.LayerNorm(self.config.d_model)
+        self.final_norm = nn.LayerNorm(self.config.d_model, eps=LAYER_NORM_EPS)
 
     def forward(self, x: torch.Tensor, valid_token_mask=None) -> torch.Tensor:
         check_inputs(self.config, x, valid_token_mask)

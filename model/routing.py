@@ -1,20 +1,20 @@
-"""Which path serves a forward: one pure function, `select_route`, and the policy data it reads.
+"""Which path serves a forward: one pure function, `select_route`, the policy data it reads, and the table of routes.
 
-Routes:
+Routes (ROUTE_SPECS: each route's module, which runs it, and what it needs):
 - `reference`: the contract's own math in PyTorch (explicit scores). Serves anything the reference serves.
 - `sdpa`: packed QKV + `torch.nn.functional.scaled_dot_product_attention`, eager. CPU and CUDA.
 - `triton`: our Triton kernels (flash attention, fused residual + LayerNorm) with cuBLAS GEMMs, eager.
   On a CPU it runs under `TRITON_INTERPRET=1` (slow: for tests).
 - `graph`: the `triton` route captured once per input signature in a CUDA graph and replayed. CUDA only.
-- `fused`: one Triton kernel per layer (kernels/fused_layer.py) where a sequence fits on chip
-  (seq_len <= 128, d_model <= 128), fp16/bf16 operands; captured in a CUDA graph on CUDA.
+- `fused`: one Triton kernel per layer (kernels/fused_layer.py) where a sequence fits on chip (the kernel's
+  `why_unsupported` says where), fp16/bf16 operands; captured in a CUDA graph on CUDA.
 
 Operand precision (`Route.precision`; accumulation is fp32 always, and the kernel routes keep an fp32 residual
 stream and fp32 LayerNorm statistics): `reference` and `sdpa` run PyTorch in the input dtype. The kernel routes
 take it from the policy: `low_precision_operands` per float16/bfloat16 input (bfloat16 inputs get fp16 operands:
 bf16's 8 mantissa bits failed the accuracy contract), `fp32_precision` for float32 inputs. The output is in the
 input dtype on every route. fp16 operands for an input that is not float16 can overflow on out-of-range weights:
-the model checks its weights (UserOptimizedTransformer, model/optimized.py) and falls back to bf16 operands.
+the model checks its weights (model/weights.py, FP16_SAFE_ABS) and falls back to bf16 operands.
 
 The `triton` and `graph` routes run a layer as our attention between cuBLAS GEMMs and fused residual+LayerNorm
 passes, or, where the policy's `split_layer.max_d_model` covers d_model (null: never) and the input has at least
@@ -26,6 +26,7 @@ H200 accuracy and ablation tables; `select_route` itself is pure: same inputs, s
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from dataclasses import asdict, dataclass, replace
@@ -33,8 +34,28 @@ from pathlib import Path
 
 from .config import TransformerConfig
 
-ROUTES = ("reference", "sdpa", "triton", "graph", "fused")
-CPU_ROUTES = ("reference", "sdpa", "triton", "fused")  # triton and fused only under TRITON_INTERPRET=1
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """What a route is, beside the policy that picks it. `module`: model/<module>.py runs it (see `route_module`)."""
+    module: str
+    kernels: bool = False  # runs our Triton kernels: KERNEL_DTYPES, head_dim <= MAX_HEAD_DIM, CUDA or the interpreter
+    cuda_only: bool = False  # CUDA only, even under TRITON_INTERPRET=1
+    captured: bool = False  # on CUDA, captured once per input signature in a CUDA graph and replayed
+
+
+# The routes, in the order the docs list them: adding one is a module and an entry here (and, for `select_route`
+# to pick it unasked, a rule below).
+ROUTE_SPECS = {
+    "reference": RouteSpec("route_reference"),
+    "sdpa": RouteSpec("route_sdpa"),
+    "triton": RouteSpec("route_triton", kernels=True),
+    "graph": RouteSpec("route_triton", kernels=True, cuda_only=True, captured=True),
+    "fused": RouteSpec("route_fused", kernels=True, captured=True),
+}
+ROUTES = tuple(ROUTE_SPECS)
+CPU_ROUTES = tuple(n for n, s in ROUTE_SPECS.items() if not s.cuda_only)  # kernel routes only under TRITON_INTERPRET=1
+KERNEL_DTYPES = ("float32", "float16", "bfloat16")  # the input dtypes the kernel routes serve
 MASK_KINDS = ("none", "prefix", "general")
 POLICY_PATH = Path(__file__).with_name("routing_policy.json")
 POLICY = json.loads(POLICY_PATH.read_text())
@@ -42,6 +63,21 @@ POLICY = json.loads(POLICY_PATH.read_text())
 
 class RouteUnavailable(RuntimeError):
     """A forced route cannot serve this input."""
+
+
+def route_module(name: str):
+    """The module that runs route `name` (model/<ROUTE_SPECS[name].module>.py). It defines
+    - `runner(model, route)`: the runner of one input signature: `runner.route` (what `last_route` reports),
+      `runner.uses_weights` (it reads derived weights, so a forward checks their parameters' versions first) and
+      `runner(model, x, mask)`, the forward;
+    - `working_set(config, dtype, route)`: the bytes its forward allocates besides input and output (model/memory.py);
+    - with `kernels`, `switches(route)`: the OPTIMIZATIONS that change what it runs;
+    and where it needs them `why_unsupported(shape)` (its kernels' limits), `settle(route, x, disabled)` (the route
+    under the model's switches and operand precision: refused, adjusted or kept) and `sdpa_gets_mask(route,
+    disabled)` (PyTorch SDPA may get a valid-token mask)."""
+    if name not in ROUTE_SPECS:
+        raise ValueError(f"unknown route {name!r}; routes are {', '.join(ROUTES)}")
+    return importlib.import_module(f"{__package__}.{ROUTE_SPECS[name].module}")
 
 
 # The shape of one input signature: the config's fields, with batch_size and seq_len taken from the input.
@@ -160,24 +196,23 @@ def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool) -> 
     dev, dt = _device_type(device), _dtype_name(dtype)
     if name not in ROUTES:
         return f"unknown route {name!r}; routes are {', '.join(ROUTES)}"
-    if name in ("reference", "sdpa"):
+    spec = ROUTE_SPECS[name]
+    if not spec.kernels:
         return None
-    if dt not in ("float32", "float16", "bfloat16"):
-        return f"route {name!r} serves float32/float16/bfloat16, not {dt}"
+    if dt not in KERNEL_DTYPES:
+        return f"route {name!r} serves {'/'.join(KERNEL_DTYPES)}, not {dt}"
     from shapewise.kernels.attention import MAX_HEAD_DIM  # the kernels own their limits (imported here: triton)
 
     if shape.head_dim > MAX_HEAD_DIM:
         return f"route {name!r} serves head_dim <= {MAX_HEAD_DIM}, got {shape.head_dim}"
-    if name == "graph" and dev != "cuda":
-        return f"route 'graph' needs a CUDA device, got {dev}"
-    if name in ("triton", "fused") and dev != "cuda" and not (dev == "cpu" and interpret):
+    if spec.cuda_only and dev != "cuda":
+        return f"route {name!r} needs a CUDA device, got {dev}"
+    if dev != "cuda" and not (dev == "cpu" and interpret):
         return f"route {name!r} needs a CUDA device, or TRITON_INTERPRET=1 on the CPU (device {dev})"
-    if name == "fused":
-        from shapewise.kernels.fused_layer import why_unsupported
-
-        why = why_unsupported(shape.seq_len, shape.d_model, shape.num_heads)
-        if why:
-            return f"route 'fused': {why}"
+    limits = getattr(route_module(name), "why_unsupported", None)
+    why = limits(shape) if limits is not None else None
+    if why:
+        return f"route {name!r}: {why}"
     return None
 
 

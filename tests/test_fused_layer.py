@@ -129,7 +129,7 @@ def test_mask_summary_paths_match_fp64(summary, mask_kind, launch):
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
 @pytest.mark.parametrize("summary", ["computed", "written", "given"])
 def test_row_mask_branch_off_matches_fp64(summary, mask_kind, launch, monkeypatch):
-    """With session 12's switch off (fused_layer.ROW_MASK_BRANCH False: the output rows' mask predicated off for a
+    """With the row-mask switch off (fused_layer.ROW_MASK_BRANCH False: the output rows' mask predicated off for a
     prefix instead of read in a branch; on by default, which the test above runs), every way of learning the
     summary still gives the contract's layer on every mask kind, and the summary written is kernels.mask's."""
     from shapewise.kernels import fused_layer as fused_module

@@ -237,8 +237,8 @@ def test_gpu_weight_edit_and_no_aliasing(route, no_tf32):
 def test_one_kernel_per_layer_across_batch_sizes(batch, no_tf32):
     """Route 'fused' on S=128, d=128 across batch sizes, in a CUDA graph and eagerly: official tolerance at
     one wave of programs and below (B=1), around the H200's 132 SMs (B=131, 132) and far above it (B=1000).
-    Session 1's row-6 failure (B=10000) came with 64-row query blocks, which fused_layer now refuses
-    (MAX_BLOCK_M); this keeps the grid sizes around it covered."""
+    Row 6's shape (B=10000) failed with 64-row query blocks, which fused_layer refuses (MAX_BLOCK_M); this keeps
+    the grid sizes around it covered."""
     from shapewise.model import TOLERANCES, BaselineTransformer, TransformerConfig, UserOptimizedTransformer, compare_outputs
 
     cfg = TransformerConfig(batch, 128, 128, 4, 128, 2, True)

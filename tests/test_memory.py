@@ -1,4 +1,4 @@
-"""Memory-aware forwards (shapewise.model.memory, issue #16) on the CPU, with a simulated memory budget: streamed
+"""Memory-aware forwards (shapewise.model.memory) on the CPU, with a simulated memory budget: streamed
 batch chunks give the one-pass result, the decision is taken once per input signature and cap, input + output
 that cannot fit is a clear error before any kernel runs, the budget reader honours the CUDA allocator's fraction
 and the user's cap, and the pipeline's preflight counts a streamable row as fitting."""
@@ -41,7 +41,7 @@ def one_thread():
 def test_streamed_forward_matches_one_pass(route, mask_kind, one_thread):
     """Bit-identical on the CPU (one thread): every op of these routes computes a batch element from that element
     alone, and the CPU GEMMs give the same rows for 2 as for 5 elements (on a GPU, cuBLAS may pick another kernel
-    for another batch size: experiments/h200_memory.py checks the tolerance there)."""
+    for another batch size, so there the memory benchmark checks the official tolerance instead)."""
     cfg = cfg_of(CFG)
     _, one_pass = build_pair(cfg, route)
     x, mask = make_inputs(cfg, mask_kind)
@@ -122,7 +122,7 @@ def test_input_and_output_that_cannot_fit_is_a_clear_error_before_any_kernel(wha
     def no_kernel(*args, **kwargs):
         raise AssertionError("a kernel ran before the memory check")
 
-    model._forward_kernels = model._forward_sdpa = no_kernel
+    model._runner = no_kernel  # every route runs through the runner its signature gets
     with pytest.raises(memory.MemoryBudgetError) as info:
         model(x, mask)
     assert isinstance(info.value, MemoryError)
@@ -192,7 +192,7 @@ def _cuda_plan(B, S, d, H, f, L, available, masked=True):
 
 
 def test_official_rows_14_and_6_plans_on_an_h200_and_under_caps():
-    """Issue #16's targets, as planned: row 14 peaks at most input + output + 8 GB with the H200's memory free, and
+    """The memory targets, as planned: row 14 peaks at most input + output + 8 GB with the H200's memory free, and
     plans under a 40 GB cap; row 6 runs in one pass under 24 GB."""
     GB = 10**9
     row14 = (32, 100000, 1024, 16, 1024, 2)

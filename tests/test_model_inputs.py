@@ -134,3 +134,22 @@ def test_float64_model_on_the_eager_routes(route):
     x, mask = make_inputs(cfg, "holes")
     with torch.no_grad():
         torch.testing.assert_close(opt(x.double(), mask), ref(x.double(), mask), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("route", CPU_ROUTES)
+def test_x_on_another_device_than_the_parameters_is_a_clear_error(route):
+    """x on `meta` (or any device but the parameters') is refused before any route runs, naming both devices; a
+    model on `meta` still serves `meta` inputs (shapes only), as the reference does."""
+    cfg = cfg_of(CFG_SEQ7)
+    _, opt = build_pair(cfg, route)
+    x = torch.randn(cfg.batch_size, cfg.seq_len, cfg.d_model, device="meta")
+    mask = torch.ones(cfg.batch_size, cfg.seq_len, dtype=torch.bool, device="meta")
+    for args in ((x,), (x, mask)):
+        with pytest.raises(ValueError, match=r"x is on meta .* parameters are on cpu"):
+            opt(*args)
+    assert opt.last_route is None and opt.last_memory_plan is None
+    if route in ("reference", "sdpa"):
+        meta = UserOptimizedTransformer(cfg, route=route).to("meta")
+        y = meta(x, mask)
+        assert y.device.type == "meta" and y.shape == x.shape
+        assert BaselineTransformer(cfg).to("meta")(x, mask).shape == y.shape

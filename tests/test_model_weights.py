@@ -1,6 +1,7 @@
 """Parameters and state: names, strict loading, weight edits after the first forward, output aliasing,
 global flags."""
 
+import copy
 
 import pytest
 import torch
@@ -97,6 +98,37 @@ def test_parameter_data_swap_after_first_forward(route):
         fresh = BaselineTransformer(cfg).eval()
         fresh.load_state_dict(opt.state_dict(), strict=True)
         check_official(fresh(x), opt(x), f"route={route} after param.data swap")
+
+
+@pytest.mark.parametrize("route", CPU_ROUTES)
+def test_write_through_data_after_first_forward(route):
+    """`m.layers[0].attention.k_proj.weight.data.copy_(w)` after the first forward: the next one runs the new
+    weights, a copy of the model too; a `.data` read that writes nothing leaves the output as it was, and the
+    parameters stay nn.Parameters with the same names, values and repr."""
+    cfg = cfg_of(CFG_SEQ7)
+    ref, opt = build_pair(cfg, route)
+    x, mask = make_inputs(cfg, "prefix")
+    with torch.no_grad():
+        first = opt(x, mask).clone()
+        k = opt.layers[0].attention.k_proj.weight
+        assert k.data.abs().sum() > 0  # a read: the derived weights are built again, the output stays
+        assert torch.equal(opt(x, mask), first)
+        w = torch.randn_like(k)
+        opt.layers[0].attention.k_proj.weight.data.copy_(w)
+        fresh = BaselineTransformer(cfg).eval()
+        fresh.load_state_dict(opt.state_dict(), strict=True)
+        second = opt(x, mask)
+        check_official(fresh(x, mask), second, f"route={route} after a write through .data")
+        assert not torch.allclose(first, second), "output did not change after the weights changed"
+        twin = copy.deepcopy(opt)
+        twin(x, mask)
+        v = twin.layers[0].ffn_in.bias
+        v.data.copy_(torch.randn_like(v))
+        fresh.load_state_dict(twin.state_dict(), strict=True)
+        check_official(fresh(x, mask), twin(x, mask), f"route={route}, a deep copy, after a write through .data")
+    assert isinstance(k, torch.nn.Parameter) and k.requires_grad
+    assert repr(k) == repr(torch.nn.Parameter(k.detach().clone()))
+    assert list(opt.state_dict()) == list(ref.state_dict())
 
 
 @pytest.mark.parametrize("route", CPU_ROUTES)

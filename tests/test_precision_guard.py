@@ -7,6 +7,7 @@ import pytest
 import torch
 from model_helpers import CPU_ROUTES, build_pair, cfg_of, make_inputs
 from shapewise.model import optimized
+from shapewise.model.weights import DerivedWeights
 
 TINY = (2, 7, 32, 2, 64, 2)  # B, S, d, heads, ffn, layers
 BIG = "layers.1.ffn_in.weight"  # the parameter the tests push beyond the bound
@@ -54,14 +55,17 @@ def test_weight_beyond_the_bound_gets_bf16_operands_and_back(dtype):
     assert opt.last_route.precision == "fp16" and BIG not in opt.last_route.reason, str(opt.last_route)
 
 
-def test_edits_through_data_are_seen_after_refresh_weights():
-    """Writes through `p.data` do not move the version counter: refresh_weights() checks the range again."""
+def test_edits_through_data_are_seen_and_after_refresh_weights():
+    """A write through `p.data` moves the range check like any other edit; refresh_weights() checks it again."""
     opt, x, mask = _model(torch.bfloat16)
     with torch.no_grad():
         opt(x, mask)
     assert opt.last_route.precision == "fp16"
     p = dict(opt.named_parameters())[BIG]
     p.data.mul_(_beyond(opt))
+    with torch.no_grad():
+        opt(x, mask)
+    assert opt.last_route.precision == "bf16" and BIG in opt.last_route.reason, str(opt.last_route)
     opt.refresh_weights()
     with torch.no_grad():
         opt(x, mask)
@@ -73,13 +77,13 @@ def test_range_is_measured_once_per_weight_version(monkeypatch):
     call that finds the weights unchanged."""
     opt, x, mask = _model(torch.bfloat16)
     calls = []
-    measure = opt._fp16_offender.__func__
+    measure = DerivedWeights.fp16_offender
 
-    def counted(self, versions=None):
-        calls.append(self._versions() != (self._fp16_range or (None,))[0])  # True: a measurement, not the cache
-        return measure(self, versions)
+    def counted(self, model, versions=None):
+        calls.append(self.now(model) != (self.screen or (None,))[0])  # True: a measurement, not the cache
+        return measure(self, model, versions)
 
-    monkeypatch.setattr(type(opt), "_fp16_offender", counted)
+    monkeypatch.setattr(DerivedWeights, "fp16_offender", counted)
     with torch.no_grad():
         for _ in range(3):
             opt(x, mask)
@@ -92,7 +96,7 @@ def test_range_is_measured_once_per_weight_version(monkeypatch):
     assert sum(calls) == 2 and opt.last_route == route, calls
 
 
-def test_caller_precision_wins_and_the_ablation_keeps_fp32():
+def test_caller_precision_wins_and_the_ablation_keeps_fp32(monkeypatch):
     """precision= (float32 inputs) is the caller's choice, not range-checked; reduced_precision off keeps fp32
     operands; float16 inputs are never checked (their weights are fp16 already)."""
     opt, x, mask = _model(torch.float32, precision="fp16")
@@ -106,7 +110,7 @@ def test_caller_precision_wins_and_the_ablation_keeps_fp32():
         opt(x, mask)
     assert opt.last_route.precision == "fp32", str(opt.last_route)
     opt, x, mask = _model(torch.float16)
-    opt._fp16_offender = None  # would fail if asked
+    monkeypatch.setattr(DerivedWeights, "fp16_offender", None)  # would fail if asked
     with torch.no_grad():
         opt(x, mask)
     assert opt.last_route.precision == "fp16"

@@ -223,7 +223,7 @@ def test_report_renders_every_row_and_summary_columns(run):
     assert "between 6 and 30" in html or "6–30" in html
     for text in (html, md):
         # tolerances come from the code, not from typed numbers
-        from shapewise.model.compare import TOLERANCES
+        from shapewise.model.tolerance import TOLERANCES
 
         assert f"atol {TOLERANCES['official']['atol']}" in text
         assert "n/a" in text  # t-02 has no interval
@@ -289,7 +289,7 @@ def test_host_cpu_labels():
 
 
 def test_tolerances_are_not_typed_into_the_templates():
-    from shapewise.model.compare import TOLERANCES
+    from shapewise.model.tolerance import TOLERANCES
 
     for template in paths.TEMPLATES.glob("*.j2"):
         text = template.read_text()

@@ -237,7 +237,7 @@ def test_fused_launch_follows_the_policy_buckets(monkeypatch):
 
 def test_fused_only_up_to_the_per_sequence_size(monkeypatch):
     """fused.max_seq_len_x_d_model: one program of the fused kernel holds a sequence's activations; longer or wider
-    sequences go to the graph route (rows 3 and 4, 128 x 128, since session 9), null means no bound."""
+    sequences go to the graph route (rows 3 and 4, 128 x 128), null means no bound."""
     monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "max_seq_len_x_d_model": 4096})
     short = Shape(batch_size=64, seq_len=32, d_model=128, num_heads=4, ffn_dim=128, num_layers=4, causal=True)
     longer = dataclasses.replace(short, batch_size=16, seq_len=128)
@@ -280,17 +280,14 @@ def test_fused_only_inside_the_policy_bounds(monkeypatch, tokens, heads, fused):
 
 
 # The committed policy against the routes the H200 measured fastest per official row (reports/h200: the
-# fused_layer and flash_attention ablations, session 3; the fused sweep, session 4; the split-layer experiment,
-# session 8). A policy edit that changes one of these must say why.
+# fused_layer and flash_attention ablations, the fused sweep, the split-layer runs; docs/decisions.md#routing-policy).
+# A policy edit that changes one of these must say why.
 OFFICIAL_ROUTES = {1: "graph", 2: "graph", 3: "graph", 4: "graph", 5: "graph", 6: "triton", 7: "fused",
                    8: "graph", 9: "graph", 10: "graph", 11: "graph", 12: "fused", 13: "graph", 14: "triton"}
-# Session 8 (experiments/h200/session8/split-*.json): the split layer beat the fused kernel on rows 5, 9, 10 and 11
-# (tied on row 1: tokens*d above fused.max_tokens_x_d_model = 2**18 leave the fused route) and the unfused layer on
-# rows 6 and 13. Session 9 (experiments/h200/session9/split.json, launches sized to the token count): it beat the
-# fused kernel on rows 3 and 4 (seq_len*d 16384, above fused.max_seq_len_x_d_model) and the unfused layer on row 2
-# (no token floor any more); the fused kernel kept rows 7 and 12 (seq_len*d 4096).
+# The split layer beat the fused kernel on rows 3, 4, 5, 9, 10 and 11 (row 1 tied: its tokens*d leave the fused route)
+# and the unfused layer on rows 2, 6 and 13; the fused kernel kept rows 7 and 12 (seq_len*d 4096).
 OFFICIAL_SPLIT = {1, 2, 3, 4, 5, 6, 9, 10, 11, 13}
-OFFICIAL_KV = set()  # the kv_precompute entry (rows 5 and 11 until session 8) serves no official row now
+OFFICIAL_KV = set()  # the kv_precompute entry serves no official row
 
 
 def test_committed_policy_routes_the_official_rows_as_measured():
@@ -360,8 +357,8 @@ def test_policy_can_split_layers(monkeypatch):
 
 
 def test_split_layer_has_a_token_floor(monkeypatch):
-    """split_layer.min_tokens: fewer tokens than that keep the unfused layer (session 8 had 1024: row 2, 128 tokens,
-    lost 87 -> 95 us with the split layer then; null since session 9's launches); null or absent means no floor."""
+    """split_layer.min_tokens: fewer tokens than that keep the unfused layer (the committed policy sets none: launches
+    sized to the token count made the split layer win on few tokens too); null or absent means no floor."""
     one = Shape(batch_size=1, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=4, causal=True)
     eight = dataclasses.replace(one, batch_size=8)  # 1024 tokens
     monkeypatch.setitem(routing.POLICY, "split_layer", {"max_d_model": 128, "min_tokens": 1024})

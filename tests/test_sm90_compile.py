@@ -1,8 +1,8 @@
 """Every Triton kernel compiles for the H200 (sm_90a), in each variant of its feature switches, on a machine
 without a GPU.
 
-The interpreter that runs the kernels in the other CPU tests accepts code the compiler refuses: session 10's first
-device call failed at once on a module-level constant read inside a kernel (only `tl.constexpr` globals compile).
+The interpreter that runs the kernels in the other CPU tests accepts code the compiler refuses: a module-level
+constant read inside a kernel runs there and fails to compile on a GPU (only `tl.constexpr` globals compile).
 This test compiles each kernel to a cubin with Triton's own compiler and ptxas for GPUTarget("cuda", 90, 32), in a
 subprocess without TRITON_INTERPRET (conftest sets it for this process, and a kernel decorated under it is no
 longer compilable), at launches the launchers use.
@@ -61,7 +61,7 @@ SCRIPT = textwrap.dedent('''
         compile_for_h200(layer_tail._layer_tail_fwd, tail, dict(BLOCK_M=64, BLOCK_D=128, BLOCK_F=32, **f), 4, 3)
         done.append(f"_layer_tail_fwd {f}")
     layer = dict(tail, Wqkv=fp16, Bqkv=fp16, N1w=fp32, N1b=fp32, KV=fp16)
-    # without a mask; with one: the summary computed, computed and written, read; then session 12's switch on
+    # without a mask; with one: the summary computed, computed and written, read; then the row-mask switch on
     # (ROW_MASK_BRANCH) with the summary written and read
     summaries = [(False, False, False, False), (True, False, False, False), (True, False, True, False),
                  (True, True, False, False), (True, False, True, True), (True, True, False, True)]

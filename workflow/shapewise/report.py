@@ -164,7 +164,7 @@ def baseline_section(baseline, outdir):
 
 def build(inputs, loaded, outdir):
     """Write the whole report into outdir (an empty directory)."""
-    from shapewise.model.compare import TOLERANCES
+    from shapewise.model.tolerance import TOLERANCES
     from shapewise.stats import NOISY_HALF_WIDTH
 
     outdir = Path(outdir)

@@ -1,0 +1,184 @@
+"""Routes `triton` and `graph` (its body, captured by model/captured.py): a layer as our kernels between cuBLAS
+GEMMs, or as the split layer (LayerNorm 1 + QKV, our attention, the layer tail: three kernels)."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import OPERAND_DTYPES
+from .config import parameter_count
+from .memory import operand_bytes
+from .reference import LAYER_NORM_EPS
+from .route_sdpa import sdpa_attention
+from .weights import layer_weights, per_layer, unpacked_per_layer
+
+# Switches without which the split layer does not run: it reads the packed QKV weight and runs our attention (and
+# it needs fp16/bf16 operands: with reduced_precision off, fp32 inputs keep fp32 operands and the unfused layer).
+SPLIT_NEEDS = ("split_layer", "packed_qkv", "flash_attention")
+
+
+@contextmanager
+def _matmul_precision(precision: str):
+    """cuBLAS fp32 GEMMs in exact fp32 or TF32, restored afterwards."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+class KernelForward:
+    """Each layer as our attention (or SDPA, as the route says) between cuBLAS GEMMs, with our fused residual add +
+    LayerNorm; the mask summarized once per forward (its prefix length per sequence, or -1) for our attention."""
+
+    uses_weights = True
+
+    def __init__(self, model, route):
+        from shapewise.kernels.attention import flash_attention
+        from shapewise.kernels.layernorm import add_layernorm
+        from shapewise.kernels.mask import prefix_lengths
+
+        self.flash_attention, self.add_layernorm, self.prefix_lengths = flash_attention, add_layernorm, prefix_lengths
+        self.route = route
+        disabled = model.disabled
+        self.packed = "packed_qkv" not in disabled
+        self.fused_ln = "fused_layernorm" not in disabled
+        self.ours = "flash_attention" not in disabled
+        self.w = model._weights.table(model, route.precision, per_layer if self.packed else unpacked_per_layer)
+        self.act = OPERAND_DTYPES[route.precision]
+        # SDPA attention under a mask that is no causal prefix: our kernel runs instead, and the route says so
+        self.route_ours = replace(route, attention="triton",
+                                  reason=route.reason + "; this mask is not a causal prefix: our kernel")
+
+    @torch.no_grad()
+    def __call__(self, model, x, mask):
+        if x.stride(-1) != 1:  # a view sliced along d_model: the kernels read rows with unit stride
+            x = x.contiguous()
+        route, w, act, cfg = self.route, self.w, self.act, model.config
+        B, S, d = x.shape
+        H, D, N = cfg.num_heads, cfg.head_dim, B * S
+        prefix = None if mask is None else self.prefix_lengths(mask)
+        sdpa_mask = mask  # the mask SDPA attention gets, where it runs
+        ours = self.ours and (route.attention == "triton" or mask is not None)
+        if route.attention == "sdpa" and mask is not None:
+            # Eager, compute-bound route (seq_len >= the policy's sdpa_from_seq_len): one host read of the summary
+            # per call is noise here. Under a causal prefix mask a valid query sees only valid keys, so its output is
+            # that of the unmasked model and invalid rows are zeroed at every layer's end: SDPA runs unmasked. Any
+            # other mask needs our kernel: SDPA would materialize a [B, 1, S, S] boolean mask at these lengths.
+            if cfg.causal and bool((prefix >= 0).all()):
+                sdpa_mask, ours = None, False
+            elif self.ours:
+                object.__setattr__(model, "last_route", self.route_ours)
+
+        def add_ln(res, branch, name, row_mask=None, out_dtype=act, last=False):
+            if self.fused_ln:
+                return self.add_layernorm(res, branch, w[name + "_w"], w[name + "_b"], out_dtype=out_dtype,
+                                          row_mask=row_mask, write_residual=not last,
+                                          residual_out=None if res is x or last else res)
+            r = res.float() if branch is None else res.float() + branch.float()
+            if row_mask is not None:
+                r = r.masked_fill(~row_mask[..., None], 0.0)
+            y = F.layer_norm(r, (d,), w[name + "_w"], w[name + "_b"], LAYER_NORM_EPS)
+            if row_mask is not None:
+                y = y.masked_fill(~row_mask[..., None], 0.0)
+            return r, y.to(out_dtype)
+
+        def attention(h2d, i):
+            if self.packed:
+                q, k, v = F.linear(h2d, w[f"{i}.qkv_w"], w[f"{i}.qkv_b"]).view(B, S, 3, H, D).unbind(2)
+            else:
+                q, k, v = (F.linear(h2d, w[f"{i}.{n}_w"], w[f"{i}.{n}_b"]).view(B, S, H, D) for n in "qkv")
+            if ours:
+                return self.flash_attention(q, k, v, causal=cfg.causal, key_mask=mask, precision=route.precision,
+                                            mask_prefix_lengths=prefix)
+            return sdpa_attention(q, k, v, cfg.causal, sdpa_mask)
+
+        with _matmul_precision(route.precision):
+            _, h = add_ln(x, None, "0.n1", last=True)  # normalize only: the input stays the residual
+            res = x
+            for i in range(cfg.num_layers):
+                o = attention(h.view(N, d), i)
+                y = F.linear(o.reshape(N, d), w[f"{i}.o_w"], w[f"{i}.o_b"]).view(B, S, d)
+                res, h = add_ln(res, y, f"{i}.n2")
+                f = F.gelu(F.linear(h.view(N, d), w[f"{i}.in_w"], w[f"{i}.in_b"]), approximate="none")
+                y = F.linear(f, w[f"{i}.out_w"], w[f"{i}.out_b"]).view(B, S, d)
+                last = i == cfg.num_layers - 1
+                res, h = add_ln(res, y, "final" if last else f"{i + 1}.n1", row_mask=mask,
+                                out_dtype=x.dtype if last else act, last=last)
+        return h
+
+
+class SplitLayerForward:
+    """Each layer as three kernels: LayerNorm 1 with the packed QKV projection, our attention, and the rest of the
+    layer (out-projection, residual, LayerNorm 2, FFN, residual, zeroed rows; the final LayerNorm last). With a mask,
+    layer 0's projection also writes the mask's summary, which every layer's attention reads."""
+
+    uses_weights = True
+
+    def __init__(self, model, route):
+        from shapewise.kernels.attention import flash_attention
+        from shapewise.kernels.fused_layer import ln_qkv
+        from shapewise.kernels.layer_tail import layer_tail
+
+        self.flash_attention, self.ln_qkv, self.layer_tail = flash_attention, ln_qkv, layer_tail
+        self.route = route
+        w = model._weights.table(model, route.precision, per_layer)
+        self.layers = [layer_weights(w, i) for i in range(model.config.num_layers)]
+        self.final = (w["final_w"], w["final_b"])
+
+    @torch.no_grad()
+    def __call__(self, model, x, mask):
+        cfg = model.config
+        B, S, d = x.shape
+        res = x.contiguous()
+        prefix = None
+        for i, wi in enumerate(self.layers):
+            if i == 0 and mask is not None:
+                qkv, prefix = self.ln_qkv(res, wi, mask=mask)
+            else:
+                qkv = self.ln_qkv(res, wi)
+            q, k, v = qkv.view(B, S, 3, cfg.num_heads, cfg.head_dim).unbind(2)
+            o = self.flash_attention(q, k, v, causal=cfg.causal, key_mask=mask, precision=self.route.precision,
+                                     mask_prefix_lengths=prefix)
+            last = i == cfg.num_layers - 1
+            res = self.layer_tail(o.view(B, S, d), res, wi, mask=mask, final=self.final if last else None,
+                                  out_dtype=x.dtype)
+        return res
+
+
+def runner(model, route):
+    return (SplitLayerForward if route.split_layer else KernelForward)(model, route)
+
+
+def settle(route, x, disabled):
+    """The split layer only with its switches on and fp16/bf16 operands; else the unfused layer, and why."""
+    if route.split_layer and (route.precision not in ("fp16", "bf16") or disabled & set(SPLIT_NEEDS)):
+        off = sorted(disabled & set(SPLIT_NEEDS)) or [f"{route.precision} operands"]
+        route = replace(route, split_layer=False, reason=route.reason + f"; no split layer: {', '.join(off)}")
+    return route
+
+
+def switches(route) -> set:
+    if route.split_layer:  # each switch of SPLIT_NEEDS turns it off
+        return set(SPLIT_NEEDS)
+    return {"fused_layernorm", "packed_qkv"} | ({"flash_attention"} if route.attention == "triton" else set())
+
+
+def sdpa_gets_mask(route, disabled) -> bool:
+    """With our attention switched off, SDPA gets the mask (under a causal prefix mask it runs unmasked, but the
+    plan reads no mask contents and takes the worst case)."""
+    return "flash_attention" in disabled
+
+
+def working_set(config, dtype, route) -> int:
+    """Per token 4d (fp32 residual) + a * (6d + 2f) (normalized input, qkv, attention out, its reshape, the
+    projection, and the FFN's linear and GELU outputs: the peak of the eager sequence) + 4H (softmax statistics), a
+    the operands' bytes; split layers (4d + 4ad: the next residual, qkv and the attention out) allocate less, and
+    take this bound. Plus the weight copies in operand precision."""
+    a, d = operand_bytes(route.precision), config.d_model
+    acts = config.tokens * (4 * d + a * (6 * d + 2 * config.ffn_dim) + 4 * config.num_heads)
+    return acts + parameter_count(d, config.ffn_dim, config.num_layers) * a

@@ -1,0 +1,190 @@
+"""The optimized model's derived weights: operand-precision copies of its parameters, in each route's layout.
+
+A table (one per operand precision and layout) is built on a route's first use, held as plain tensors (never
+registered) and refreshed in place when a parameter's version counter or storage address moves, so that captured
+CUDA graphs keep reading the same buffers. Seen: in-place edits (`p.copy_`, `p.mul_` under no_grad), `p.data = t`,
+writes through `p.data` (`p.data.copy_(t)`: see WatchedParameter), `load_state_dict` (also with assign=True) and
+`.to()`. Not seen, and so `refresh_weights()` after them: a write through a `p.data` tensor taken before the
+previous forward, and in-place edits of parameters that are inference tensors (created under
+torch.inference_mode: they carry no version counter).
+
+The fp16 screen: for inputs that are not float16, a route's fp16 operands rest on every parameter lying within
+FP16_SAFE_ABS; `DerivedWeights.fp16_offender` measures that once per weight version.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import nn
+
+from ..kernels import OPERAND_DTYPES
+
+# The largest parameter magnitude for which fp16 operands are used on an input that is not float16 (beyond it: bf16
+# operands). fp16's largest finite value is 65504 (just under 2**16). LayerNorm's normalized activations are at most
+# sqrt(d_model - 1) in magnitude, below 2**5 up to d_model 1024 (the widest official row); times a gain or a weight
+# of at most 2**11, one such product stays within fp16's range. Real weights are orders of magnitude smaller
+# (PyTorch initializes Linear weights within 1/sqrt(fan_in), LayerNorm gains at 1), so the check catches weights on
+# another scale (unnormalized or rescaled checkpoints), not ordinary ones. It is a screen, not a proof: a sum of
+# many large aligned products can still overflow, and shows as inf in the output.
+FP16_SAFE_ABS = 2.0**11
+# One layer's derived weights as the per-layer kernels (fused_layer, ln_qkv, layer_tail) take them: "{i}.{name}".
+LAYER_WEIGHTS = ("qkv_w", "qkv_b", "o_w", "o_b", "in_w", "in_b", "out_w", "out_b", "n1_w", "n1_b", "n2_w", "n2_b")
+_version_of = operator.attrgetter("_version")
+_tensor_data = torch._C.TensorBase.data  # the descriptor WatchedParameter wraps
+
+
+class WatchedParameter(nn.Parameter):
+    """A parameter whose `.data`, once handed out, counts as written. PyTorch gives `p.data` a version counter of its
+    own, so a write through it (`p.data.copy_(w)`) leaves `p._version` where it was, and derived weights keyed on it
+    would stay stale; reading `.data` bumps `p._version` instead (torch.autograd.graph.increment_version, PyTorch's
+    way to report a write it cannot see). Costs: a read that writes nothing rebuilds the derived weights once at the
+    next forward, and, as after any in-place write, a backward pass through a graph that saved `p` before the read
+    refuses to run. Nothing else differs from nn.Parameter; the forward's per-call path reads no more than before.
+    The model's parameters take this class once it derives weights from them (DerivedWeights.table)."""
+
+    @property
+    def data(self):
+        torch.autograd.graph.increment_version(self)
+        return _tensor_data.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        _tensor_data.__set__(self, value)
+
+    def __repr__(self):
+        return repr(nn.Parameter(self.detach(), self.requires_grad))
+
+
+def per_layer(model, dtype, packed: bool = True) -> dict:
+    """The per-layer kernels' layout: "{i}.{name}" of LAYER_WEIGHTS (q/k/v_w, _b unpacked when not `packed`) in
+    `dtype`, LayerNorm weights in fp32, and final_w, final_b."""
+    out = {}
+    for i, layer in enumerate(model.layers):
+        a = layer.attention
+        if packed:
+            out[f"{i}.qkv_w"] = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).to(dtype)
+            out[f"{i}.qkv_b"] = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).to(dtype)
+        else:
+            for n in ("q", "k", "v"):
+                proj = getattr(a, f"{n}_proj")
+                out[f"{i}.{n}_w"], out[f"{i}.{n}_b"] = proj.weight.to(dtype), proj.bias.to(dtype)
+        for n, lin in (("o", a.out_proj), ("in", layer.ffn_in), ("out", layer.ffn_out)):
+            out[f"{i}.{n}_w"], out[f"{i}.{n}_b"] = lin.weight.to(dtype), lin.bias.to(dtype)
+        for n, norm in (("n1", layer.norm1), ("n2", layer.norm2)):
+            out[f"{i}.{n}_w"], out[f"{i}.{n}_b"] = norm.weight.float(), norm.bias.float()
+    out["final_w"], out["final_b"] = model.final_norm.weight.float(), model.final_norm.bias.float()
+    return out
+
+
+def unpacked_per_layer(model, dtype) -> dict:
+    """per_layer with separate q, k and v projections (the packed_qkv switch off)."""
+    return per_layer(model, dtype, packed=False)
+
+
+def layer_weights(table: dict, i: int) -> dict:
+    """Layer i's weights of a per_layer table, named as the per-layer kernels take them."""
+    return {n: table[f"{i}.{n}"] for n in LAYER_WEIGHTS}
+
+
+class DerivedWeights:
+    """The derived weight tables of one model, their parameters' versions and the fp16 screen's verdict.
+
+    Holds no reference to the model (each method takes it), so that dropping the model frees its tables at once.
+    """
+
+    __slots__ = ("params", "inference", "versions", "tables", "screen")
+
+    def __init__(self):
+        self.params = None  # the parameters, listed once: the module tree is too slow to walk on every call
+        self.inference = False  # some parameter is an inference tensor: only addresses count
+        self.versions = None  # the parameters' (addresses, versions) the tables were derived from
+        self.tables = {}  # (precision, layout) -> {name: tensor}
+        self.screen = None  # the last fp16 screen: (versions, offender); None: no route asked for one
+
+    def relist(self) -> None:
+        """Forget the parameter list (load_state_dict with assign=True swaps Parameter objects)."""
+        self.params = None
+
+    def now(self, model):
+        """Cheap identity of the weights: each parameter's storage address and version counter."""
+        params = self.params
+        if params is None:
+            params = self.params = list(model.parameters())
+            self.inference = any(p.is_inference() for p in params)
+            if self.tables:
+                _watch(params)
+        ptrs = tuple(map(torch.Tensor.data_ptr, params))
+        if self.inference:
+            return ptrs
+        return ptrs, tuple(map(_version_of, params))
+
+    def refresh(self, model) -> bool:
+        """Derive every table again, in place, when the weights moved since they were derived; measure the fp16
+        screen again where a route asked for it. True when its verdict changed: the caller then drops the routes
+        chosen under the old one (the tables of its precision are dropped here)."""
+        versions = self.now(model)
+        if versions == self.versions:
+            return False
+        with torch.inference_mode(False), torch.no_grad():
+            for (precision, layout), table in self.tables.items():
+                for name, fresh in layout(model, OPERAND_DTYPES[precision]).items():
+                    table[name].copy_(fresh)  # in place: captured graphs keep reading the same buffers
+        self.versions = versions
+        if self.screen is None:
+            return False
+        return self.fp16_offender(model, versions)[1]
+
+    def forget(self) -> None:
+        """Drop everything derived (the model moved: .to(), .cuda(), .half()); rebuilt on the next use."""
+        self.__init__()
+
+    def table(self, model, precision: str, layout) -> dict:
+        """The `layout(model, dtype)` table in `precision`'s operand dtype, built on first use."""
+        key = (precision, layout)
+        table = self.tables.get(key)
+        if table is None:
+            self.now(model)
+            with torch.inference_mode(False), torch.no_grad():
+                table = {k: v.contiguous().clone() for k, v in layout(model, OPERAND_DTYPES[precision]).items()}
+            if not self.tables:
+                _watch(self.params)
+            self.tables[key] = table
+        return table
+
+    def fp16_offender(self, model, versions=None):
+        """((name, max |value|) of the parameter furthest beyond FP16_SAFE_ABS, or None when all lie within it;
+        whether that verdict differs from the previous one).
+
+        Measured once per weight version (one host sync). A changed verdict drops the tables (a route of the other
+        precision may take their place)."""
+        versions = self.now(model) if versions is None else versions  # the caller's reading of the weights now
+        if self.screen is not None and self.screen[0] == versions:
+            return self.screen[1], False
+        named = list(model.named_parameters())
+        with torch.no_grad():
+            peaks = torch.stack([p.detach().abs().amax().float() for _, p in named]).tolist()  # the host sync
+        worst = max(range(len(named)), key=peaks.__getitem__)
+        offender = (named[worst][0], peaks[worst]) if peaks[worst] > FP16_SAFE_ABS else None
+        changed = self.screen is not None and _name_of(self.screen[1]) != _name_of(offender)
+        if changed:
+            self.tables = {}
+        self.screen = (versions, offender)
+        return offender, changed
+
+    def mark_stale(self) -> None:
+        """Make the next refresh derive every table and measure the screen again (refresh_weights)."""
+        self.params, self.versions = None, None
+        if self.screen is not None:  # versions that cannot match: the range is measured again
+            self.screen = (None, self.screen[1])
+
+
+def _name_of(offender):
+    return None if offender is None else offender[0]
+
+
+def _watch(params) -> None:
+    """Make `params` WatchedParameters (in place: the same objects, so every reference to them stays valid)."""
+    for p in params:
+        if type(p) is nn.Parameter:
+            p.__class__ = WatchedParameter
