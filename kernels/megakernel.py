@@ -38,7 +38,7 @@ from .tiles import DOT_BF16_IN_FP32, MAX_D_MODEL, MIN_D_MODEL, _layer_norm_rows,
 # bytes at fp16 operands) times one program per SM stays well inside the H200's 50 MB L2.
 MAX_SEQ_X_D_MODEL = 128 * 128
 MAX_HEAD_DIM = 128
-LAYER_WEIGHTS = ("qkv_w", "qkv_b", "o_w", "o_b", "in_w", "in_b", "out_w", "out_b", "n1_w", "n1_b", "n2_w", "n2_b")
+FINAL_WEIGHTS = ("final_w", "final_b")  # the final LayerNorm's; every other entry of the weights is stacked per layer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -50,7 +50,8 @@ def megakernel_reference(x, w, *, num_heads, causal, mask=None, eps=LAYER_NORM_E
     h = x.double()
     for i in range(num_layers):
         last = i == num_layers - 1
-        h = fused_layer_reference(h, {n: w[n][i] for n in LAYER_WEIGHTS}, num_heads=num_heads, causal=causal,
+        layer = {n: t[i] for n, t in w.items() if n not in FINAL_WEIGHTS}
+        h = fused_layer_reference(h, layer, num_heads=num_heads, causal=causal,
                                   mask=mask, final=(w["final_w"], w["final_b"]) if last else None, eps=eps)
     return h
 
@@ -259,32 +260,37 @@ def why_unsupported(seq_len: int, d_model: int, num_heads: int) -> str | None:
 
 
 def stack_layers(layers: list[dict], final: tuple) -> dict:
-    """The megakernel's weights from per-layer dicts (LAYER_WEIGHTS, as the per-layer kernels take them) and the
-    final norm's (weight, bias): each name stacked over layers, biases and norms in fp32."""
-    out = {n: torch.stack([w[n] for w in layers]).contiguous() for n in LAYER_WEIGHTS}
+    """The megakernel's weights from per-layer dicts (named as the per-layer kernels take them: qkv_w, qkv_b, o_w,
+    ..., n2_b) and the final norm's (weight, bias): each name stacked over layers, biases and norms in fp32."""
+    out = {n: torch.stack([w[n] for w in layers]).contiguous() for n in layers[0]}
     for n in ("qkv_b", "o_b", "in_b", "out_b"):
         out[n] = out[n].float()
     out["final_w"], out["final_b"] = final[0].float().contiguous(), final[1].float().contiguous()
     return out
 
 
-def _check_weights(w, d, num_layers):
+def _check_weights(w, d):
+    """(ffn_dim, num_layers) of the stacked weights `w` for width d, after checking every tensor's shape and dtype."""
+    missing = sorted({"qkv_w", "in_w"} - set(w))
+    if missing:
+        raise ValueError(f"megakernel: the weights lack {', '.join(missing)} (stack_layers names them)")
     op = w["qkv_w"].dtype
     if op not in (torch.float16, torch.bfloat16):
         raise TypeError(f"megakernel: weights must be float16 or bfloat16, got qkv_w {op}")
-    ffn = w["in_w"].shape[1]
-    shapes = {"qkv_w": (num_layers, 3 * d, d), "qkv_b": (num_layers, 3 * d), "o_w": (num_layers, d, d),
-              "o_b": (num_layers, d), "in_w": (num_layers, ffn, d), "in_b": (num_layers, ffn),
-              "out_w": (num_layers, d, ffn), "out_b": (num_layers, d), "n1_w": (num_layers, d),
-              "n1_b": (num_layers, d), "n2_w": (num_layers, d), "n2_b": (num_layers, d), "final_w": (d,),
-              "final_b": (d,)}
+    L, ffn = w["qkv_w"].shape[0], w["in_w"].shape[1]
+    shapes = {"qkv_w": (L, 3 * d, d), "qkv_b": (L, 3 * d), "o_w": (L, d, d), "o_b": (L, d), "in_w": (L, ffn, d),
+              "in_b": (L, ffn), "out_w": (L, d, ffn), "out_b": (L, d), "n1_w": (L, d), "n1_b": (L, d),
+              "n2_w": (L, d), "n2_b": (L, d), "final_w": (d,), "final_b": (d,)}
+    missing = sorted(set(shapes) - set(w))
+    if missing:
+        raise ValueError(f"megakernel: the weights lack {', '.join(missing)} (stack_layers names them)")
     for name, shape in shapes.items():
         t = w[name]
-        want = op if name.endswith("_w") and name[:2] not in ("n1", "n2", "fi") else torch.float32
+        want = op if name in ("qkv_w", "o_w", "in_w", "out_w") else torch.float32
         if tuple(t.shape) != shape or t.dtype != want or not t.is_contiguous():
             raise ValueError(f"megakernel: {name} must be contiguous {want} {list(shape)}, got {t.dtype} "
                              f"{list(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
-    return ffn
+    return ffn, L
 
 
 def _block(name, value, default, most):
@@ -319,8 +325,7 @@ def megakernel(x, w, *, num_heads, causal, mask=None, out_dtype=None, out=None, 
     why = why_unsupported(S, d, num_heads)
     if why:
         raise ValueError(f"megakernel: {why}")
-    num_layers = w["qkv_w"].shape[0]
-    ffn = _check_weights(w, d, num_layers)
+    ffn, num_layers = _check_weights(w, d)
     if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, S) or mask.device != x.device):
         raise ValueError(f"megakernel: mask must be bool [B, S]={B, S} on {x.device}, got {mask.dtype} "
                          f"{tuple(mask.shape)} on {mask.device}")

@@ -42,6 +42,7 @@ OPTIMIZATIONS = (
     "packed_qkv",  # one QKV GEMM over a packed weight (off: three GEMMs)
     "direct_input",  # a captured graph reads the caller's x and mask in place once their addresses repeat (off: copy in)
     "split_layer",  # where the policy says so: a layer as LN+QKV, our attention and one tail kernel (off: unfused)
+    "megakernel",  # where the policy says so: the whole forward in one Triton kernel (off: the per-layer routes)
 )
 MAX_MEMORY_PLANS = 64  # memory plans a model keeps (one per input signature, cap and memory fraction)
 
@@ -148,7 +149,8 @@ class UserOptimizedTransformer(BaselineTransformer):
         cfg = self.config
         shape = Shape(x.shape[0], x.shape[1], cfg.d_model, cfg.num_heads, cfg.ffn_dim, cfg.num_layers, cfg.causal)
         route = select_route(shape, x.dtype, x.device, "none" if mask is None else "general", forced=self.route,
-                             allow_fused="fused_layer" not in self.disabled)
+                             allow_fused="fused_layer" not in self.disabled,
+                             allow_megakernel="megakernel" not in self.disabled)
         if not ROUTE_SPECS[route.name].kernels:
             return route
         caller_precision = False

@@ -8,6 +8,9 @@ Routes (ROUTE_SPECS: each route's module, which runs it, and what it needs):
 - `graph`: the `triton` route captured once per input signature in a CUDA graph and replayed. CUDA only.
 - `fused`: one Triton kernel per layer (kernels/fused_layer.py) where a sequence fits on chip (the kernel's
   `why_unsupported` says where), fp16/bf16 operands; captured in a CUDA graph on CUDA.
+- `megakernel`: the whole forward in one Triton kernel (kernels/megakernel.py), one program per sequence, where the
+  policy's `megakernel.max_seq_len_x_d_model` covers the shape (null: never unasked), fp16/bf16 operands; captured
+  in a CUDA graph on CUDA.
 
 Operand precision (`Route.precision`; accumulation is fp32 always, and the kernel routes keep an fp32 residual
 stream and fp32 LayerNorm statistics): `reference` and `sdpa` run PyTorch in the input dtype. The kernel routes
@@ -52,6 +55,7 @@ ROUTE_SPECS = {
     "triton": RouteSpec("route_triton", kernels=True),
     "graph": RouteSpec("route_triton", kernels=True, cuda_only=True, captured=True),
     "fused": RouteSpec("route_fused", kernels=True, captured=True),
+    "megakernel": RouteSpec("route_megakernel", kernels=True, captured=True),
 }
 ROUTES = tuple(ROUTE_SPECS)
 CPU_ROUTES = tuple(n for n, s in ROUTE_SPECS.items() if not s.cuda_only)  # kernel routes only under TRITON_INTERPRET=1
@@ -91,7 +95,7 @@ class Route:
     reason: str
     forced: bool = False
     attention: str = "triton"  # attention inside the triton/graph routes: our kernel, or PyTorch SDPA
-    launch: tuple = ()  # fused route: the kernel's (block_m, num_warps, num_stages), from the policy
+    launch: tuple = ()  # fused: (block_m, num_warps, num_stages); megakernel: route_megakernel.LAUNCH_FIELDS (policy)
     kv_precompute: bool = False  # fused route: keys/values computed once per layer by a second kernel (policy)
     key_block: int = 0  # fused route with kv_precompute: keys per online-softmax step (policy; 0: the whole sequence)
     ffn_block: int = 0  # fused route: FFN columns per step (policy; 0: the kernel's default)
@@ -175,6 +179,22 @@ def _fused_pays(shape: Shape) -> bool:
             and (hi is None or shape.tokens <= hi) and (heads is None or shape.num_heads <= heads))
 
 
+def _megakernel_route(precision: str, reason: str, forced: bool = False) -> Route:
+    from .route_megakernel import LAUNCH_FIELDS
+
+    launch = POLICY["megakernel"]["launch"]
+    return Route("megakernel", precision, reason, forced=forced, launch=tuple(launch[f] for f in LAUNCH_FIELDS))
+
+
+def _megakernel_pays(shape: Shape) -> bool:
+    """Whether the policy expects the megakernel to beat the per-layer routes here: seq_len*d_model up to
+    `megakernel.max_seq_len_x_d_model` (null: never) and batch_size*seq_len up to `megakernel.max_tokens` (null or
+    absent: no bound)."""
+    mk = POLICY["megakernel"]
+    most, tokens = mk["max_seq_len_x_d_model"], mk.get("max_tokens")
+    return most is not None and shape.seq_len * shape.d_model <= most and (tokens is None or shape.tokens <= tokens)
+
+
 def _with_split_layer(route: Route, shape: Shape) -> Route:
     """The triton/graph `route` with the split layer where the policy's `split_layer.max_d_model` (null: never)
     covers d_model, batch_size*seq_len is at least `split_layer.min_tokens` (null or absent: any), the operands
@@ -217,7 +237,7 @@ def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool) -> 
 
 
 def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: str | None = None,
-                 interpret: bool | None = None, allow_fused: bool = True) -> Route:
+                 interpret: bool | None = None, allow_fused: bool = True, allow_megakernel: bool = True) -> Route:
     """Pick the route for one input signature. Pure: reads only its arguments and the policy data.
 
     `forced` (a route name, or None/"auto") is honoured or refused with RouteUnavailable, never replaced.
@@ -235,6 +255,8 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
             raise RouteUnavailable(why)
         if forced == "fused":
             return _fused_route("fused", _precision_for(forced, dt, shape), "forced by the caller", shape, forced=True)
+        if forced == "megakernel":
+            return _megakernel_route(_precision_for(forced, dt, shape), "forced by the caller", forced=True)
         return _with_split_layer(Route(forced, _precision_for(forced, dt, shape), "forced by the caller", forced=True),
                                  shape)
 
@@ -244,6 +266,11 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
     if why_unavailable("triton", shape, dtype, device, interpret):
         return Route("sdpa", _precision_for("sdpa", dt, shape), "outside the Triton kernels' range")
     size = shape.tokens * shape.d_model
+    if allow_megakernel and _megakernel_pays(shape) and not why_unavailable("megakernel", shape, dtype, device,
+                                                                            interpret):
+        return _megakernel_route(_precision_for("megakernel", dt, shape),
+                                 f"one sequence's working set on chip: the whole forward in one kernel "
+                                 f"(seq_len*d = {shape.seq_len * shape.d_model})")
     if allow_fused and _fused_pays(shape) and not why_unavailable("fused", shape, dtype, device, interpret):
         return _fused_route("fused", _precision_for("fused", dt, shape),
                             f"short, narrow, launch-bound shape: one kernel per layer (tokens*d = {size})", shape)

@@ -9,8 +9,8 @@ tiles), S = 1, one layer and three, fp32 / fp16 / bf16 inputs with fp16 and bf16
 import pytest
 import torch
 
-from shapewise.kernels.megakernel import (LAYER_WEIGHTS, MAX_SEQ_X_D_MODEL, megakernel, megakernel_reference,
-                                          stack_layers, why_unsupported)
+from shapewise.kernels.megakernel import (MAX_SEQ_X_D_MODEL, megakernel, megakernel_reference, stack_layers,
+                                          why_unsupported)
 
 from test_fused_layer import DEVICE, make_mask, weights
 
@@ -109,4 +109,5 @@ def test_megakernel_limits_and_bad_input():
         megakernel(x, bad, num_heads=H, causal=True)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         megakernel(x, dict(w, qkv_w=w["qkv_w"].float()), num_heads=H, causal=True)
-    assert set(LAYER_WEIGHTS) <= set(w)
+    with pytest.raises(ValueError, match="lack n2_b"):
+        megakernel(x, {k: v for k, v in w.items() if k != "n2_b"}, num_heads=H, causal=True)

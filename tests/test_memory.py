@@ -36,7 +36,7 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("route", ["sdpa", "triton"])
+@pytest.mark.parametrize("route", ["sdpa", "triton", "megakernel"])
 @pytest.mark.parametrize("mask_kind", ["none", "prefix", "holes", "one_empty"])
 def test_streamed_forward_matches_one_pass(route, mask_kind, one_thread):
     """Bit-identical on the CPU (one thread): every op of these routes computes a batch element from that element
