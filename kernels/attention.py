@@ -215,7 +215,7 @@ def _attention_fwd(
                 HEAD_DIM, BLOCK_D, BLOCK_N, False, EVEN_N, IS_CAUSAL, HAS_KEY_MASK, PRECISION)
         # Stage 2: the diagonal, the ragged end and general masks. One loop for prefix and general masks alike (a
         # prefix skips the mask loads at run time): a separate prefix loop of its own would take more shared memory
-        # and time (docs/decisions.md#mask-summary).
+        # and time (docs/decisions.md#attention-mask-loop).
         if HAS_KEY_MASK and MASK_LOOP:
             # A prefix runs the key-length path's own stage 2 (no mask in its code at all); a mask that is no
             # prefix (full_hi is 0 then) reads it in a loop of its own, unpipelined, so that this loop takes no
@@ -264,7 +264,8 @@ def _configs():
 
 # Registers per thread the kernel with a key mask (HAS_KEY_MASK) may take, per launch (BLOCK_M, BLOCK_N, BLOCK_D,
 # num_warps, num_stages), where ptxas would otherwise give it enough more than the same launch with key lengths to
-# fit fewer programs on an SM; each cap fits without spilling (ptxas for sm_90a; docs/decisions.md#attention-tiles).
+# fit fewer programs on an SM; each cap fits without spilling (ptxas for sm_90a;
+# docs/decisions.md#attention-register-cap).
 MASKED_MAX_REGISTERS = {(64, 64, 32, 4, 3): 96, (32, 32, 64, 4, 2): 96}
 
 
@@ -293,7 +294,8 @@ def _prune(configs, named_args, **kwargs):
 
 
 # Batch x heads bucket from which a short sequence's tiles are timed against each other; below it 64x64 only, as fast
-# there as any other, and timing kernels of a few microseconds would pick by noise (docs/decisions.md#attention-tiles).
+# there as any other, and timing kernels of a few microseconds would pick by noise
+# (docs/decisions.md#attention-wide-grid).
 # None: every kept tile timed.
 SHORT_SEQUENCE_WIDE_GRID = 4096
 
@@ -315,7 +317,7 @@ def _prune_tiles(configs, named_args, **kwargs):
             continue
         if 64 < seq <= 256 and bm != 64:
             # short sequences: 64-row tiles, since the autotuner's pick among larger ones ran twice as long
-            # (docs/decisions.md#attention-tiles)
+            # (docs/decisions.md#attention-short-tiles)
             continue
         if (64 < seq <= 256 and bn != 64 and d <= 128 and bh is not None and SHORT_SEQUENCE_WIDE_GRID is not None
                 and bh < SHORT_SEQUENCE_WIDE_GRID):
@@ -332,7 +334,7 @@ def _prune_tiles(configs, named_args, **kwargs):
 
 # Up to this head block (BLOCK_D), a key mask that is no prefix runs a stage-2 loop of its own (the kernel's
 # MASK_LOOP), so that a prefix's stage 2 is the key-length path's code and as fast; beyond it the second loop spills
-# registers (ptxas for sm_90a; docs/decisions.md#mask-summary). None: one loop for both.
+# registers (ptxas for sm_90a; docs/decisions.md#attention-mask-loop). None: one loop for both.
 MASK_OWN_LOOP_MAX_BLOCK_D = 64
 
 

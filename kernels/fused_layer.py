@@ -35,7 +35,7 @@ from .mask import check_summary, first_mask_block, prefix_length_of_row, summary
 from .tiles import MAX_D_MODEL, MIN_D_MODEL, _ffn_residual, _layer_norm_rows, _mm, _store_rows
 
 MAX_SEQ = 128
-# Largest block_m served: 64 and 128 fault on the H200 under Triton 3.6 (docs/decisions.md#fused-block_m).
+# Largest block_m served: 64 and 128 fault on the H200 under Triton 3.6 (docs/decisions.md#fused-block-m).
 MAX_BLOCK_M = 32
 
 
@@ -148,7 +148,7 @@ def _fused_layer_fwd(
     xq = tl.load(x_base + rows[:, None] * stride_xs + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                  other=0.0).to(tl.float32)
     # The mask is summarized after the residual rows are requested: read before them, its load and the barrier of
-    # its layout change would delay those loads by a memory round trip (docs/decisions.md#mask-summary).
+    # its layout change would delay those loads by a memory round trip (docs/decisions.md#fused-mask-summary).
     key_len = seq_len  # where this sequence's mask is a prefix: its length
     not_prefix = False
     if HAS_MASK:
@@ -371,7 +371,7 @@ def _block_size(name: str, value, default: int, most: int) -> int:
 
 
 # The output rows' mask loaded in a branch on "no prefix" instead of predicated off for a prefix (_store_rows): a
-# prefix then reads no mask at all, as fast as no mask (docs/decisions.md#mask-summary). False: predicated off.
+# prefix then reads no mask at all, as fast as no mask (docs/decisions.md#fused-mask-summary). False: predicated off.
 ROW_MASK_BRANCH = True
 
 

@@ -230,7 +230,7 @@ class UserOptimizedTransformer(BaselineTransformer):
 def _set_plain(model, name, value):
     """model.name = value for a plain attribute (never a parameter, buffer or submodule), past nn.Module.__setattr__,
     whose checks would cost the per-call path of the launch-bound routes microseconds
-    (docs/decisions.md#_set_plain-host-cost)."""
+    (docs/decisions.md#set-plain)."""
     object.__setattr__(model, name, value)
 
 

@@ -33,7 +33,7 @@ class FusedForward:
             x = x.contiguous()
         cfg = model.config
         # With a mask, layer 0 summarizes it (prefix length or -1 per sequence) on the side and the later layers read
-        # that one value instead of the mask, which costs them no mask reads (docs/decisions.md#mask-summary).
+        # that one value instead of the mask, which costs them no mask reads (docs/decisions.md#fused-mask-summary).
         prefix = torch.empty(x.shape[0], dtype=torch.int32, device=x.device) if mask is not None else None
         res = x
         for i, wi in enumerate(self.layers):
