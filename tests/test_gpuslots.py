@@ -163,6 +163,163 @@ def _acquire_within(pool, lock_dir, seconds):
     return gpuslots.acquire(pool, lock_dir, poll_s=0.05, log_every_s=0.0, log=give_up)
 
 
+# ---- shared and exclusive holders ---------------------------------------------------------------------
+
+MODE_HOLDER = textwrap.dedent("""
+    import json, sys, time
+    from shapewise import gpuslots
+    lock_dir, mode, hold_s, out = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
+    asked = time.time()
+    slot = gpuslots.acquire(gpuslots.list_gpus(), lock_dir, label=out, poll_s=0.02, mode=mode)
+    got = time.time()
+    print("held", slot.gpu["index"], flush=True)
+    time.sleep(hold_s)
+    record = slot.record()
+    record["others_at_end"] = slot.others_now()
+    end = time.time()
+    slot.release()
+    json.dump({"gpu": slot.gpu["index"], "mode": mode, "asked": asked, "start": got, "end": end,
+               "record": record}, open(out, "w"))
+""")
+
+
+class Holders:
+    """Holder processes of one lock directory, each started at a time of the test's choosing."""
+
+    def __init__(self, tmp_path, gpus=1):
+        self.tmp, self.gpus, self.procs = tmp_path, gpus, []
+        (tmp_path / "holder.py").write_text(MODE_HOLDER)
+
+    def start(self, mode, hold_s):
+        out = self.tmp / f"holder{len(self.procs)}.json"
+        proc = subprocess.Popen([sys.executable, str(self.tmp / "holder.py"), str(self.tmp / "locks"), mode,
+                                 str(hold_s), str(out)], env=_env(**{gpuslots.FAKE_VAR: str(self.gpus)}),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.procs.append((out, proc))
+        return proc
+
+    def wait_held(self, proc):
+        line = proc.stdout.readline().split()
+        assert line[:1] == ["held"], proc.stderr.read()
+        return line[1]
+
+    def results(self):
+        done = []
+        for out, proc in self.procs:
+            _, stderr = proc.communicate(timeout=60)
+            assert proc.returncode == 0, stderr
+            done.append(json.loads(out.read_text()))
+        return done
+
+
+def _overlap(a, b):
+    return a["start"] < b["end"] and b["start"] < a["end"]
+
+
+def test_shared_holders_share_and_an_exclusive_one_waits_for_them(tmp_path):
+    h = Holders(tmp_path)
+    first = h.start(gpuslots.SHARED, 1.5)
+    h.wait_held(first)
+    second = h.start(gpuslots.SHARED, 1.0)
+    h.wait_held(second)  # two sharers at once
+    h.start(gpuslots.EXCLUSIVE, 0.3)
+    a, b, c = h.results()
+    assert _overlap(a, b)
+    assert c["start"] >= max(a["end"], b["end"]) and c["start"] - c["asked"] > 0.5
+    assert {n["pid"] for n in b["record"]["others_at_start"]} == {first.pid}
+    assert c["record"]["mode"] == "exclusive" and c["record"]["others_at_start"] == []
+    assert c["record"]["others_at_end"] == []
+
+
+def test_a_sharer_waits_while_an_exclusive_job_holds_the_gpu(tmp_path):
+    h = Holders(tmp_path)
+    alone = h.start(gpuslots.EXCLUSIVE, 1.0)
+    h.wait_held(alone)
+    h.start(gpuslots.SHARED, 0.2)
+    h.start(gpuslots.EXCLUSIVE, 0.2)
+    a, b, c = h.results()
+    assert b["start"] >= a["end"] and c["start"] >= a["end"]
+    assert not _overlap(b, c)  # a sharer and an exclusive holder never at once
+
+
+def test_two_exclusive_holders_take_turns(tmp_path):
+    h = Holders(tmp_path)
+    h.start(gpuslots.EXCLUSIVE, 0.6)
+    h.start(gpuslots.EXCLUSIVE, 0.6)
+    a, b = h.results()
+    assert not _overlap(a, b)
+
+
+def test_a_waiting_exclusive_job_keeps_new_sharers_out(tmp_path):
+    h = Holders(tmp_path)
+    sharer = h.start(gpuslots.SHARED, 1.2)
+    h.wait_held(sharer)
+    waiter = h.start(gpuslots.EXCLUSIVE, 0.8)
+    time.sleep(0.5)  # the exclusive job waits for the sharer, holding the gate
+    late = h.start(gpuslots.SHARED, 0.2)
+    a, b, c = h.results()
+    assert b["start"] >= a["end"]
+    assert c["start"] >= b["end"], "a sharer came in ahead of the exclusive job waiting for the GPU"
+
+
+def test_at_most_shared_per_gpu_share_one_gpu(tmp_path):
+    h = Holders(tmp_path)
+    for _ in range(gpuslots.SHARED_PER_GPU + 1):
+        h.start(gpuslots.SHARED, 1.0)
+    jobs = h.results()
+    starts = sorted(j["start"] for j in jobs)
+    for t in starts:
+        assert sum(j["start"] <= t < j["end"] for j in jobs) <= gpuslots.SHARED_PER_GPU
+    assert sum(j["start"] - j["asked"] > 0.5 for j in jobs) >= 1
+    assert sorted({j["record"]["share_slot"] for j in jobs}) == list(range(gpuslots.SHARED_PER_GPU))
+
+
+def test_killed_holders_of_either_mode_free_the_gpu(tmp_path):
+    lock_dir = tmp_path / "locks"
+    pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
+    for mode in (gpuslots.SHARED, gpuslots.EXCLUSIVE):
+        h = Holders(tmp_path)
+        proc = h.start(mode, 600)
+        h.wait_held(proc)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert list((lock_dir / "gpu-0.holders").glob("*.json"))  # its note stays behind, and is ignored
+        assert gpuslots.holders(lock_dir, pool[0]) == []
+        slot = _acquire_within(pool, lock_dir, 5.0)
+        assert slot.mode == gpuslots.EXCLUSIVE and slot.others_at_start == []
+        slot.release()
+
+
+def test_sharers_pack_onto_one_gpu_and_exclusive_jobs_take_a_free_one(tmp_path):
+    h = Holders(tmp_path, gpus=2)
+    first = h.start(gpuslots.SHARED, 1.2)
+    assert h.wait_held(first) == "0"
+    second = h.start(gpuslots.SHARED, 1.0)
+    assert h.wait_held(second) == "0"  # beside the first, leaving GPU 1 free
+    alone = h.start(gpuslots.EXCLUSIVE, 0.5)
+    assert h.wait_held(alone) == "1"
+    a, b, c = h.results()
+    assert c["start"] < a["end"], "the exclusive job waited although a GPU was free"
+
+
+def test_downgrade_lets_sharers_in_and_keeps_exclusive_jobs_out_until_then(tmp_path):
+    lock_dir = tmp_path / "locks"
+    pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
+    slot = gpuslots.acquire(pool, lock_dir, mode=gpuslots.EXCLUSIVE)
+    try:
+        h = Holders(tmp_path)
+        sharer = h.start(gpuslots.SHARED, 0.2)
+        time.sleep(0.5)
+        assert sharer.poll() is None and not list((lock_dir / "gpu-0.holders").glob(f"{sharer.pid}.json"))
+        slot.downgrade()
+        assert slot.mode == gpuslots.SHARED and slot.record()["share_slot"] == 0
+        assert h.wait_held(sharer) == "0"
+        (result,) = h.results()
+        assert {n["pid"] for n in result["record"]["others_at_start"]} == {os.getpid()}
+    finally:
+        slot.release()
+
+
 # ---- what a job process gets ------------------------------------------------------------------------
 
 def _job(tmp_path, device="cuda", cuda=True, **env):

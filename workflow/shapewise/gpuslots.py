@@ -1,16 +1,20 @@
-"""GPU slots for local runs: each GPU job holds one physical GPU of its own for its whole run.
+"""GPU slots for local runs: a job that times holds one physical GPU alone; jobs that time nothing may share one.
 
 The pool is the GPUs `nvidia-smi -L` lists, narrowed to those in CUDA_VISIBLE_DEVICES when the user set it,
 then to the config knob `gpus` (all | a count | a list of GPU ids). The Snakefile resolves it once at parse
 time (workflow/rules/gpus.smk): Snakemake's global `gpu` resource becomes the pool's size (unless
 `--resources gpu=K` was given) and the pool's indices go to every job in SHAPEWISE_PIPELINE_GPUS.
 
-A job (shapewise.cli.run_job, before anything imports torch) takes a free slot: one file per GPU under
-LOCK_ROOT/<host>/, locked with flock. The kernel releases the lock when the process ends, crashes or is killed,
-so a lock file left behind never blocks anything. When every slot is held the job waits, with a log line; two
-jobs never share a GPU. The job then runs with CUDA_VISIBLE_DEVICES set to its GPU (the user's own token for
+A job (shapewise.cli.run_job, before anything imports torch) takes a slot of one GPU under LOCK_ROOT/<host>/,
+locked with flock, in the mode of its step (GPU_USE): exclusive for the steps that time (timing, ablation,
+microbench), shared for the others (preflight, warm-up, accuracy, profile, the environment fingerprint), at
+most SHARED_PER_GPU at once and never beside an exclusive holder; an exclusive job waiting for a GPU's sharers
+to finish keeps new ones out (see the lock layout above `Slot`). The kernel releases the locks when the process
+ends, crashes or is killed, so a lock file left behind never blocks anything. When no slot can be had the job
+waits, with a log line. The job then runs with CUDA_VISIBLE_DEVICES set to its GPU (the user's own token for
 it when the user set CUDA_VISIBLE_DEVICES, else the GPU's UUID, which names it whatever CUDA_DEVICE_ORDER
-is) and records the slot in SHAPEWISE_PIPELINE_GPU_SLOT / SHAPEWISE_PIPELINE_GPU_SLOT_SOURCE.
+is) and records the slot in SHAPEWISE_PIPELINE_GPU_SLOT / SHAPEWISE_PIPELINE_GPU_SLOT_SOURCE and the lock
+(mode, when, the other holders) in its result (Slot.record, shapewise.jobs.device.gpu_identity).
 
 A job that SLURM started (SLURM_JOB_ID differs from the one Snakemake itself ran under) uses the GPU SLURM gave
 it and locks nothing. A run of Snakemake inside a SLURM allocation (salloc) is a local run: its jobs share the
@@ -43,12 +47,24 @@ RUN_SLURM_VAR = "SHAPEWISE_PIPELINE_SLURM_JOB_ID"
 FAKE_VAR = "SHAPEWISE_PIPELINE_FAKE_GPUS"
 SOURCES = ("lock", "slurm", "user", "none")
 
+# How a job uses its GPU. A job that times (or picks a kernel by timing it) holds its GPU alone for its whole run;
+# jobs that time nothing may share one GPU with each other, never with an exclusive holder.
+EXCLUSIVE, SHARED = "exclusive", "shared"
+MODES = (EXCLUSIVE, SHARED)
+# The mode of each step's jobs (shapewise job STEP; the rules' gpu resources ask it too, workflow/rules/gpus.smk).
+GPU_USE = {"microbench": EXCLUSIVE, "timing": EXCLUSIVE, "ablation": EXCLUSIVE,
+           "fingerprint": SHARED, "preflight": SHARED, "warmup": SHARED, "accuracy": SHARED, "profile": SHARED}
+# At most this many jobs share one GPU (the measurement behind it: docs/decisions.md).
+SHARED_PER_GPU = 6
+# "exclusive" for a job that runs again holding its GPU alone (shapewise.gpushare: a kernel choice to time).
+USE_VAR = "SHAPEWISE_PIPELINE_GPU_USE"
+
 # Per checkout (the .snakemake/ directory is git-ignored) and per host: a checkout on a shared file system
 # used from several nodes never makes one node's jobs wait for another node's GPU 0.
 LOCK_ROOT = paths.ROOT / ".snakemake" / "shapewise-gpu-slots"
 
 _GPU_LINE = re.compile(r"^GPU (\d+): (.*?) \(UUID: ([^)]+)\)\s*$")
-_HELD = []  # the slot this process holds; its open file keeps the lock until the process ends
+_HELD = []  # the slot this process holds; its open files keep the locks until the process ends
 
 
 class GpuError(ValueError):
@@ -174,18 +190,64 @@ def _log(message):
     print(f"[{datetime.now().strftime('%H:%M:%S')}] gpu slot: {message}", file=sys.stderr, flush=True)
 
 
-class Slot:
-    """One GPU held by this process through an flock on its lock file."""
+# ---- the lock of one GPU: shared by jobs that time nothing, exclusive for a job that times ------------------
+#
+# Per GPU <i> of the pool, under lock_dir():
+#   gpu-<i>.lock          flock LOCK_SH by each job that shares the GPU, LOCK_EX by the one job that holds it alone
+#                         (whose note, JSON, is the file's content)
+#   gpu-<i>.gate          flock LOCK_EX by an exclusive holder, and by an exclusive job waiting for the GPU's sharers
+#                         to finish: a job that would share checks it on the way in (LOCK_SH, non-blocking) and
+#                         stays out, so sharers never starve a job that times
+#   gpu-<i>.share-<k>.lock  k < SHARED_PER_GPU: one per sharing job, the bound on how many share the GPU
+#   gpu-<i>.holders/<pid>.json  one note per holder, either mode, removed on release: who held the GPU when
+#                         (a note whose process is gone is ignored)
+# An exclusive lock is only ever taken with the gate held, and a job enters as a sharer only with the gate free,
+# so no job shares the GPU with an exclusive holder. The kernel drops every flock of a process that exits,
+# crashes or is killed: nothing left behind blocks anything.
 
-    def __init__(self, gpu, fd, path):
-        self.gpu, self.fd, self.path = gpu, fd, path
+def _open(path):
+    return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # not inherited by child processes
 
-    def release(self):
-        if self.fd is not None:
-            os.close(self.fd)  # closing the file drops the flock
-            self.fd = None
-        if self in _HELD:
-            _HELD.remove(self)
+
+def _try_lock(fd, how):
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _close(*fds):
+    for fd in fds:
+        if fd is not None:
+            os.close(fd)  # closing the file drops its flock
+
+
+def _lock_file(directory, gpu):
+    return Path(directory) / f"gpu-{gpu['index']}.lock"
+
+
+def _gate_file(directory, gpu):
+    return Path(directory) / f"gpu-{gpu['index']}.gate"
+
+
+def _share_file(directory, gpu, k):
+    return Path(directory) / f"gpu-{gpu['index']}.share-{k}.lock"
+
+
+def _notes_dir(directory, gpu):
+    return Path(directory) / f"gpu-{gpu['index']}.holders"
+
+
+def _start_ticks(pid):
+    """The start time of process `pid` (clock ticks since boot, /proc/<pid>/stat field 22), or None when it is
+    gone or a zombie: with the pid it names one process, whatever pid reuse."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "; comm may hold spaces
+    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def _holder(path):
@@ -195,45 +257,194 @@ def _holder(path):
         return {}
 
 
-def _lock_file(directory, gpu):
-    return Path(directory) / f"gpu-{gpu['index']}.lock"
+def holders(directory, gpu, exclude_pid=None):
+    """The live holders of `gpu` (its notes whose process still runs), oldest first, without `exclude_pid`."""
+    found = []
+    for path in sorted(_notes_dir(directory, gpu).glob("*.json")):
+        note = _holder(path)
+        pid = note.get("pid")
+        if pid is None or pid == exclude_pid or _start_ticks(pid) != note.get("start_ticks"):
+            continue
+        found.append(note)
+    return sorted(found, key=lambda n: n.get("since", ""))
 
 
-def acquire(pool, directory=None, label="", poll_s=0.5, log_every_s=60.0, log=_log):
-    """Lock a free GPU of `pool` (the first free one in pool order) and return its Slot; wait while all
-    are held. The lock lives as long as the returned Slot's file is open (at most as long as the process)."""
+class Slot:
+    """One GPU held by this process, shared or alone, through flocks on its lock files."""
+
+    def __init__(self, gpu, directory, mode, fd, gate=None, share=None, share_index=None, label="", waited_s=0.0):
+        self.gpu, self.directory, self.mode, self.fd = gpu, Path(directory), mode, fd
+        self.path = _lock_file(directory, gpu)
+        self.gate, self.share, self.share_index, self.label = gate, share, share_index, label
+        self.waited_s = waited_s
+        self.acquired = datetime.now().astimezone().isoformat(timespec="milliseconds")
+        self.note = {"pid": os.getpid(), "start_ticks": _start_ticks(os.getpid()), "host": socket.gethostname(),
+                     "job": label, "mode": mode, "since": self.acquired}
+        self.others_at_start = holders(directory, gpu, exclude_pid=os.getpid())
+        self._write_note()
+        if mode == EXCLUSIVE:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(self.note) + "\n").encode(), 0)
+
+    def _note_path(self):
+        return _notes_dir(self.directory, self.gpu) / f"{os.getpid()}.json"
+
+    def _write_note(self):
+        path = self._note_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.note) + "\n")
+        os.replace(tmp, path)
+
+    def downgrade(self):
+        """Hold the GPU shared from now on (an exclusive holder whose timed part is over). The gate stays held
+        while the lock turns from exclusive to shared, so no other exclusive job can come in between."""
+        if self.mode != EXCLUSIVE:
+            return
+        for k in range(SHARED_PER_GPU):
+            share = _open(_share_file(self.directory, self.gpu, k))
+            if _try_lock(share, fcntl.LOCK_EX):
+                break
+            _close(share)
+        else:
+            raise GpuError(f"GPU {self.gpu['index']}: every share slot is held while this job holds the GPU alone")
+        fcntl.flock(self.fd, fcntl.LOCK_SH)
+        _close(self.gate)
+        self.gate, self.share, self.share_index, self.mode = None, share, k, SHARED
+        self.note = dict(self.note, mode=SHARED, shared_since=datetime.now().astimezone().isoformat(
+            timespec="milliseconds"))
+        self._write_note()
+
+    def record(self):
+        """What a result records of the lock: mode, GPU, when taken, how long the job waited, and the other jobs
+        that held the GPU when it was taken (none for an exclusive holder)."""
+        out = {"mode": self.mode, "gpu": self.gpu["index"], "lock": str(self.path), "acquired": self.acquired,
+               "waited_s": round(self.waited_s, 3), "others_at_start": self.others_at_start}
+        if self.share_index is not None:
+            out["share_slot"] = self.share_index
+        if self.note.get("shared_since"):
+            out["shared_since"] = self.note["shared_since"]
+        return out
+
+    def others_now(self):
+        """The run's other jobs holding this GPU now (their notes)."""
+        return holders(self.directory, self.gpu, exclude_pid=os.getpid())
+
+    def release(self):
+        if self.fd is not None:
+            try:
+                self._note_path().unlink()
+            except OSError:
+                pass
+            _close(self.share, self.fd, self.gate)
+            self.fd = self.gate = self.share = None
+        if self in _HELD:
+            _HELD.remove(self)
+
+
+def held():
+    """The slot this process holds, or None."""
+    return _HELD[0] if _HELD else None
+
+
+def _try_exclusive(directory, pool, pending):
+    """One non-blocking round for an exclusive slot. `pending` is [gpu, gate fd] of the GPU whose gate this
+    acquirer already holds while that GPU's sharers finish (or [None, None]). A GPU nobody holds wins over
+    waiting; otherwise the acquirer keeps (or takes) the gate of the first GPU that only sharers hold."""
+    for gpu in pool:
+        if pending[0] is not None and gpu["index"] == pending[0]["index"]:
+            gate = pending[1]
+        else:
+            gate = _open(_gate_file(directory, gpu))
+            if not _try_lock(gate, fcntl.LOCK_EX):
+                _close(gate)
+                continue
+        fd = _open(_lock_file(directory, gpu))
+        if _try_lock(fd, fcntl.LOCK_EX):
+            if pending[1] is not None and pending[1] != gate:
+                _close(pending[1])
+            pending[:] = [None, None]
+            return gpu, fd, gate
+        _close(fd)
+        if pending[0] is None:
+            pending[:] = [gpu, gate]  # sharers are on it: keep its gate, so none join, and wait for them
+        elif gate != pending[1]:
+            _close(gate)
+    return None
+
+
+def _try_shared(directory, pool):
+    """One non-blocking round for a share of a GPU: the GPU with the most live sharers that has room (so whole
+    GPUs stay free for jobs that time), then the others in pool order."""
+    def sharers(gpu):
+        return sum(1 for note in holders(directory, gpu) if note.get("mode") == SHARED)
+
+    for gpu in sorted(pool, key=lambda g: -sharers(g)):
+        gate = _open(_gate_file(directory, gpu))
+        if not _try_lock(gate, fcntl.LOCK_SH):  # an exclusive holder or waiter
+            _close(gate)
+            continue
+        fd = _open(_lock_file(directory, gpu))
+        if not _try_lock(fd, fcntl.LOCK_SH):
+            _close(fd, gate)
+            continue
+        for k in range(SHARED_PER_GPU):
+            share = _open(_share_file(directory, gpu, k))
+            if _try_lock(share, fcntl.LOCK_EX):
+                _close(gate)  # checked on the way in only
+                return gpu, fd, share, k
+            _close(share)
+        _close(fd, gate)  # SHARED_PER_GPU jobs share it already
+    return None
+
+
+def acquire(pool, directory=None, label="", poll_s=0.1, log_every_s=60.0, log=_log, mode=None):
+    """Lock a GPU of `pool` and return its Slot; wait while none can be had. `mode` EXCLUSIVE (the default): the
+    first GPU of the pool that nobody holds, else the first that only sharers hold, once they are done; SHARED:
+    a GPU no exclusive job holds or waits for, with fewer than SHARED_PER_GPU sharers. The lock lives as long as
+    the returned Slot's files are open (at most as long as the process)."""
+    mode = mode or EXCLUSIVE
+    if mode not in MODES:
+        raise GpuError(f"GPU lock mode {mode!r}: expected one of {MODES}")
     if not pool:
         raise GpuError("no GPU to take a slot from")
     directory = Path(directory or lock_dir())
     directory.mkdir(parents=True, exist_ok=True)
-    waited_since, last_log = None, None
+    waited_since, last_log, pending = None, None, [None, None]
+    t0 = time.monotonic()
     while True:
-        for gpu in pool:
-            path = _lock_file(directory, gpu)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # not inherited by child processes
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            note = {"pid": os.getpid(), "host": socket.gethostname(), "job": label,
-                    "since": datetime.now().astimezone().isoformat(timespec="milliseconds")}
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, (json.dumps(note) + "\n").encode(), 0)
-            slot = Slot(gpu, fd, path)
+        got = _try_exclusive(directory, pool, pending) if mode == EXCLUSIVE else _try_shared(directory, pool)
+        if got is not None:
+            if mode == EXCLUSIVE:
+                gpu, fd, gate = got
+                slot = Slot(gpu, directory, mode, fd, gate=gate, label=label, waited_s=time.monotonic() - t0)
+            else:
+                gpu, fd, share, k = got
+                slot = Slot(gpu, directory, mode, fd, share=share, share_index=k, label=label,
+                            waited_s=time.monotonic() - t0)
             _HELD.append(slot)
             waited = "" if waited_since is None else f" after waiting {time.monotonic() - waited_since:.1f} s"
-            log(f"holding GPU {gpu['index']} ({gpu.get('name')}, {gpu.get('uuid')}){waited}; lock {path}")
+            how = "holding" if mode == EXCLUSIVE else "sharing"
+            log(f"{how} GPU {gpu['index']} ({gpu.get('name')}, {gpu.get('uuid')}){waited}; lock {slot.path}")
             return slot
         now = time.monotonic()
         if waited_since is None:
             waited_since = now
         if last_log is None or now - last_log >= log_every_s:
-            holders = ", ".join(f"GPU {g['index']} by pid {_holder(_lock_file(directory, g)).get('pid', '?')}"
-                                for g in pool)
-            log(f"waiting for a free GPU: all {len(pool)} of the pool are held ({holders})")
+            log(f"waiting for a free GPU ({mode}): " + _describe_holders(directory, pool, pending))
             last_log = now
         time.sleep(poll_s)
+
+
+def _describe_holders(directory, pool, pending):
+    parts = []
+    for gpu in pool:
+        notes = holders(directory, gpu, exclude_pid=os.getpid())
+        who = ", ".join(f"pid {n.get('pid')} ({n.get('mode')})" for n in notes) or \
+            f"pid {_holder(_lock_file(directory, gpu)).get('pid', '?')}"
+        mine = " (this job waits for it)" if pending[0] is not None and pending[0]["index"] == gpu["index"] else ""
+        parts.append(f"GPU {gpu['index']} by {who}{mine}")
+    return f"all {len(pool)} of the pool are held ({'; '.join(parts)})"
 
 
 def _cuda_available():
@@ -242,11 +453,26 @@ def _cuda_available():
     return torch.cuda.is_available()
 
 
+def job_mode(step, environ=None):
+    """The lock mode of a job of `step` (GPU_USE), EXCLUSIVE where USE_VAR says so (a job run again to hold
+    its GPU alone)."""
+    env = os.environ if environ is None else environ
+    forced = env.get(USE_VAR)
+    if forced:
+        if forced != EXCLUSIVE:
+            raise GpuError(f"{USE_VAR}={forced!r}: the only mode a job can be made to take is {EXCLUSIVE!r}")
+        return EXCLUSIVE
+    if step not in GPU_USE:
+        raise GpuError(f"step {step!r} has no GPU mode; the steps are {sorted(GPU_USE)}")
+    return GPU_USE[step]
+
+
 def enter_job(device, needs_gpu=True, environ=None, cuda_available=None, directory=None, label="",
-              on_slot=None):
+              on_slot=None, mode=None):
     """Give this job process its GPU before anything imports torch; return the device it runs on
     (`auto` resolved). Sets CUDA_VISIBLE_DEVICES, SHAPEWISE_PIPELINE_GPU_SLOT and ..._SLOT_SOURCE in
-    `environ` (os.environ). `needs_gpu` False: a job that declares no GPU (gpu=0) takes no slot.
+    `environ` (os.environ). `needs_gpu` False: a job that declares no GPU (gpu=0) takes no slot. `mode`: the
+    lock's mode (EXCLUSIVE, the default, or SHARED; see job_mode).
     `on_slot()` runs once those are set and before `auto` is resolved (which imports torch): the place to pin
     the job's CPU cores (shapewise.cpus.pin_job)."""
     env = os.environ if environ is None else environ
@@ -259,13 +485,13 @@ def enter_job(device, needs_gpu=True, environ=None, cuda_available=None, directo
         elif POOL_VAR in env:  # a pipeline run on this machine published its pool
             pool = resolve_pool(env[POOL_VAR].split(","), env) if env[POOL_VAR] else []
             if pool:
-                slot, source = acquire(pool, directory, label), "lock"
+                slot, source = acquire(pool, directory, label, mode=mode), "lock"
         elif env.get("CUDA_VISIBLE_DEVICES"):  # a job run by hand on the GPU(s) the user chose
             source = "user"
         else:  # a job run by hand: take a slot of every GPU here
             pool = resolve_pool("all", env)
             if pool:
-                slot, source = acquire(pool, directory, label), "lock"
+                slot, source = acquire(pool, directory, label, mode=mode), "lock"
     if slot is not None:
         env["CUDA_VISIBLE_DEVICES"] = slot.gpu["token"]
         env[SLOT_VAR] = slot.gpu["index"]
@@ -302,10 +528,12 @@ def _parse_time(text):
 
 
 def job_intervals(results_dir):
-    """One record per GPU job result under `results_dir`: {"file", "host", "gpu", "source", "start", "end"}.
-    The GPU is the UUID of the result's `gpu` block or, for a result without one, the slot it held (the
+    """One record per GPU job result under `results_dir`: {"file", "host", "gpu", "source", "mode", "start",
+    "end"}. The GPU is the UUID of the result's `gpu` block or, for a result without one, the slot it held (the
     block's `slot` or the environment's SHAPEWISE_PIPELINE_GPU_SLOT, a GPU index), turned into a UUID where
-    another result of the same host names that slot's UUID. Results that ran on no GPU are left out."""
+    another result of the same host names that slot's UUID. The mode is the one its lock record names (a result
+    without one held its GPU alone: every job did before GPUs were shared). Results that ran on no GPU are left
+    out."""
     records, uuids = [], {}
     for path in sorted(Path(results_dir).rglob("*.json")):
         if any(part.startswith("report") for part in path.relative_to(results_dir).parts[:-1]):
@@ -326,7 +554,9 @@ def job_intervals(results_dir):
             continue
         if gpu_block.get("uuid") and index is not None:
             uuids[(env.get("host"), str(index))] = gpu_block["uuid"]
+        lock = gpu_block.get("lock") or {}
         records.append({"file": str(path), "host": env.get("host"), "gpu": str(gpu), "source": source,
+                        "mode": lock.get("mode", EXCLUSIVE), "step": data.get("step"),
                         "start": _parse_time(data["started"]), "end": _parse_time(data["finished"])})
     for rec in records:
         rec["gpu"] = uuids.get((rec["host"], rec["gpu"]), rec["gpu"])
@@ -334,19 +564,24 @@ def job_intervals(results_dir):
 
 
 def check_intervals(records, min_gpus=2):
-    """Did GPU jobs run on at least `min_gpus` GPUs, at overlapping times, and never two on one GPU?
-    Returns {"gpus": {gpu: job count}, "shared": [...], "concurrent_pairs": n, "problems": [...]}.
-    Intervals are closed-open: one job ending in the second the next one starts is not an overlap."""
+    """Did GPU jobs run on at least `min_gpus` GPUs, at overlapping times, and never a job that held its GPU alone
+    beside another job on that GPU? Returns {"gpus": {gpu: job count}, "shared": [overlaps involving an exclusive
+    holder], "sharing_pairs": n (pairs of sharing jobs at once on one GPU: allowed), "concurrent_pairs": n,
+    "problems": [...]}. Intervals are closed-open: one job ending in the second the next one starts is not an
+    overlap."""
     by_gpu = {}
     for rec in records:
         by_gpu.setdefault((rec["host"], rec["gpu"]), []).append(rec)
-    shared = []
+    shared, sharing = [], 0
     for (host, gpu), recs in sorted(by_gpu.items(), key=lambda kv: str(kv[0])):
         recs.sort(key=lambda r: r["start"])
         for i, a in enumerate(recs):
             for b in recs[i + 1:]:
                 if b["start"] >= a["end"]:
                     break
+                if a.get("mode") == SHARED and b.get("mode") == SHARED:
+                    sharing += 1
+                    continue
                 shared.append(f"GPU {gpu} on {host}: {a['file']} ({a['start']:%H:%M:%S}-{a['end']:%H:%M:%S}) "
                               f"overlaps {b['file']} ({b['start']:%H:%M:%S}-{b['end']:%H:%M:%S})")
     concurrent = 0
@@ -363,7 +598,8 @@ def check_intervals(records, min_gpus=2):
     if unlocked:
         problems.append(f"jobs whose slot source is not 'lock': {unlocked}")
     return {"gpus": {f"{gpu} ({host})": len(recs) for (host, gpu), recs in sorted(by_gpu.items(), key=str)},
-            "jobs": len(records), "shared": shared, "concurrent_pairs": concurrent, "problems": problems}
+            "jobs": len(records), "shared": shared, "sharing_pairs": sharing, "concurrent_pairs": concurrent,
+            "problems": problems}
 
 
 def check_main(results_dir, min_gpus=2):
@@ -379,11 +615,17 @@ def check_main(results_dir, min_gpus=2):
     for gpu, count in summary["gpus"].items():
         print(f"  GPU {gpu}: {count} jobs")
     print(f"pairs of jobs running at the same time on different GPUs: {summary['concurrent_pairs']}")
+    print(f"pairs of jobs that time nothing sharing a GPU at the same time: {summary['sharing_pairs']}")
     for problem in summary["problems"]:
         print(f"FAIL: {problem}")
     if not summary["problems"]:
-        print("OK: " + ("jobs ran on several GPUs at overlapping times and never two on one GPU" if min_gpus > 1
-                        else f"never two jobs at once on one GPU ({len(summary['gpus'])} GPU(s) used)"))
+        alone = "never a job that times beside another job on its GPU"
+        if min_gpus > 1:
+            print(f"OK: jobs ran on several GPUs at overlapping times and {alone}")
+        elif summary["sharing_pairs"]:
+            print(f"OK: {alone} ({len(summary['gpus'])} GPU(s) used)")
+        else:
+            print(f"OK: never two jobs at once on one GPU ({len(summary['gpus'])} GPU(s) used)")
     return 1 if summary["problems"] else 0
 
 

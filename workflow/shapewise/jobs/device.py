@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from shapewise import cpus
+from shapewise import cpus, gpuslots
 
 
 def setup(device, threads=None):
@@ -127,14 +127,16 @@ NOT_AVAILABLE_ON_CPU = {"available": False, "reason": "CPU job: no GPU"}
 
 
 def gpu_identity(device):
-    """{"index", "uuid", "name", "slot", "slot_source", "cuda_visible_devices"} of the GPU a job runs on, or None
-    on a CPU. `index` is torch's index (among the visible GPUs), `slot` the physical index the slot pool gave."""
+    """{"index", "uuid", "name", "slot", "slot_source", "cuda_visible_devices", "lock"} of the GPU a job runs on, or
+    None on a CPU. `index` is torch's index (among the visible GPUs), `slot` the physical index the slot pool gave,
+    `lock` how the job holds it (shapewise.gpuslots.Slot.record: alone or shared, since when, the other holders
+    then; absent without a lock: under SLURM, or CUDA_VISIBLE_DEVICES chosen by hand)."""
     if torch.device(device).type != "cuda":
         return None
     index = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     uuid = str(props.uuid)
-    return {
+    identity = {
         "index": index,
         "uuid": uuid if uuid.startswith("GPU-") else f"GPU-{uuid}",  # nvidia-smi's spelling
         "name": props.name,
@@ -142,6 +144,10 @@ def gpu_identity(device):
         "slot_source": os.environ.get(SLOT_SOURCE_ENV),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
+    slot = gpuslots.held()
+    if slot is not None:
+        identity["lock"] = slot.record()
+    return identity
 
 
 def nvidia_smi(args):
@@ -207,9 +213,12 @@ def gpu_memory_used_bytes(gpu):
 
 
 def snapshot(gpu, at):
-    """What a contention check looks at, now: the GPU's compute processes, its used memory, this job's own."""
+    """What a contention check looks at, now: the GPU's compute processes, its used memory, this job's own, and
+    the run's other jobs holding this GPU (their lock notes, shapewise.gpuslots)."""
+    slot = gpuslots.held()
     return {"at": at, "processes": compute_processes(gpu), "memory_used_bytes": gpu_memory_used_bytes(gpu),
-            "own_reserved_bytes": int(torch.cuda.memory_reserved())}
+            "own_reserved_bytes": int(torch.cuda.memory_reserved()),
+            "run_jobs": slot.others_now() if slot is not None else None}
 
 
 def contention(gpu, snapshots, own_pid=None):
@@ -218,9 +227,26 @@ def contention(gpu, snapshots, own_pid=None):
     By pid when nvidia-smi lists this job's own process: every other listed process is contention. Inside a
     container nvidia-smi often lists no process at all, ours included (another pid namespace): then by memory,
     contended when the GPU's used memory exceeds this job's reserved memory by more than FOREIGN_MEMORY_BYTES.
-    `method` says which; `checked` is false when neither could be read."""
+    `method` says which; `checked` is false when neither could be read.
+
+    The run's own jobs are checked apart, from the GPU's lock (snapshot's `run_jobs`): `run_jobs` lists every other
+    job of the run seen holding this GPU at a check (none for a job that holds its GPU alone, by the lock), and
+    any makes the job contended; `run_jobs_checked` is false for a job without a lock (SLURM, a GPU chosen by
+    hand)."""
     if gpu is None:
         return {"checked": False, "other_processes": [], "contended": False, "reason": "CPU job: no GPU"}
+    result = _contention_by_device(gpu, snapshots, own_pid)
+    seen = {}
+    for snap in snapshots:
+        for note in snap.get("run_jobs") or []:
+            seen.setdefault(note.get("pid"), dict(note, seen=[]))["seen"].append(snap["at"])
+    result["run_jobs_checked"] = any(s.get("run_jobs") is not None for s in snapshots)
+    result["run_jobs"] = list(seen.values())
+    result["contended"] = bool(result["contended"] or seen)
+    return result
+
+
+def _contention_by_device(gpu, snapshots, own_pid):
     own_pid = os.getpid() if own_pid is None else own_pid
     taken = [s for s in snapshots if s["processes"] is not None]
     own_listed = any(p["pid"] == own_pid for s in taken for p in s["processes"])
