@@ -27,6 +27,10 @@ MICROBENCH = f"{RESULTS}/microbench/microbench.json"
 REPORT_DIR = f"{RESULTS}/report"
 REPORT_FILES = {"md": "report.md", "html": "report.html", "summary": "summary.csv", "provenance": "provenance.json"}
 REPORT_INPUTS = f"{RESULTS}/report-inputs"
+# A row's warm-up (its kernels compiled before the jobs that time them): a job of its own, not read by the report.
+WARMUP_STEP = "warmup"
+# Triton's on-disk cache of a run's compiled kernels, shared by its jobs, unless the user set TRITON_CACHE_DIR.
+TRITON_CACHE = ROOT / ".snakemake" / "triton-cache"
 
 
 def manifest(name: str) -> str:
@@ -35,9 +39,9 @@ def manifest(name: str) -> str:
 
 
 def result(step: str, shape: str) -> str:
-    """The result JSON of one per-shape step (the profile step's table is its JSON)."""
-    if step not in SHAPE_STEPS:
-        raise ValueError(f"unknown step {step!r}; steps are {SHAPE_STEPS}")
+    """The result JSON of one per-shape step (the profile step's table is its JSON), or of a row's warm-up."""
+    if step not in SHAPE_STEPS and step != WARMUP_STEP:
+        raise ValueError(f"unknown step {step!r}; steps are {SHAPE_STEPS + (WARMUP_STEP,)}")
     if step == "profile":
         return f"{RESULTS}/profile/{shape}/kernels.json"
     return f"{RESULTS}/{step}/{shape}.json"

@@ -29,6 +29,23 @@ from shapewise.jobs.models import (build_models, build_optimized, call_of, model
 from shapewise.jobs.preflight import fits
 
 
+def variants():
+    """(name, switches off) of every variant, "all-on" first."""
+    from shapewise.model.optimized import OPTIMIZATIONS
+
+    return [("all-on", ())] + [(s, (s,)) for s in OPTIMIZATIONS]
+
+
+def skip_of(name, used, base_route, protocol):
+    """{"skipped", "reason"} of a variant that is not run ({} for one that is): a switch the all-on route does not
+    use (`used`, known after its first call), or one the protocol's `skip` names."""
+    if name not in used:
+        return {"skipped": "not-applicable", "reason": f"the all-on route ({base_route}) does not use it"}
+    if name in protocol.get("skip", {}):
+        return {"skipped": "time", "reason": protocol["skip"][name]}
+    return {}
+
+
 def main(args):
     from shapewise.model.optimized import OPTIMIZATIONS, switches_used
 
@@ -53,12 +70,10 @@ def main(args):
     result["call"] = call_of(mask)
     set_precision(reference=False)
     used = None  # the switches the all-on route uses, known after its first call
-    for name, disable in [("all-on", ())] + [(s, (s,)) for s in OPTIMIZATIONS]:
+    for name, disable in variants():
         variant = {"variant": name, "disable": list(disable)}
-        if disable and name not in used:
-            variant.update(skipped="not-applicable", reason=f"the all-on route ({base_route}) does not use it")
-        elif disable and name in protocol.get("skip", {}):
-            variant.update(skipped="time", reason=protocol["skip"][name])
+        if disable:
+            variant.update(skip_of(name, used, base_route, protocol))
         if "skipped" in variant:
             log(f"{row['id']} {name}: skipped ({variant['skipped']}: {variant['reason']})")
             result["variants"].append(variant)
