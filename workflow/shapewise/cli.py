@@ -41,6 +41,7 @@ def _job_parser(sub):
     step("microbench", "settings")
     p = step("preflight", "row")
     p.add_argument("--headroom", type=float, required=True)
+    step("warmup", "row", "preflight", "protocol")
     step("accuracy", "row", "preflight", "chunked")
     step("timing", "row", "preflight", "microbench", "protocol")
     step("profile", "row", "preflight", "capture", "csv", "trace")
@@ -87,7 +88,9 @@ def build_parser():
     return parser
 
 
-def main(argv=None):
+def main(argv=None, server_mode=None):
+    """`server_mode`: set in a job forked from the run's job server (shapewise.jobserver), the device it serves."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     if args.command == "verify":
         from shapewise.provenance import verify
@@ -136,7 +139,9 @@ def main(argv=None):
         if args.gpus_command == "list":
             return gpuslots.list_main(args.gpus)
         return gpuslots.check_main(args.results, args.min_gpus)
-    return run_job(args)
+    if server_mode is not None:
+        return run_job_here(args, argv, server_mode)
+    return run_job(args, argv)
 
 
 PIPELINE_PREFIX = "SHAPEWISE_PIPELINE_"  # the pipeline's own variables (GPU slot pool), never removed
@@ -158,16 +163,31 @@ def job_environment_variables(passed):
     os.environ.update(kept)
 
 
-def run_job(args):
+def run_job(args, argv):
+    """A pipeline job: as a fork of the run's job server where there is one (shapewise.jobserver: it has imported
+    torch and the job code already), else in this process."""
+    job_environment_variables(getattr(args, "env", []))
+    from shapewise import jobserver
+
+    rc = jobserver.run(args, argv)
+    if rc is not None:
+        return rc
+    return run_job_here(args, argv)
+
+
+def run_job_here(args, argv, server_mode=None):
+    """Run the job in this process (fresh, or forked from the job server that serves `server_mode`)."""
     job_environment_variables(getattr(args, "env", []))
     # A GPU job takes one GPU of the run's pool for its whole run (shapewise.gpuslots), before anything
     # imports torch: CUDA_VISIBLE_DEVICES must be set before CUDA initializes. `auto` is resolved after
-    # that. The GPU jobs are those measure.smk gives gpu=1 (all device jobs but the implementation
-    # fingerprint). Triton reads TRITON_INTERPRET when it is imported: set it before any job module
-    # (the model, the kernels) is imported; torch itself does not import triton.
-    if getattr(args, "device", None) is not None:
-        from shapewise import gpuslots
+    # that. The GPU jobs are those measure.smk gives a GPU (all device jobs but the implementation
+    # fingerprint); a job that times holds it alone, the others may share it (gpuslots.GPU_USE). Triton reads
+    # TRITON_INTERPRET when it is imported: set it before any job module (the model, the kernels) is imported;
+    # torch itself does not import triton.
+    from shapewise import gpushare, gpuslots
 
+    mode = None
+    if getattr(args, "device", None) is not None:
         from shapewise import cpus
 
         def pin():
@@ -179,14 +199,42 @@ def run_job(args):
                 raise SystemExit(f"{args.step} job: cannot pin its GPU slot's CPU cores: {exc}") from None
 
         needs_gpu = not (args.step == "fingerprint" and args.kind == "implementation")
+        try:
+            mode = gpuslots.job_mode(args.step)
+        except gpuslots.GpuError as exc:
+            raise SystemExit(f"{args.step} job: {exc}") from None
+        if mode == gpuslots.SHARED and args.device != "cpu" and os.environ.get(gpuslots.POOL_VAR):
+            why = gpushare.unavailable()
+            if why:  # nothing would keep it from choosing kernels by timing beside other jobs
+                print(f"job process: holds its GPU alone: {why}", file=sys.stderr, flush=True)
+                mode = gpuslots.EXCLUSIVE
         args.device = gpuslots.enter_job(args.device, needs_gpu=needs_gpu, label=f"{args.step} {args.out}",
-                                         on_slot=pin)
+                                         on_slot=pin, mode=mode)
+    if server_mode is not None and args.device != server_mode:
+        from shapewise.jobserver import RunFresh
+
+        slot = gpuslots.held()
+        if slot is not None:
+            slot.release()
+        raise RunFresh(f"the job runs on {args.device}, the job server serves {server_mode}")
     if getattr(args, "device", None) == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import importlib
 
+    if args.device == "cuda" and gpuslots.held() is not None:
+        gpushare.install(warm=args.step == "warmup",
+                         alone_until_chosen=os.environ.get(gpuslots.USE_VAR) == gpuslots.EXCLUSIVE)
     module = importlib.import_module(f"shapewise.jobs.{args.step}")
-    return module.main(args)
+    try:
+        return module.main(args)
+    except gpushare.NeedsExclusiveGPU as exc:
+        if server_mode is not None:
+            raise  # the client asks the job server for a fork that holds the GPU alone
+        # a fresh process: start again as a new one (this one's CUDA state is taken), holding the GPU alone
+        print(f"job process: runs again holding its GPU alone: {exc}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os.environ[gpuslots.USE_VAR] = gpuslots.EXCLUSIVE
+        os.execv(sys.executable, [sys.executable, "-m", "shapewise", *argv])
 
 
 if __name__ == "__main__":

@@ -110,8 +110,18 @@ def _version(name):
         return None
 
 
+_CHEAP = []  # cheap_environment() once read in this process: what it reads does not change while a run lasts
+
+
 def cheap_environment():
-    """The environment as far as it can be read without importing torch."""
+    """The environment as far as it can be read without importing torch (read once per process: a job server
+    reads it before it forks its jobs, shapewise.jobserver)."""
+    if not _CHEAP:
+        _CHEAP.append(_read_cheap_environment())
+    return dict(_CHEAP[0])
+
+
+def _read_cheap_environment():
     gpus = nvidia_smi_gpus()
     packages = installed_packages()
     return {
@@ -149,6 +159,10 @@ def job_environment(device: str):
     # Inside a pipeline job these are only the pipeline's own (SHAPEWISE_PIPELINE_*) and those config
     # pass_env passed on: shapewise.cli removes every other SHAPEWISE_* variable of the user's shell.
     env["shapewise_variables"] = shapewise_variables()
+    from shapewise import jobserver
+
+    env["job_process"] = jobserver.process_record()  # a fork of the run's job server, or a fresh process and why
+    env["triton_cache_dir"] = os.environ.get("TRITON_CACHE_DIR")
     if device == "cuda":
         index = torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
