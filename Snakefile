@@ -49,3 +49,4 @@ rule all:
         # every per-shape result too: one deleted by hand is scheduled again (the report's outputs are kept
         # on failure, so Snakemake would not look behind them for a missing input)
         RESULT_TARGETS,
+        WARMUP_TARGETS,

@@ -475,6 +475,63 @@ def test_resources_on_the_command_line_win(tmp_path):
     assert not overlaps
 
 
+MIXED = """
+import sys
+sys.path.insert(0, {workflow!r})
+DEVICE_ARG = "auto"
+config.setdefault("gpus", "all")
+include: {gpus_smk!r}
+
+rule all:
+    input: expand("out/shared{{i}}.json", i=range(6)), expand("out/alone{{i}}.json", i=range(3))
+
+rule shared:
+    output: "out/shared{{i}}.json"
+    log: "logs/shared{{i}}.log"
+    resources: **gpu_resources("accuracy")
+    shell: "PYTHONPATH={workflow} {python} {job} {{output}} locks shared > {{log}} 2>&1"
+
+rule alone:
+    output: "out/alone{{i}}.json"
+    log: "logs/alone{{i}}.log"
+    resources: **gpu_resources("timing")
+    shell: "PYTHONPATH={workflow} {python} {job} {{output}} locks exclusive > {{log}} 2>&1"
+"""
+
+MIXED_JOB = """
+import json, os, sys, time
+from shapewise import gpuslots
+device = gpuslots.enter_job("cuda", directory=sys.argv[2], mode=sys.argv[3])
+start = time.time()
+time.sleep(1.0)
+json.dump({"slot": os.environ[gpuslots.SLOT_VAR], "mode": sys.argv[3], "start": start, "end": time.time()},
+          open(sys.argv[1], "w"))
+"""
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_snakemake_shares_gpus_among_jobs_that_time_nothing_only(tmp_path, gpus):
+    (tmp_path / "job.py").write_text(MIXED_JOB)
+    (tmp_path / "Snakefile").write_text(MIXED.format(workflow=str(WORKFLOW), python=sys.executable,
+                                                     gpus_smk=str(WORKFLOW / "rules" / "gpus.smk"),
+                                                     job=tmp_path / "job.py"))
+    done = _snakemake("--cores", "8", "--workflow-profile", "none", env=_env(**{gpuslots.FAKE_VAR: str(gpus)}),
+                      cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    jobs = [json.loads(p.read_text()) for p in sorted((tmp_path / "out").glob("*.json"))]
+    pairs = [(a, b) for i, a in enumerate(jobs) for b in jobs[i + 1:] if _overlap(a, b)]
+    same_gpu = [(a, b) for a, b in pairs if a["slot"] == b["slot"]]
+    assert same_gpu and all(a["mode"] == b["mode"] == "shared" for a, b in same_gpu)
+    for t in sorted(j["start"] for j in jobs):  # at most SHARED_PER_GPU sharers on a GPU at any time
+        for slot in {j["slot"] for j in jobs}:
+            assert sum(j["start"] <= t < j["end"] and j["slot"] == slot for j in jobs) <= gpuslots.SHARED_PER_GPU
+    if gpus == 1:  # Snakemake itself starts nothing beside a job that times: no job waited for the lock
+        logs = [p.read_text() for p in (tmp_path / "logs").glob("*.log")]
+        assert not any("waiting for a free GPU" in log for log in logs)
+    else:
+        assert any(a["slot"] != b["slot"] for a, b in pairs)
+
+
 # ---- evidence from result files ------------------------------------------------------------------------
 
 def _result(path, gpu, start, end, host="node1", block=True, source="lock"):

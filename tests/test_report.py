@@ -466,6 +466,7 @@ def test_deleted_result_is_scheduled_again(tmp_path):
     files = list(paths.FINGERPRINTS.values()) + [paths.MICROBENCH]
     for row in rows:
         files += list(paths.per_shape(row["id"]).values()) + list(paths.profile_extra(row["id"]).values())
+        files.append(paths.result(paths.WARMUP_STEP, row["id"]))  # a target of rule all too
     files += [f"results/report/{name}" for name in ("report.md", "report.html", "summary.csv", "provenance.json")]
     for name in files:
         write_json(tmp_path / name, {})

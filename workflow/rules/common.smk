@@ -133,6 +133,19 @@ def row_priority(wildcards):
     return -math.log2(max(2.0, roofline.flops(**row)["total"])) if row is not None else 0
 
 
+# The order in which ready jobs start (Snakemake priorities): every job that times nothing before any job that
+# times, and within each step the cheapest rows first (row_priority). On a GPU run the jobs that time nothing
+# then run side by side on shared GPUs, the warm-ups compile the kernels before the jobs that time would, and the
+# jobs that time follow one another with their kernels compiled; a run stopped at a time limit has every row's
+# accuracy and the cheapest rows' timings.
+STEP_ORDER = {"preflight": 4, "warmup": 3, "accuracy": 2, "profile": 2, "timing": 1, "ablation": 1}
+
+
+def step_priority(step):
+    """The priority function of `step`'s jobs: STEP_ORDER first, then the row's."""
+    return lambda wildcards: STEP_ORDER[step] * 1000 + row_priority(wildcards)
+
+
 def res(name):
     """A resource function: config resources.default, or heavy.resources for a heavy row."""
 
@@ -177,8 +190,9 @@ def job_shell(step, options, out="{output}"):
 # The parts the measuring rules share: both fingerprints and the row's
 # preflight result as inputs (every per-shape job after preflight); the row,
 # the measuring code's digest and the passed variables as params (each a
-# rerun trigger); a GPU of its own and the row's memory and time (res; the
-# microbenchmark, of no row, gets resources.default).
+# rerun trigger); the row's memory and time (res; the microbenchmark, of no
+# row, gets resources.default), each rule adding its GPU (gpu_resources,
+# gpus.smk).
 def checked(pattern):
     """An input function for a result that a job reads: the path, after a check that an existing file is a readable
     result (shapewise.provenance.result_file_problem). Input functions run while the DAG is built, before Snakemake
@@ -197,7 +211,7 @@ def checked(pattern):
 
 ROW_INPUTS = {**FINGERPRINTS, "preflight": checked(sw_paths.result("preflight", "{shape}"))}
 ROW_PARAMS = {"row": row_param, "harness": HARNESS_DIGEST, "pass_env": PASS_ENV, "device": DEVICE_ARG}
-MEASURE_RESOURCES = {"gpu": 1, "mem_mb": res("mem_mb"), "runtime": res("runtime")}
+MEASURE_RESOURCES = {"mem_mb": res("mem_mb"), "runtime": res("runtime")}
 # What the light jobs (fingerprints, preflight) ask for, whatever the row.
 LIGHT_RESOURCES = {"mem_mb": 2000, "runtime": 10}
 CHUNKED_CHECK = json.dumps(config["chunked_check"], sort_keys=True)
@@ -245,3 +259,7 @@ def report_inputs(wildcards):
         tmp.write_text(text)
         os.replace(tmp, path)
     return path.as_posix()
+
+
+# Every row's warm-up: targets of rule `all`, not inputs of the report (a warm-up that fails holds up no report).
+WARMUP_TARGETS = [sw_paths.result(sw_paths.WARMUP_STEP, shape) for shape in SHAPES]

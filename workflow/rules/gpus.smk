@@ -1,17 +1,26 @@
 # The GPU pool of this run (shapewise.gpuslots): every GPU `nvidia-smi -L` lists, narrowed by the user's
 # CUDA_VISIBLE_DEVICES and by config `gpus` (all | a count | GPU ids such as "0,2").
 #
-# - Snakemake's global `gpu` resource becomes the pool's size, so `snakemake --cores all` runs as many GPU
-#   jobs at once as there are GPUs (at least 1: on a machine without GPUs the device jobs run one at a time
-#   on the CPU). `--resources gpu=K` on the command line (or in a profile) wins.
+# - Snakemake's global `gpu` resource becomes the pool's size, so `snakemake --cores all` runs as many jobs that
+#   time (timing, ablation, microbench: each holds a GPU alone) at once as there are GPUs (at least 1: on a
+#   machine without GPUs the device jobs run one at a time on the CPU, as before), and `gpu_share` that times
+#   gpuslots.SHARED_PER_GPU: the jobs that time nothing share GPUs (gpu_resources below).
+#   `--resources gpu=K` on the command line (or in a profile) wins.
 # - The pool goes to every job through the environment (SHAPEWISE_PIPELINE_GPUS), not through the shell
-#   command: a different GPU count reruns nothing. Each GPU job locks one GPU of it (shapewise.cli).
+#   command: a different GPU count reruns nothing. Each GPU job locks a GPU of it (shapewise.cli), alone or
+#   shared.
+# - So does the run's identity (SHAPEWISE_PIPELINE_RUN: its jobs fork from the run's job server,
+#   shapewise.jobserver) and its Triton cache (TRITON_CACHE_DIR); the run's marker (shapewise.runs) records
+#   when it started, its GPUs and whether that cache was empty.
 # - Only the main Snakemake process does this; a job started by a cluster executor re-reads this file on
 #   its node, where SLURM has chosen the GPU.
 
 from shapewise import gpuslots as sw_gpuslots
+from shapewise import jobserver as sw_jobserver
 from shapewise import paths as sw_paths
+from shapewise import runs as sw_runs
 
+GPU_POOL = []
 if workflow.is_main_process:
     try:
         GPU_POOL = [] if DEVICE_ARG == "cpu" else sw_gpuslots.resolve_pool(config["gpus"])
@@ -21,13 +30,54 @@ if workflow.is_main_process:
         print(f"note: config gpus={config['gpus']!r} is ignored: the device is cpu", file=sys.stderr)
     os.environ[sw_gpuslots.POOL_VAR] = sw_gpuslots.pool_value(GPU_POOL)
     os.environ[sw_gpuslots.RUN_SLURM_VAR] = os.environ.get("SLURM_JOB_ID", "")
+    # The run: its jobs start as forks of its job server (shapewise.jobserver) and compile into one Triton cache
+    # (the checkout's, unless the user chose one); both are recorded in every result and in the run's marker.
+    os.environ[sw_jobserver.RUN_VAR] = sw_jobserver.run_id()
+    os.environ.setdefault("TRITON_CACHE_DIR", str(sw_paths.TRITON_CACHE))
+    sw_runs.write_marker(os.environ[sw_jobserver.RUN_VAR], GPU_POOL, os.environ["TRITON_CACHE_DIR"], sys.argv)
     if "gpu" not in workflow.global_resources:
         workflow.register_resource("gpu", max(1, len(GPU_POOL)))
         _gpu_from = "this machine's GPU pool" if GPU_POOL else "no GPU here: device jobs one at a time"
     else:
         _gpu_from = "--resources"
+    _gpus = workflow.global_resources["gpu"].value
+    if "gpu_share" not in workflow.global_resources:
+        workflow.register_resource("gpu_share", _gpus * sw_gpuslots.SHARED_PER_GPU)
+    _share = (
+        f"; jobs that time nothing share a GPU, at most {sw_gpuslots.SHARED_PER_GPU} per GPU (gpu_share "
+        f"resource {workflow.global_resources['gpu_share'].value})"
+        if GPU_POOL
+        else ""
+    )
     print(
         f"GPU pool: {sw_gpuslots.pool_value(GPU_POOL) or 'none'}; at most "
-        f"{workflow.global_resources['gpu'].value} GPU job(s) at once (gpu resource, from {_gpu_from})",
+        f"{_gpus} GPU job(s) at once (gpu resource, from {_gpu_from}) that time{_share}",
         file=sys.stderr,
     )
+
+
+def gpu_resources(step, uses_gpu=None):
+    """The `gpu` and `gpu_share` resources of a job of `step` (shapewise.gpuslots.GPU_USE; `gpu` of a step whose
+    jobs may run without a GPU: a function of the wildcards). A local run with GPUs: a job that times takes one
+    GPU and all of its share (gpu=1, gpu_share=SHARED_PER_GPU), one that times nothing one share and no GPU of its
+    own (gpu=0, gpu_share=1), so Snakemake starts nothing beside a job that times on a one-GPU machine and up to
+    SHARED_PER_GPU jobs that time nothing per GPU; the GPU locks place them (shapewise.gpuslots). Elsewhere (a
+    cluster executor, no GPU here) every GPU job asks for one GPU, as SLURM is to give it. Functions: the
+    executor is known once the DAG is built, after this file is read. `uses_gpu(wildcards)`: False for a job of
+    the step that runs without a GPU (neither resource)."""
+    exclusive = sw_gpuslots.GPU_USE[step] == sw_gpuslots.EXCLUSIVE
+
+    def sharing():
+        return workflow.is_main_process and workflow.local_exec and bool(GPU_POOL)
+
+    def gpu(wildcards):
+        if uses_gpu is not None and not uses_gpu(wildcards):
+            return 0
+        return (1 if exclusive else 0) if sharing() else 1
+
+    def gpu_share(wildcards):
+        if uses_gpu is not None and not uses_gpu(wildcards):
+            return 0
+        return (sw_gpuslots.SHARED_PER_GPU if exclusive else 1) if sharing() else 0
+
+    return {"gpu": gpu, "gpu_share": gpu_share}

@@ -1,12 +1,13 @@
 # The measuring jobs. Every job writes its own files under results/<step>/,
 # logs into results/logs/<step>/, and records the node and device it ran on.
-# GPU jobs declare gpu=1: the run's gpu resource is the size of the local GPU
-# pool (gpus.smk, unless --resources gpu=K), and each local GPU job locks one
-# GPU of its own (shapewise.gpuslots); under SLURM each uses the GPU SLURM
-# gives it. The environment fingerprint asks for gpu=1 (it records the GPU);
-# the implementation fingerprint and the report ask for none. Result and log
-# paths come from shapewise.paths; what the per-shape rules share (ROW_INPUTS,
-# ROW_PARAMS, MEASURE_RESOURCES, job_shell) from common.smk.
+# GPU jobs ask for their GPU through gpu_resources (gpus.smk): a job that times
+# (microbench, timing, ablation) holds a GPU alone, the others (the environment
+# fingerprint, preflight, warm-up, accuracy, profile) may share one
+# (shapewise.gpuslots); under SLURM each uses the GPU SLURM gives it. The
+# implementation fingerprint and the report ask for none. Jobs start in
+# step_priority order (common.smk). Result and log paths come from
+# shapewise.paths; what the per-shape rules share (ROW_INPUTS, ROW_PARAMS,
+# MEASURE_RESOURCES, job_shell) from common.smk.
 
 
 rule fingerprint:
@@ -17,7 +18,7 @@ rule fingerprint:
     threads: 1
     resources:
         **LIGHT_RESOURCES,
-        gpu=lambda wc: 1 if wc.kind == "environment" else 0,
+        **gpu_resources("fingerprint", uses_gpu=lambda wc: wc.kind == "environment"),
     params:
         digest=lambda wc: DIGESTS[wc.kind],
     shell:
@@ -35,6 +36,7 @@ rule microbench:
     threads: res("threads")
     resources:
         **MEASURE_RESOURCES,
+        **gpu_resources("microbench"),
     params:
         settings=device_settings("microbench"),
         harness=HARNESS_DIGEST,
@@ -51,16 +53,38 @@ rule preflight:
         sw_paths.result("preflight", "{shape}"),
     log:
         sw_paths.log("preflight", "{shape}"),
-    priority: row_priority
+    priority: step_priority("preflight")
     threads: 1
     resources:
         **LIGHT_RESOURCES,
-        gpu=1,
+        **gpu_resources("preflight"),
     params:
         **ROW_PARAMS,
         headroom=config["preflight"]["headroom"],
     shell:
         job_shell("preflight", "--row {params.row:q} --headroom {params.headroom}")
+
+
+rule warmup:
+    input:
+        **ROW_INPUTS,
+    output:
+        sw_paths.result(sw_paths.WARMUP_STEP, "{shape}"),
+    log:
+        sw_paths.log(sw_paths.WARMUP_STEP, "{shape}"),
+    priority: step_priority("warmup")
+    threads: res("threads")
+    resources:
+        **MEASURE_RESOURCES,
+        **gpu_resources("warmup"),
+    params:
+        **ROW_PARAMS,
+        protocol=protocol_of("ablation"),
+    shell:
+        job_shell(
+            "warmup",
+            "--row {params.row:q} --preflight {input.preflight} --protocol {params.protocol:q} --threads {threads}",
+        )
 
 
 rule accuracy:
@@ -70,10 +94,11 @@ rule accuracy:
         sw_paths.result("accuracy", "{shape}"),
     log:
         sw_paths.log("accuracy", "{shape}"),
-    priority: row_priority
+    priority: step_priority("accuracy")
     threads: res("threads")
     resources:
         **MEASURE_RESOURCES,
+        **gpu_resources("accuracy"),
     params:
         **ROW_PARAMS,
         chunked=CHUNKED_CHECK,
@@ -92,10 +117,11 @@ rule timing:
         sw_paths.result("timing", "{shape}"),
     log:
         sw_paths.log("timing", "{shape}"),
-    priority: row_priority
+    priority: step_priority("timing")
     threads: res("threads")
     resources:
         **MEASURE_RESOURCES,
+        **gpu_resources("timing"),
     params:
         **ROW_PARAMS,
         protocol=protocol_of("timing"),
@@ -115,10 +141,11 @@ rule profile:
         table=sw_paths.result("profile", "{shape}"),
     log:
         sw_paths.log("profile", "{shape}"),
-    priority: row_priority
+    priority: step_priority("profile")
     threads: res("threads")
     resources:
         **MEASURE_RESOURCES,
+        **gpu_resources("profile"),
     params:
         **ROW_PARAMS,
         capture=protocol_of("profile"),
@@ -138,10 +165,11 @@ rule ablation:
         sw_paths.result("ablation", "{shape}"),
     log:
         sw_paths.log("ablation", "{shape}"),
-    priority: row_priority
+    priority: step_priority("ablation")
     threads: res("threads")
     resources:
         **MEASURE_RESOURCES,
+        **gpu_resources("ablation"),
     params:
         **ROW_PARAMS,
         protocol=protocol_of("ablation"),

@@ -207,8 +207,11 @@ def build(inputs, loaded, outdir):
     timing_protocol, ablation_protocol, protocol_exceptions = protocols(items)
     manifests = inputs["manifests"]
     source_files = sorted(set(manifests + source_inputs(root)))
+    from shapewise.jobserver import RUN_VAR
+
     context = {
         "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "how_made": report_data.how_made(loaded, os.environ.get(RUN_VAR), STARTED),
         "cpu_run": any(g["is_cpu"] for g in groups),
         "groups": groups,
         "mixed_machines": len(groups) > 1,
@@ -277,6 +280,9 @@ def render(inputs, outdir):
     finally:
         shutil.rmtree(staged, ignore_errors=True)
     return context
+
+
+STARTED = datetime.now(timezone.utc)  # the report job's start: the end of its run's wall time
 
 
 def main(argv=None):

@@ -457,3 +457,49 @@ def write_summary(frame, path):
     for column in INTEGER_COLUMNS:
         out[column] = out[column].astype("Int64")
     out.to_csv(path, index=False, na_rep="", float_format="%.8g")
+
+
+# ------------------------------------------------------------------ how the results were made
+
+
+def how_made(loaded, report_run=None, report_started=None):
+    """Lines saying which pipeline runs made the report's results (shapewise.runs): per run its start, jobs, wall
+    time, GPUs, how the jobs held them, how their processes started and whether the Triton cache was empty at its
+    start. The rows' warm-ups (not read by the report otherwise) count as jobs of the run that made them."""
+    from shapewise import runs
+
+    results = [loaded["environment_fingerprint"], loaded["microbench"]]  # the implementation's digest names no run
+    for item in loaded["rows"]:
+        results += [d for d in item["data"].values() if isinstance(d, dict)]
+        warmup = Path(paths.result(paths.WARMUP_STEP, item["id"]))
+        if warmup.is_file():
+            try:
+                results.append(json.loads(warmup.read_text()))
+            except (OSError, ValueError):
+                pass
+    found = runs.summarize(results, report_run, report_started)
+    lines = []
+    for entry in found:
+        if entry["run"] is None:
+            lines.append(f"{entry['jobs']} results name no run (made before runs were recorded), "
+                         f"{entry['first_started']} to {entry['last_finished']}.")
+            continue
+        own = " (this report's run)" if entry["run"] == report_run else ""
+        wall = "n/a" if entry["wall_s"] is None else f"{entry['wall_s']:.0f} s"
+        steps = ", ".join(f"{n} {s}" for s, n in sorted(entry["steps"].items()))
+        gpus = (f"{len(entry['gpus'])} GPU(s) ({', '.join(u[:12] for u in entry['gpus'])})" if entry["gpus"]
+                else "no GPU")
+        locks = ", ".join(f"{n} {m}" for m, n in sorted(entry["lock_modes"].items())) or "none"
+        cache = entry["triton_cache"]
+        if cache:
+            state = "cold (empty)" if not cache["entries_at_start"] else f"warm ({cache['entries_at_start']} entries)"
+            cache_text = f"Triton cache {cache['dir']} {state} at its start"
+        else:
+            cache_text = "no marker of this run here (made in another checkout or on another machine)"
+        lines.append(f"Run {entry['run']}{own}: started {entry['started']}; {entry['jobs']} jobs ({steps}); "
+                     f"wall time {wall} (from its start to {entry['wall_to']}); {gpus}; GPU locks: {locks}; "
+                     f"job processes: {entry['forked']} forked from the job server, {entry['fresh']} fresh; "
+                     f"{cache_text}.")
+    if len(found) > 1:
+        lines.insert(0, f"The results come from {len(found)} runs (a partial rerun, or a run in parts):")
+    return lines

@@ -1,0 +1,142 @@
+"""The pipeline's wall time here: `snakemake --cores all` in this checkout, timed, in one part or several.
+
+Usage: python -m benchmarks.pipeline_wall OUT_DIR [--budget S] [--shapes official,contract] [--commit SHA]
+       [-- SNAKEMAKE ARGS...]
+
+Runs Snakemake once, stopping it cleanly (SIGINT, then SIGKILL 30 s later) when `--budget` seconds have passed, and
+writes to OUT_DIR (at most seven files): pipeline-wall.json (this part and every earlier one: start, end, wall time,
+exit status, whether the DAG is complete; per step the jobs of the results and the sum of their own `duration_s`;
+the runs behind the results, shapewise.runs.summarize), the part's Snakemake log, `shapewise gpus check --min-gpus 1`
+of the results, and once the report exists its report.md and summary.csv, `shapewise compare` of reports/h200
+against it, and results.tgz (results/ without the profiler traces). The parts are kept in
+results/pipeline-wall.json, so a run in two parts carries them with results/ into the second.
+
+A first part starts from what the checkout holds: for a cold measurement start with no results/ and no
+.snakemake/ (a fresh copy of the checkout); the run's Triton cache is .snakemake/triton-cache unless
+TRITON_CACHE_DIR is set. Nothing here installs anything: Snakemake must be importable.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PARTS = ROOT / "results" / "pipeline-wall.json"
+KILL_AFTER_S = 30
+
+
+def _now():
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def run_snakemake(args, extra, log_path):
+    command = [sys.executable, "-m", "snakemake", "--cores", "all", "--config", f"shapes={args.shapes}"]
+    if args.commit:
+        command[-1:] += [f"commit={args.commit}"]
+    command += extra
+    started, t0 = _now(), time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        stopped = False
+        try:
+            status = proc.wait(timeout=args.budget)
+        except subprocess.TimeoutExpired:
+            stopped = True
+            proc.send_signal(signal.SIGINT)
+            try:
+                status = proc.wait(timeout=KILL_AFTER_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                status = proc.wait()
+    return {"command": command, "started": started, "finished": _now(), "wall_s": round(time.monotonic() - t0, 1),
+            "exit_status": status, "stopped_at_budget": stopped, "budget_s": args.budget}
+
+
+def job_times(results):
+    """{step: {"jobs", "own_s"}} of the result files under results/ (the report's copies left out)."""
+    steps = {}
+    for path in sorted(results.rglob("*.json")):
+        if any(part.startswith("report") for part in path.relative_to(results).parts[:-1]):
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict) or "duration_s" not in data:
+            continue
+        step = steps.setdefault(data.get("step") or "fingerprint", {"jobs": 0, "own_s": 0.0})
+        step["jobs"] += 1
+        step["own_s"] = round(step["own_s"] + (data["duration_s"] or 0.0), 1)
+    return steps
+
+
+def all_results(results):
+    found = []
+    for path in sorted(results.rglob("*.json")):
+        if any(part.startswith("report") for part in path.relative_to(results).parts[:-1]):
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and "started" in data:
+            found.append(data)
+    return found
+
+
+def shell(command, out_path):
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    Path(out_path).write_text(done.stdout + done.stderr + f"\nexit status {done.returncode}\n")
+    return done.returncode
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("out_dir")
+    p.add_argument("--budget", type=float, default=540.0, help="seconds before Snakemake is stopped (default 540)")
+    p.add_argument("--shapes", default="official,contract", help="config shapes (default: the GPU default)")
+    p.add_argument("--commit", default=None, help="the commit of the tree, for the report (no .git here)")
+    args, extra = p.parse_known_args()
+    extra = [a for a in extra if a != "--"]
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    from shapewise import runs
+
+    parts = json.loads(PARTS.read_text())["parts"] if PARTS.is_file() else []
+    number = len(parts) + 1
+    part = run_snakemake(args, extra, out / f"snakemake-part{number}.log")
+    results = ROOT / "results"
+    report = results / "report"
+    part["complete"] = part["exit_status"] == 0 and (report / "report.md").is_file()
+    parts.append(part)
+    PARTS.parent.mkdir(parents=True, exist_ok=True)
+    PARTS.write_text(json.dumps({"parts": parts}, indent=1) + "\n")
+    summary = {"parts": parts, "wall_s_all_parts": round(sum(x["wall_s"] for x in parts), 1),
+               "steps": job_times(results), "runs": runs.summarize(all_results(results))}
+    for entry in summary["runs"]:
+        entry.pop("marker", None)
+    (out / "pipeline-wall.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    shell([sys.executable, "-m", "shapewise", "gpus", "check", "--min-gpus", "1", "results"], out / "gpus-check.txt")
+    if (report / "report.md").is_file():
+        for name in ("report.md", "summary.csv"):
+            (out / name).write_bytes((report / name).read_bytes())
+        shell([sys.executable, "-m", "shapewise", "compare", "reports/h200", "results/report"], out / "compare.txt")
+    with tarfile.open(out / "results.tgz", "w:gz") as tar:
+        tar.add(results, arcname="results", filter=lambda info: None if info.name.endswith("trace.json") else info)
+    print(f"part {number}: snakemake exit status {part['exit_status']} after {part['wall_s']} s"
+          f"{' (stopped at the budget)' if part['stopped_at_budget'] else ''}; all parts {summary['wall_s_all_parts']} s; "
+          f"{'complete' if part['complete'] else 'not complete: run again with results/ carried'}")
+    for step, times in sorted(summary["steps"].items()):
+        print(f"  {step}: {times['jobs']} jobs, {times['own_s']} s of their own work")
+    return 0 if part["complete"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
