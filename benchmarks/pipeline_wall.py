@@ -1,6 +1,6 @@
 """The pipeline's wall time here: `snakemake --cores all` in this checkout, timed, in one part or several.
 
-Usage: python -m benchmarks.pipeline_wall OUT_DIR [--budget S] [--shapes official,contract] [--commit SHA]
+Usage: python -m benchmarks.pipeline_wall OUT_DIR [--fresh] [--budget S] [--shapes official,contract] [--commit SHA]
        [-- SNAKEMAKE ARGS...]
 
 Runs Snakemake once, stopping it cleanly (SIGINT, then SIGKILL 30 s later) when `--budget` seconds have passed, and
@@ -11,14 +11,15 @@ of the results, and once the report exists its report.md and summary.csv, `shape
 against it, and results.tgz (results/ without the profiler traces). The parts are kept in
 results/pipeline-wall.json, so a run in two parts carries them with results/ into the second.
 
-A first part starts from what the checkout holds: for a cold measurement start with no results/ and no
-.snakemake/ (a fresh copy of the checkout); the run's Triton cache is .snakemake/triton-cache unless
-TRITON_CACHE_DIR is set. Nothing here installs anything: Snakemake must be importable.
+A first part starts from what the checkout holds: `--fresh` removes results/ and .snakemake/ first, so the run
+starts cold (its Triton cache is .snakemake/triton-cache unless TRITON_CACHE_DIR is set). Nothing here installs
+anything: Snakemake must be importable.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -103,12 +104,17 @@ def main():
     p.add_argument("--budget", type=float, default=540.0, help="seconds before Snakemake is stopped (default 540)")
     p.add_argument("--shapes", default="official,contract", help="config shapes (default: the GPU default)")
     p.add_argument("--commit", default=None, help="the commit of the tree, for the report (no .git here)")
+    p.add_argument("--fresh", action="store_true",
+                   help="start cold: remove results/ and .snakemake/ (the run's Triton cache with it) first")
     args, extra = p.parse_known_args()
     extra = [a for a in extra if a != "--"]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     from shapewise import runs
 
+    if args.fresh:
+        for name in ("results", ".snakemake"):
+            shutil.rmtree(ROOT / name, ignore_errors=True)
     parts = json.loads(PARTS.read_text())["parts"] if PARTS.is_file() else []
     number = len(parts) + 1
     part = run_snakemake(args, extra, out / f"snakemake-part{number}.log")

@@ -603,6 +603,26 @@ def test_check_of_a_one_gpu_run_says_what_it_checked(tmp_path, capsys):
     assert gpuslots.check_main(tmp_path, min_gpus=1) == 1
 
 
+def test_check_lets_jobs_that_time_nothing_share_a_gpu_and_no_one_else(tmp_path, capsys):
+    def shared(path, start, end, mode=gpuslots.SHARED):
+        _result(path, "0", start, end)
+        data = json.loads(path.read_text())
+        data["gpu"]["lock"] = {"mode": mode, "gpu": "0"}
+        path.write_text(json.dumps(data))
+
+    shared(tmp_path / "accuracy" / "a.json", "00:00", "01:00")
+    shared(tmp_path / "profile" / "a.json", "00:30", "01:30")
+    _result(tmp_path / "timing" / "a.json", "0", "01:30", "02:30")  # after both: alone
+    summary = gpuslots.check_intervals(gpuslots.job_intervals(tmp_path), min_gpus=1)
+    assert summary["problems"] == [] and summary["sharing_pairs"] == 1
+    assert gpuslots.check_main(tmp_path, min_gpus=1) == 0
+    assert "OK: never a job that times beside another job on its GPU (1 GPU(s) used)" in capsys.readouterr().out
+    shared(tmp_path / "ablation" / "a.json", "01:00", "01:45", mode=gpuslots.EXCLUSIVE)  # beside a sharer, and timing
+    summary = gpuslots.check_intervals(gpuslots.job_intervals(tmp_path), min_gpus=1)
+    assert len(summary["shared"]) == 2 and all("ablation" in line for line in summary["shared"])
+    assert gpuslots.check_main(tmp_path, min_gpus=1) == 1
+
+
 def test_on_slot_runs_with_the_slot_set_and_before_auto_is_resolved(tmp_path):
     # `auto` imports torch to ask for CUDA: the CPU pinning (on_slot) must come first, with the slot known
     order = []

@@ -33,8 +33,8 @@ if workflow.is_main_process:
     # The run: its jobs start as forks of its job server (shapewise.jobserver) and compile into one Triton cache
     # (the checkout's, unless the user chose one); both are recorded in every result and in the run's marker.
     os.environ[sw_jobserver.RUN_VAR] = sw_jobserver.run_id()
-    os.environ.setdefault("TRITON_CACHE_DIR", str(sw_paths.TRITON_CACHE))
-    sw_runs.write_marker(os.environ[sw_jobserver.RUN_VAR], GPU_POOL, os.environ["TRITON_CACHE_DIR"], sys.argv)
+    _triton_cache = os.environ.setdefault("TRITON_CACHE_DIR", str(sw_paths.TRITON_CACHE))
+    sw_runs.write_marker(os.environ[sw_jobserver.RUN_VAR], GPU_POOL, _triton_cache, sys.argv)
     if "gpu" not in workflow.global_resources:
         workflow.register_resource("gpu", max(1, len(GPU_POOL)))
         _gpu_from = "this machine's GPU pool" if GPU_POOL else "no GPU here: device jobs one at a time"
