@@ -5,12 +5,12 @@ A fresh job process spends seconds before its first line of work (Python, torch,
 a fork of a process that did that once costs milliseconds. Each job is still a process of its own, with its own
 output and log, and nothing of one job reaches another:
 - the server imports modules and reads the static environment (shapewise.inventory.cheap_environment), and
-  nothing else: it never initializes CUDA (a CUDA context does not survive a fork; `preload` checks that the
-  driver library is not even loaded), runs no kernel and no torch operation, and starts no thread;
+  nothing else: it never initializes CUDA (CUDA does not survive a fork; `fork_problems` checks that torch did not
+  initialize it and that a fork of the server can initialize the driver), runs no kernel, and starts no thread;
 - each job gets a fork of that same state, with the job's own stdin, stdout and stderr (passed over the socket),
-  working directory, umask, environment and CPU affinity, then runs shapewise.cli exactly as a fresh process
-  would: the GPU slot, the CPU pinning, `auto` resolved, the step. torch reads its thread count from the job's
-  environment at first use, as in a fresh process;
+  working directory, umask, environment, CPU affinity and torch thread count (what a fresh process takes from
+  that environment), then runs shapewise.cli exactly as a fresh process would: the GPU slot, the CPU pinning,
+  `auto` resolved, the step;
 - a job that crashes or is killed takes only its own process; the client (the process Snakemake started) waits
   for it to be gone, so its GPU memory and locks are released, before it returns the job's exit status;
 - the client forwards SIGINT, SIGTERM and SIGHUP to the job, and a job whose client is gone kills itself.
@@ -18,7 +18,7 @@ output and log, and nothing of one job reaches another:
 Which jobs use it: those of a local pipeline run (SHAPEWISE_PIPELINE_RUN, set by workflow/rules/gpus.smk in the
 main Snakemake process: its host, pid and start time) on that run's host. A job SLURM placed, one run by hand,
 or one whose run set SHAPEWISE_PIPELINE_JOB_SERVER=off starts fresh. The first job that finds no server starts
-one (under a lock, so there is one per run and mode) and waits until it is ready; the server stops when the
+one (under a lock, so there is one per run and server key) and waits until it is ready; the server stops when the
 run's Snakemake process is gone. A server that cannot be started, or refuses (the checks of `preload`), is
 written down, and the run's jobs then start fresh, each saying why in its log and result (`process_record`).
 A job whose device turns out other than the server's (`auto` on a node whose torch sees no GPU) runs fresh.
@@ -248,7 +248,7 @@ def _wait_gone(pid, ticks):
 def run(args, argv):
     """Run this job as a fork of the run's server: its exit status, or None when it is to run here, fresh (the
     reason is recorded by process_record)."""
-    from shapewise.gpuslots import USE_VAR
+    from shapewise.gpuslots import EXCLUSIVE, USE_VAR
 
     reason = why_not(args)
     if reason is not None:
@@ -290,7 +290,7 @@ def run(args, argv):
         if "rc" in final:
             return final["rc"]
         if "restart" in final:
-            env[USE_VAR] = "exclusive"
+            env[USE_VAR] = EXCLUSIVE
             continue
         _RECORD.update(started_as="fresh process", reason=final["fresh"])
         return None
