@@ -6,7 +6,8 @@ a fork of a process that did that once costs milliseconds. Each job is still a p
 output and log, and nothing of one job reaches another:
 - the server imports modules and reads the static environment (shapewise.inventory.cheap_environment), and
   nothing else: it never initializes CUDA (CUDA does not survive a fork; `fork_problems` checks that torch did not
-  initialize it and that a fork of the server can initialize the driver), runs no kernel, and starts no thread;
+  initialize it, that the driver is not even loaded, and that a fork of the server can initialize it), runs no
+  kernel, and starts no thread;
 - each job gets a fork of that same state, with the job's own stdin, stdout and stderr (passed over the socket),
   working directory, umask, environment, CPU affinity and torch thread count (what a fresh process takes from
   that environment), then runs shapewise.cli exactly as a fresh process would: the GPU slot, the CPU pinning,
@@ -358,18 +359,28 @@ def preload(mode):
 
 def fork_problems(cuda_initialized, mode, probe=None):
     """What keeps this process's state from being forked into jobs: CUDA initialized by torch, more than one
-    thread, and in the cuda mode a fork that cannot initialize the CUDA driver (`probe`, by default
-    _cuda_init_in_a_fork: cuInit fails in the fork of a process that initialized the driver)."""
+    thread, and in the cuda mode the CUDA driver loaded already (only initializing it loads it) or a fork that
+    cannot initialize it (`probe`, by default _cuda_driver_problem)."""
     problems = []
     if cuda_initialized:
         problems.append("torch initialized CUDA while importing")
     if threading.active_count() != 1:
         problems.append(f"{threading.active_count()} threads after importing (a fork keeps only one)")
     if mode == "cuda" and not problems:
-        failure = (probe or _cuda_init_in_a_fork)()
+        failure = (probe or _cuda_driver_problem)()
         if failure:
             problems.append(failure)
     return problems
+
+
+def _cuda_driver_problem():
+    try:
+        maps = open("/proc/self/maps").read()
+    except OSError as exc:
+        return f"cannot read /proc/self/maps ({exc.strerror}) to see whether the CUDA driver is loaded"
+    if "libcuda.so" in maps:
+        return "the CUDA driver was loaded (so initialized) while importing"
+    return _cuda_init_in_a_fork()
 
 
 def _cuda_init_in_a_fork():
