@@ -39,6 +39,7 @@ validate(config, sw_paths.CONFIG_SCHEMA)
 include: "workflow/rules/common.smk"
 include: "workflow/rules/gpus.smk"
 include: "workflow/rules/measure.smk"
+include: "workflow/rules/candidates.smk"
 include: "workflow/rules/report.smk"
 
 
@@ -49,3 +50,4 @@ rule all:
         # every per-shape result too: one deleted by hand is scheduled again (the report's outputs are kept
         # on failure, so Snakemake would not look behind them for a missing input)
         RESULT_TARGETS,
+        CANDIDATE_TARGETS,

@@ -57,7 +57,7 @@ def test_a_bad_entry_is_named(value, says):
 
 def test_names_follow_the_row_id_pattern_of_the_shapes_schema_and_the_config_schema_says_the_same():
     schema = yaml.safe_load((ROOT / "workflow" / "schemas" / "config.schema.yaml").read_text())
-    mapping, string = schema["properties"]["candidates"]["oneOf"]
+    mapping, string, _ = schema["properties"]["candidates"]["oneOf"]
     assert mapping["propertyNames"]["pattern"] == candidates.name_pattern()
     assert string["pattern"].count(candidates.name_pattern()[1:-1] + "=") == 2  # the first entry, then each next
     assert sorted(mapping["propertyNames"]["not"]["enum"]) == sorted(candidates.RESERVED)

@@ -164,12 +164,12 @@ JOB = f"{_env} {shlex.quote(sys.executable)} -m shapewise job"
 REPORT = f"{_env} {shlex.quote(sys.executable)} -m shapewise.report"
 
 
-def job_shell(step, options, out="{output}"):
+def job_shell(step, options, out="{output}", impl="{IMPL_DIGEST}"):
     """The shell command of the measuring job `step` with its own `options`: every such job gets the device, the
-    implementation and environment digests (recorded in its result's identity), the variables of config
-    pass_env, its result file and its log."""
+    implementation and environment digests (recorded in its result's identity; a candidate's job gets its
+    candidate's, `impl`), the variables of config pass_env, its result file and its log."""
     return (
-        f"{{JOB}} {step} --device {{params.device}} {options} --impl-digest {{IMPL_DIGEST}} "
+        f"{{JOB}} {step} --device {{params.device}} {options} --impl-digest {impl} "
         f"--env-digest {{ENV_DIGEST}} {{params.pass_env}} --out {out} > {{log}} 2>&1"
     )
 
@@ -222,8 +222,20 @@ def report_inputs(wildcards):
                 "results": sw_paths.per_shape(shape),
                 "profile_csv": sw_paths.profile_extra(shape)["csv"],
                 "profile_trace": sw_paths.profile_extra(shape)["trace"],
+                # each candidate's results of the row (CANDIDATES: candidates.smk)
+                "candidates": {
+                    name: {
+                        "results": sw_paths.candidate_per_shape(name, shape),
+                        "profile_csv": sw_paths.candidate_profile_extra(name, shape)["csv"],
+                    }
+                    for name in CANDIDATES
+                },
             }
             for shape in SHAPES
+        ],
+        "candidates": [
+            {"name": name, "path": path, "sha256": CANDIDATE_DIGESTS[name]}
+            for name, path in CANDIDATES.items()
         ],
         "manifests": MANIFESTS,
         "manifest_sha256": MANIFEST_SHA256,

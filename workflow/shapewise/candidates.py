@@ -41,7 +41,8 @@ from shapewise import paths
 
 CLASS_NAME = "UserOptimizedTransformer"
 # Names the report and summary.csv give the two models every run measures; no candidate may take them.
-RESERVED = ("shapewise", "reference")
+SHAPEWISE, REFERENCE = "shapewise", "reference"
+RESERVED = (SHAPEWISE, REFERENCE)
 # Every way a candidate fails a row (the result's failure.kind), in words.
 FAILURES = {
     "import": "failed to import, or defines no UserOptimizedTransformer",
@@ -130,7 +131,7 @@ def location(path, root=".") -> Path:
 def files(path, root=".") -> dict:
     """{relative path: SHA-256} of every file of the candidate: the file itself (by its name), or every file under
     the package directory (bytecode caches left out: importing the package writes them)."""
-    from shapewise.fingerprint import sha256_file
+    from shapewise.inventory import sha256_file
 
     full = location(path, root)
     if full.is_file():
