@@ -226,8 +226,9 @@ def classify(exc, stage) -> str:
 
 def run_isolated(argv, time_limit_s, stdin_text="", env=None, log=print) -> dict:
     """Run `argv` in a new process group with `stdin_text` on its standard input, its output going where this
-    process's goes; kill the whole group when it runs past `time_limit_s` seconds, or when this process is told to
-    stop (SIGTERM, SIGINT: the group would otherwise outlive it). Returns {"returncode", "signal" (the name of
+    process's goes; kill the whole group when it runs past `time_limit_s` seconds, when this process is told to
+    stop (SIGTERM, SIGINT: the group would otherwise outlive it), and once the child ended (what it left running).
+    Returns {"returncode", "signal" (the name of
     the signal that ended it, or None), "timed_out", "seconds"}."""
     started = time.monotonic()
     child = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env, start_new_session=True, text=True)
@@ -249,8 +250,8 @@ def run_isolated(argv, time_limit_s, stdin_text="", env=None, log=print) -> dict
         except subprocess.TimeoutExpired:
             timed_out = True
             log(f"the candidate's process ran past the time limit of {time_limit_s} s: killing its process group")
-            _kill_group(child)
     finally:
+        _kill_group(child)  # also what a child that ended left behind (compile workers)
         for s, handler in previous.items():
             signal.signal(s, handler)
     code = child.returncode
@@ -261,6 +262,6 @@ def run_isolated(argv, time_limit_s, stdin_text="", env=None, log=print) -> dict
 def _kill_group(child):
     try:
         os.killpg(child.pid, signal.SIGKILL)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):  # the group is gone
         pass
     child.wait()
