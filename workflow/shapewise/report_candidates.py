@@ -6,7 +6,7 @@
   `optimized_*` figures are the candidate's, `reference_*` the reference timed in the same rounds) plus the
   candidate's name, its failures with their reasons and how its weights loaded;
 - `side_by_side`: per machine and row, shapewise and every candidate in one table, the fastest passing one (lowest
-  median among those that passed, timed on that machine) marked;
+  median among those that passed, timed on that machine) marked, and per model its geomean speedup;
 - `copy_sources`: each candidate's files copied into the report (candidates/<name>/...), their SHA-256 checked
   against the one the results were measured with, for provenance.json.
 
@@ -16,6 +16,7 @@ shows its time beside its failure, and it is never the fastest.
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -105,6 +106,21 @@ def side_by_side(groups, shapewise_rows, candidate_records):
             for e in entries:
                 e["fastest"] = e["candidate"] == fastest
             g["candidate_rows"].append({"id": x["id"], "row": x["row"], "entries": entries})
+        g["candidate_summary"] = summary(g["candidate_rows"])
+
+
+def summary(candidate_rows):
+    """Per model (shapewise first, then the candidates): rows passed, rows timed with a speedup, the geomean of
+    those speedups, and the rows on which it was the fastest passing model."""
+    names = list(dict.fromkeys(e["candidate"] for c in candidate_rows for e in c["entries"]))
+    out = []
+    for name in names:
+        mine = [e for c in candidate_rows for e in c["entries"] if e["candidate"] == name and not e["elsewhere"]]
+        speedups = [e["speedup"] for e in mine if e["speedup"] is not None and e["speedup"] > 0]
+        out.append({"name": name, "rows": len(mine), "passed": sum(e["status"] == "pass" for e in mine),
+                    "timed_rows": len(speedups), "fastest_rows": sum(e["fastest"] for e in mine),
+                    "geomean_speedup": math.exp(sum(map(math.log, speedups)) / len(speedups)) if speedups else None})
+    return out
 
 
 def copy_sources(listed, outdir, root):
