@@ -1,7 +1,8 @@
 """The candidates' part of the report (config `candidates`, shapewise.candidates; docs/candidates.md).
 
 - `load_rows`: each candidate's accuracy, timing and profile results of each row, read and checked as shapewise's
-  are (report_data.read_result, check_identity), the candidate's SHA-256 standing for the implementation digest;
+  are (report_data.read_result, check_identity, check_run_settings), the candidate's SHA-256 standing for the
+  implementation digest;
 - `records`: one record per candidate and row with report_data.row_record's fields (summary.csv's columns: the
   `optimized_*` figures are the candidate's, `reference_*` the reference timed in the same rounds) plus the
   candidate's name, its failures with their reasons and how its weights loaded;
@@ -21,7 +22,7 @@ import shutil
 from pathlib import Path
 
 from shapewise import candidates, identity, paths
-from shapewise.report_data import check_identity, read_result, row_record
+from shapewise.report_data import check_identity, check_run_settings, read_result, row_record
 
 SHAPEWISE = candidates.SHAPEWISE  # the `candidate` column's value for shapewise's own rows
 SOURCES = "candidates"  # where a report keeps each candidate's files: candidates/<name>/<file>
@@ -50,6 +51,7 @@ def load_rows(inputs, rows, digests, problems):
                 path = spec["results"][step]
                 data[step] = read_result(path, regenerate(name, row["id"]), problems)
                 check_identity(path, data[step], expected, regenerate(name, row["id"]), problems)
+                check_run_settings(path, data[step], inputs, regenerate(name, row["id"]), problems)
             item["candidates"][name] = {"data": data, "paths": spec["results"], "profile_csv": spec["profile_csv"]}
     return listed
 
