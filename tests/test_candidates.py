@@ -118,6 +118,19 @@ def test_failed_allocations_are_out_of_memory():
     assert candidates.classify(ModuleNotFoundError("x"), "import") == "import"
 
 
+def test_the_reference_running_out_of_memory_beside_the_candidate_is_the_candidates_failure():
+    from shapewise.jobs.candidate import CandidateFailed, beside
+
+    def allocate():
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with pytest.raises(CandidateFailed) as failed:
+        beside("compare (trial 0)", allocate)
+    assert failed.value.kind == "out-of-memory" and "the reference ran out of memory" in failed.value.message
+    with pytest.raises(ValueError):  # any other error is the harness's own
+        beside("compare (trial 0)", lambda: int("x"))
+
+
 # ------------------------------------------------------------------ isolation
 
 

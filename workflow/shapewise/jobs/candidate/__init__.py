@@ -69,6 +69,19 @@ def guarded(stage, fn, *args):
                               trace) from exc
 
 
+def beside(stage, fn, *args):
+    """fn(*args), the harness's own code run beside the candidate (the reference): a failed allocation there is the
+    candidate's out-of-memory failure (the memory the candidate holds counts against the reference's); anything
+    else it raises is the harness's own error."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        if candidates.is_out_of_memory(exc):
+            raise CandidateFailed("out-of-memory", stage, "the reference ran out of memory beside the candidate: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+        raise
+
+
 # ------------------------------------------------------------------ progress, read by the job process
 
 
@@ -138,7 +151,10 @@ def build(args, row, config, device, progress, reference_dtype):
     weights = guarded("weights", load_weights, model, reference.state_dict())
     model = guarded("weights", lambda: model.to(device=device, dtype=DTYPES[row["dtype"]]).eval())
     progress.stage("reference", candidate_code=False)
-    reference = None if reference_dtype is None else place_reference(reference, row, device, reference_dtype)
+    if reference_dtype is not None:
+        reference = beside("reference", place_reference, reference, row, device, reference_dtype)
+    else:
+        reference = None
     return reference, model, weights
 
 

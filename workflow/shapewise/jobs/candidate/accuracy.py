@@ -14,7 +14,8 @@ import json
 import torch
 
 from shapewise.jobs.accuracy import aggregate
-from shapewise.jobs.candidate import CandidateFailed, begin, build, forward, reference_fit, run_step, supervise
+from shapewise.jobs.candidate import (CandidateFailed, begin, beside, build, forward, reference_fit, run_step,
+                                      supervise)
 from shapewise.jobs.check import check
 from shapewise.jobs.device import setup
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, input_generator, make_case
@@ -49,7 +50,7 @@ def work(args, progress):
         with torch.inference_mode():
             out = forward(model, x, mask, f"forward (trial {t})", previous)
         progress.stage(f"compare (trial {t})", candidate_code=False)
-        comparisons, checked = check(reference, out, x, mask, fit["fits"], settings)
+        comparisons, checked = beside(f"compare (trial {t})", check, reference, out, x, mask, fit["fits"], settings)
         result["trials"].append({"trial": t, "seed": seed, "call": call_of(mask),
                                  "input_generator": input_generator(config, device), "mask_kind": mask_kind,
                                  "comparisons": comparisons, "checked": checked,

@@ -15,7 +15,8 @@ import json
 import torch
 
 from shapewise import stats
-from shapewise.jobs.candidate import begin, build, call, check_output, guarded, reference_fit, run_step, supervise
+from shapewise.jobs.candidate import (begin, beside, build, call, check_output, guarded, reference_fit, run_step,
+                                      supervise)
 from shapewise.jobs.device import setup
 from shapewise.jobs.inputs import DTYPES, FIRST_TRIAL_SEED, make_case
 from shapewise.jobs.io import log, write_result
@@ -67,7 +68,7 @@ def work(args, progress):
 
     calls = {"optimized": candidate}  # first: its very first call is the one of the process
     if reference is not None:
-        calls["reference"] = lambda: reference(x, mask)
+        calls["reference"] = lambda: beside(STAGE, reference, x, mask)
     progress.stage(STAGE)
     rounds, seen = time_protocol(calls, row, device, name, protocol, result, after_warmup=check_kept)
     summary = stats.summarize(rounds)
