@@ -84,8 +84,8 @@ def test_a_files_digest_is_its_sha256_and_a_packages_covers_every_file_but_bytec
 
 def test_reference_files_are_the_baselines_modules_and_not_the_optimized_models():
     names = {p.name for p in candidates.reference_files(ROOT)}
-    assert {"__init__.py", "reference.py", "config.py", "cases.py", "chunked.py", "memory.py"} <= names
-    assert "optimized.py" not in names and "routing_policy.json" not in names
+    assert {"__init__.py", "reference.py", "config.py", "cases.py", "chunked.py", "memory.py", "tolerance.py"} <= names
+    assert not names & {"optimized.py", "routing.py", "weights.py", "routing_policy.json"}, names
     assert all(p.parent == ROOT / "model" for p in candidates.reference_files(ROOT))
 
 

@@ -156,7 +156,9 @@ def digest(path, root=".") -> str:
 
 def reference_files(root=".") -> list[Path]:
     """The source files of the reference side of a candidate's measurement: the modules of model/ that define
-    REFERENCE_NAMES (as shapewise.model's table of owners names them) and every module of model/ they import."""
+    REFERENCE_NAMES (as shapewise.model's table of owners names them) and every module of model/ they import when
+    they load. An import inside a function is left out: memory.py imports the routing only to estimate the
+    optimized model, which no candidate job asks for."""
     import shapewise.model as model_package
 
     owners = getattr(model_package, "_OWNERS")
@@ -171,7 +173,7 @@ def reference_files(root=".") -> list[Path]:
         if path in seen:
             continue
         seen.add(path)
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.parse(path.read_text(), str(path)).body:  # imports at load time, not those inside functions
             if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
                 todo.append(model_dir / f"{node.module.split('.')[0]}.py")
     return sorted(p for p in seen if p.is_file())
