@@ -39,6 +39,7 @@ validate(config, sw_paths.CONFIG_SCHEMA)
 include: "workflow/rules/common.smk"
 include: "workflow/rules/gpus.smk"
 include: "workflow/rules/measure.smk"
+include: "workflow/rules/candidates.smk"
 include: "workflow/rules/report.smk"
 
 
@@ -50,3 +51,4 @@ rule all:
         # on failure, so Snakemake would not look behind them for a missing input)
         RESULT_TARGETS,
         WARMUP_TARGETS,
+        CANDIDATE_TARGETS,

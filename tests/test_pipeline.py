@@ -77,14 +77,14 @@ def test_report_summary_and_provenance(workdir):
     with open(report / "summary.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert [r["id"] for r in rows] == ["tiny-triton", "tiny-holes"]
-    assert list(rows[0]) == [  # shapewise.report_data.SUMMARY_COLUMNS, spelled out
-        "id", "machine", "status", "call", "route", "failed_elements", "total_elements", "max_abs_error",
-        "strict_failed_elements", "reference_median_ms", "reference_ci_low_ms", "reference_ci_high_ms",
-        "optimized_median_ms", "optimized_ci_low_ms", "optimized_ci_high_ms", "speedup", "speedup_ci_low",
-        "speedup_ci_high", "noisy", "target_ms", "target_met", "optimized_peak_memory_bytes", "io_bytes",
-        "unmasked_median_ms", "mask_cost", "mask_cost_ci_low", "mask_cost_ci_high"]
+    assert list(rows[0]) == [  # shapewise.report_data.SUMMARY_COLUMNS, spelled out (candidate: shapewise's rows)
+        "id", "candidate", "machine", "status", "call", "route", "failed_elements", "total_elements",
+        "max_abs_error", "strict_failed_elements", "reference_median_ms", "reference_ci_low_ms",
+        "reference_ci_high_ms", "optimized_median_ms", "optimized_ci_low_ms", "optimized_ci_high_ms", "speedup",
+        "speedup_ci_low", "speedup_ci_high", "noisy", "target_ms", "target_met", "optimized_peak_memory_bytes",
+        "io_bytes", "unmasked_median_ms", "mask_cost", "mask_cost_ci_low", "mask_cost_ci_high"]
     for r in rows:
-        assert r["status"] == "pass", r
+        assert r["status"] == "pass" and r["candidate"] == "shapewise", r
         assert int(r["failed_elements"]) == 0 and int(r["total_elements"]) > 0
         assert float(r["reference_median_ms"]) > 0 and float(r["optimized_median_ms"]) > 0
     assert rows[0]["route"].startswith("triton")

@@ -16,6 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from shapewise import candidates as sw_candidates
 from shapewise import gpuslots as sw_gpuslots
 from shapewise import inventory as sw_inventory
 from shapewise import manifest as sw_manifest
@@ -29,6 +30,7 @@ BASEDIR = Path(workflow.basedir).resolve()
 wildcard_constraints:
     shape="[A-Za-z0-9][A-Za-z0-9_-]*",
     kind="environment|implementation",
+    candidate=sw_candidates.name_pattern().strip("^$"),
 
 
 # DEVICE_ARG is what the jobs get: cuda or cpu when the user says so
@@ -177,12 +179,12 @@ JOB = f"{_env} {shlex.quote(sys.executable)} -m shapewise job"
 REPORT = f"{_env} {shlex.quote(sys.executable)} -m shapewise.report"
 
 
-def job_shell(step, options, out="{output}"):
+def job_shell(step, options, out="{output}", impl="{IMPL_DIGEST}"):
     """The shell command of the measuring job `step` with its own `options`: every such job gets the device, the
-    implementation and environment digests (recorded in its result's identity), the variables of config
-    pass_env, its result file and its log."""
+    implementation and environment digests (recorded in its result's identity; a candidate's job gets its
+    candidate's, `impl`), the variables of config pass_env, its result file and its log."""
     return (
-        f"{{JOB}} {step} --device {{params.device}} {options} --impl-digest {{IMPL_DIGEST}} "
+        f"{{JOB}} {step} --device {{params.device}} {options} --impl-digest {impl} "
         f"--env-digest {{ENV_DIGEST}} {{params.pass_env}} --out {out} > {{log}} 2>&1"
     )
 
@@ -227,6 +229,84 @@ def per_shape_outputs(shape):
 RESULT_TARGETS = [path for shape in SHAPES for path in per_shape_outputs(shape)]
 
 
+# Candidates (config `candidates`; their rules: candidates.smk, which says what reruns their jobs).
+try:
+    CANDIDATES = sw_candidates.parse(config["candidates"], BASEDIR)
+except sw_candidates.CandidateError as exc:
+    raise WorkflowError(str(exc)) from None
+CANDIDATE_DIGESTS = {name: sw_candidates.digest(path, BASEDIR) for name, path in CANDIDATES.items()}
+# The candidate jobs' own code and the reference's: editing either reruns every candidate's jobs.
+_CANDIDATE_HARNESS = (
+    HARNESS_FILES
+    + sorted((BASEDIR / "workflow" / "shapewise" / "jobs" / "candidate").glob("*.py"))
+    + [BASEDIR / "workflow" / "shapewise" / "candidates.py"]
+    + sw_candidates.reference_files(BASEDIR)
+)
+CANDIDATE_HARNESS_DIGEST = sw_inventory.digest_of(
+    {p.relative_to(BASEDIR).as_posix(): sw_inventory.sha256_file(p) for p in _CANDIDATE_HARNESS}
+)
+
+
+def _check_time_limits():
+    """Each time limit below the runtime resource of the jobs it stops: SLURM would end such a job first, before
+    it could record the candidate's timeout."""
+    default, heavy = config["resources"]["default"]["runtime"], config["heavy"]["resources"]["runtime"]
+    for name, seconds, runtime_name, minutes in (
+        ("candidate_time_limit_s.cuda", config["candidate_time_limit_s"]["cuda"], "resources.default", default),
+        ("candidate_time_limit_s.cpu", config["candidate_time_limit_s"]["cpu"], "resources.default", default),
+        ("heavy.candidate_time_limit_s", config["heavy"]["candidate_time_limit_s"], "heavy.resources", heavy),
+    ):
+        if seconds >= minutes * 60:
+            raise WorkflowError(
+                f"config {name} = {seconds} s is not below {runtime_name}.runtime = {minutes} min: the job would "
+                "be ended before it could record the candidate's timeout"
+            )
+
+
+_check_time_limits()
+
+
+def candidate_outputs(name, shape):
+    return [
+        *sw_paths.candidate_per_shape(name, shape).values(),
+        *sw_paths.candidate_profile_extra(name, shape).values(),
+    ]
+
+
+# Every candidate's result of every row, requested by rule `all` and the report (as RESULT_TARGETS are).
+CANDIDATE_TARGETS = [path for name in CANDIDATES for shape in SHAPES for path in candidate_outputs(name, shape)]
+
+
+def candidate_path(wildcards):
+    if wildcards.candidate not in CANDIDATES:
+        raise WorkflowError(
+            f"candidate {wildcards.candidate!r} is not in config candidates ({', '.join(CANDIDATES) or 'none'})"
+        )
+    return CANDIDATES[wildcards.candidate]
+
+
+# What the candidate rules share: the environment fingerprint as input; the row, the candidate's path and digest,
+# its time limit, the candidate jobs' code and the passed variables as params (each a rerun trigger).
+CANDIDATE_INPUTS = {"env": FINGERPRINTS["env"]}
+CANDIDATE_PARAMS = {
+    **ROW_PARAMS,
+    "harness": CANDIDATE_HARNESS_DIGEST,
+    "path": candidate_path,
+    "digest": lambda wildcards: CANDIDATE_DIGESTS[wildcards.candidate],
+    "time_limit": protocol_of("candidate_time_limit_s"),
+}
+
+
+def candidate_shell(step, options, out="{output}"):
+    return job_shell(
+        f"candidate-{step}",
+        "--row {params.row:q} --candidate {wildcards.candidate} --candidate-path {params.path:q} "
+        f"--time-limit {{params.time_limit:q}} --threads {{threads}} {options}",
+        out=out,
+        impl="{params.digest}",
+    )
+
+
 def report_inputs(wildcards):
     """Write the report's inputs file (content-addressed, once) and return its path (report.smk says why)."""
     inputs = {
@@ -236,8 +316,19 @@ def report_inputs(wildcards):
                 "results": sw_paths.per_shape(shape),
                 "profile_csv": sw_paths.profile_extra(shape)["csv"],
                 "profile_trace": sw_paths.profile_extra(shape)["trace"],
+                # each candidate's results of the row
+                "candidates": {
+                    name: {
+                        "results": sw_paths.candidate_per_shape(name, shape),
+                        "profile_csv": sw_paths.candidate_profile_extra(name, shape)["csv"],
+                    }
+                    for name in CANDIDATES
+                },
             }
             for shape in SHAPES
+        ],
+        "candidates": [
+            {"name": name, "path": path, "sha256": CANDIDATE_DIGESTS[name]} for name, path in CANDIDATES.items()
         ],
         "manifests": MANIFESTS,
         "manifest_sha256": MANIFEST_SHA256,

@@ -29,6 +29,7 @@ rule report:
         **FINGERPRINTS,
         microbench=sw_paths.MICROBENCH,
         per_shape=RESULT_TARGETS,
+        candidates=CANDIDATE_TARGETS,
         manifests=MANIFESTS,
         config=[p for p in [sw_paths.CONFIG_FILE] if Path(p).is_file()],
         templates=sorted(os.path.relpath(p) for p in sw_paths.TEMPLATES.glob("*.j2")),

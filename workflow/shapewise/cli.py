@@ -46,6 +46,12 @@ def _job_parser(sub):
     step("timing", "row", "preflight", "microbench", "protocol")
     step("profile", "row", "preflight", "capture", "csv", "trace")
     step("ablation", "row", "preflight", "protocol", "chunked")
+    # a candidate's jobs (shapewise.jobs.candidate): --impl-digest is the candidate's SHA-256
+    candidate_steps = {"accuracy": ("chunked",), "timing": ("protocol",), "profile": ("capture", "csv", "trace")}
+    for name, options in candidate_steps.items():
+        p = step(f"candidate-{name}", "row", "candidate", "candidate-path", "time-limit", *options)
+        if name != "profile":
+            p.add_argument("--headroom", type=float, required=True)
 
 
 def build_parser():
@@ -224,7 +230,7 @@ def run_job_here(args, argv, server_mode=None):
     if args.device == "cuda" and gpuslots.held() is not None:
         gpushare.install(warm=args.step == "warmup",
                          alone_until_chosen=os.environ.get(gpuslots.USE_VAR) == gpuslots.EXCLUSIVE)
-    module = importlib.import_module(f"shapewise.jobs.{args.step}")
+    module = importlib.import_module(f"shapewise.jobs.{args.step.replace('candidate-', 'candidate.')}")
     try:
         return module.main(args)
     except gpushare.NeedsExclusiveGPU as exc:

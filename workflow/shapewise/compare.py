@@ -1,7 +1,9 @@
 """`shapewise compare OLD NEW`: two report runs side by side, a regression gate for CI.
 
-Rows are matched by (machine, id): a row measured on one machine is never compared with a row measured on
-another (those are listed as not comparable). For each model of a row in both runs:
+Rows are matched by (machine, id, candidate): a row measured on one machine is never compared with a row measured
+on another (those are listed as not comparable), and each candidate of config `candidates` (summary.csv's
+`candidate` column; shapewise's own rows are `shapewise`, as every row of a summary without the column) only with
+itself. For each model of a row in both runs:
 
 - change = new median / old median - 1;
 - "faster" / "slower" when the change is beyond noise, else "within noise". Beyond noise means both: the two
@@ -11,9 +13,10 @@ another (those are listed as not comparable). For each model of a row in both ru
   floor alone decides and the verdict says so;
 - "n/a" when either median is missing (row not timed, added or removed).
 
-A regression is a row whose optimized model is slower beyond noise; `main` exits 1 when there is one, 0
-otherwise, 2 when a report cannot be read (the message names the file), when the two runs have no row in common
-(by machine and id: nothing would be compared) or when a noise floor is not a fraction in [0, 1).
+A regression is a row whose optimized model (shapewise's, or the candidate's) is slower beyond noise; `main` exits
+1 when there is one, 0 otherwise, 2 when a report cannot be read (the message names the file), when the two runs
+have no row in common (by machine, id and candidate: nothing would be compared) or when a noise floor is not a
+fraction in [0, 1).
 
 Every number compare reads is checked: a time (median or interval bound, ms) or a speedup must be a finite number
 above 0, a count of elements a whole number >= 0, an error a finite number >= 0; anything else (`nan`, `abc`, `-1`)
@@ -35,13 +38,15 @@ import math
 import re
 from pathlib import Path
 
+from shapewise.candidates import SHAPEWISE
+
 SUMMARY = "summary.csv"
 MODELS = ("optimized", "reference")
 DEFAULT_FLOORS = {"optimized": 0.03, "reference": 0.05}
 UNKNOWN_MACHINE = "unknown"
 FLOOR_ONLY = "floor only"  # how a verdict's basis starts when a run had no interval
 REQUIRED_COLUMNS = ("id", "status", "route", "reference_median_ms", "optimized_median_ms")
-TEXT_COLUMNS = ("id", "machine", "status", "call", "route")
+TEXT_COLUMNS = ("id", "candidate", "machine", "status", "call", "route")
 # Columns compare reads as numbers: a cell that is neither empty nor a number is an error, not a silent None.
 NUMBER_COLUMNS = tuple(f"{m}_{c}" for m in MODELS for c in ("median_ms", "ci_low_ms", "ci_high_ms"))
 # What a number of a column may be, for the columns of summary.csv that hold numbers (when present).
@@ -119,14 +124,18 @@ def _machine_from_timing(report_dir, row_id):
 
 
 def rows_from_timing_results(results_dir) -> list[dict]:
-    """Rows of a results directory without a report: one per <results_dir>/timing/*.json, with the columns
-    compare reads (what the report's summary.csv would carry for them)."""
+    """Rows of a results directory without a report: one per <results_dir>/timing/*.json (shapewise's) and
+    <results_dir>/candidates/<name>/timing/*.json (a candidate's), with the columns compare reads (what the
+    report's summary.csv would carry for them)."""
     rows = []
-    for path in sorted((Path(results_dir) / "timing").glob("*.json")):
+    timing_dirs = [(SHAPEWISE, Path(results_dir) / "timing")] + [
+        (d.name, d / "timing") for d in sorted((Path(results_dir) / "candidates").glob("*")) if d.is_dir()]
+    for candidate, path in [(c, p) for c, d in timing_dirs for p in sorted(d.glob("*.json"))]:
         try:
             result = json.loads(path.read_text())
-            row = {"id": result["row"]["id"], "status": result["status"], "call": result.get("call"),
-                   "route": result.get("route"), "machine": result["environment"]["machine_key"],
+            row = {"id": result["row"]["id"], "candidate": candidate, "status": result["status"],
+                   "call": result.get("call"), "route": result.get("route"),
+                   "machine": result["environment"]["machine_key"],
                    "machine_source": path.relative_to(results_dir).as_posix()}
         except (ValueError, KeyError, TypeError) as exc:
             raise CompareError(f"{path}: not a timing result JSON ({exc!r} missing or unreadable)") from exc
@@ -171,9 +180,10 @@ def load_rows(report_dir) -> list[dict]:
             row["machine_source"] = SUMMARY
         else:
             row["machine"], row["machine_source"] = _machine_from_timing(report_dir, row["id"])
-        key = (row["machine"], row["id"])
+        row["candidate"] = row.get("candidate") or SHAPEWISE
+        key = (row["machine"], row["id"], row["candidate"])
         if key in seen:
-            raise CompareError(f"{path}, line {line}: row {row['id']} appears twice for machine {row['machine']!r}")
+            raise CompareError(f"{path}, line {line}: row {label(row)} appears twice for machine {row['machine']!r}")
         seen.add(key)
         rows.append(row)
     return rows
@@ -223,20 +233,28 @@ def _route_changed(old, new):
     return _route_name(old["route"]) != _route_name(new["route"])
 
 
+def label(row):
+    """How a row is named: its id for shapewise's rows, `<id> (<candidate>)` for a candidate's."""
+    candidate = row.get("candidate") or SHAPEWISE
+    return row["id"] if candidate == SHAPEWISE else f"{row['id']} ({candidate})"
+
+
 def compare_rows(old_rows, new_rows, floors=None) -> dict:
-    """Match rows by (machine, id) and give each model's change and verdict (see the module docstring).
+    """Match rows by (machine, id, candidate) and give each model's change and verdict (see the module docstring).
 
     floors: {"optimized": fraction, "reference": fraction}, default DEFAULT_FLOORS. Returns {"rows": [...],
-    "regressions": [ids], "not_comparable": [{"id", "old_machines", "new_machines"}], "floors": {...}}."""
+    "regressions": [labels], "not_comparable": [{"id" (a label), "old_machines", "new_machines"}], "floors":
+    {...}}; a row's label is `label(row)`."""
     floors = {**DEFAULT_FLOORS, **(floors or {})}
-    old_by = {(r.get("machine") or UNKNOWN_MACHINE, r["id"]): r for r in old_rows}
-    new_by = {(r.get("machine") or UNKNOWN_MACHINE, r["id"]): r for r in new_rows}
+    old_by = {(r.get("machine") or UNKNOWN_MACHINE, label(r)): r for r in old_rows}
+    new_by = {(r.get("machine") or UNKNOWN_MACHINE, label(r)): r for r in new_rows}
     keys = list(old_by) + [k for k in new_by if k not in old_by]
     rows, regressions = [], []
     for machine, row_id in keys:
         old, new = old_by.get((machine, row_id)), new_by.get((machine, row_id))
         status = "both" if old and new else ("removed" if old else "added")
-        entry = {"id": row_id, "machine": machine, "status": status,
+        entry = {"id": (old or new)["id"], "candidate": (old or new).get("candidate") or SHAPEWISE, "label": row_id,
+                 "machine": machine, "status": status,
                  "route_old": old.get("route") if old else None, "route_new": new.get("route") if new else None,
                  "route_changed": bool(old and new and _route_changed(old, new)),
                  "result_old": old.get("status") if old else None, "result_new": new.get("status") if new else None}
@@ -302,12 +320,14 @@ def format_comparison(result, old_name="OLD", new_name="NEW") -> list[str]:
     lines = [f"compare: {old_name} -> {new_name} (noise floors: optimized {floors['optimized']:.0%}, "
              f"reference {floors['reference']:.0%}; beyond noise = intervals apart and change above the floor)"]
     elsewhere = {n["id"] for n in result["not_comparable"]}
-    machines = list(dict.fromkeys(r["machine"] for r in result["rows"]))
-    for machine in machines:
-        rows = [r for r in result["rows"] if r["machine"] == machine]
+    groups = list(dict.fromkeys((r["machine"], r.get("candidate", SHAPEWISE)) for r in result["rows"]))
+    with_candidates = any(candidate != SHAPEWISE for _, candidate in groups)
+    for machine, candidate in groups:
+        rows = [r for r in result["rows"] if (r["machine"], r.get("candidate", SHAPEWISE)) == (machine, candidate)]
         both = [r for r in rows if r["status"] == "both"]
         lines.append("")
-        lines.append(f"machine {machine}: {len(both)} rows in both runs")
+        lines.append(f"machine {machine}{f', candidate {candidate}' if with_candidates else ''}: {len(both)} rows in "
+                     f"both runs")
         if both:
             lines.append(f"  {'id':<20} {'model':<10} {'old ms':>9} {'new ms':>9} {'change':>9}  verdict")
         for r in both:
@@ -321,8 +341,8 @@ def format_comparison(result, old_name="OLD", new_name="NEW") -> list[str]:
                 lines.append(f"  route changed: {r['id']}: {r['route_old']} -> {r['route_new']}")
             if r["result_old"] != r["result_new"]:
                 lines.append(f"  status changed: {r['id']}: {r['result_old']} -> {r['result_new']}")
-        added = [r["id"] for r in rows if r["status"] == "added" and r["id"] not in elsewhere]
-        removed = [r["id"] for r in rows if r["status"] == "removed" and r["id"] not in elsewhere]
+        added = [r["id"] for r in rows if r["status"] == "added" and r.get("label", r["id"]) not in elsewhere]
+        removed = [r["id"] for r in rows if r["status"] == "removed" and r.get("label", r["id"]) not in elsewhere]
         if added:
             lines.append(f"  rows added: {', '.join(added)}")
         if removed:

@@ -119,3 +119,10 @@ def pin_job(environ=None, sysfs_root=None):
 def job_start():
     """A copy of what pin_job did in this process, or None when it was not called."""
     return None if _JOB_START is None else dict(_JOB_START)
+
+
+def adopt_job_start(record):
+    """In a child process a job started (shapewise.jobs.candidate): take the job's pin_job record as this
+    process's own (the child inherited the cores it pinned), so its results record them as the job's do."""
+    global _JOB_START
+    _JOB_START = None if record is None else dict(record)

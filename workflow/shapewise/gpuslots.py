@@ -52,8 +52,9 @@ SOURCES = ("lock", "slurm", "user", "none")
 EXCLUSIVE, SHARED = "exclusive", "shared"
 MODES = (EXCLUSIVE, SHARED)
 # The mode of each step's jobs (shapewise job STEP; the rules' gpu resources ask it too, workflow/rules/gpus.smk).
-GPU_USE = {"microbench": EXCLUSIVE, "timing": EXCLUSIVE, "ablation": EXCLUSIVE,
-           "fingerprint": SHARED, "preflight": SHARED, "warmup": SHARED, "accuracy": SHARED, "profile": SHARED}
+GPU_USE = {"microbench": EXCLUSIVE, "timing": EXCLUSIVE, "ablation": EXCLUSIVE, "candidate-timing": EXCLUSIVE,
+           "fingerprint": SHARED, "preflight": SHARED, "warmup": SHARED, "accuracy": SHARED, "profile": SHARED,
+           "candidate-accuracy": SHARED, "candidate-profile": SHARED}
 # At most this many jobs share one GPU (the measurement behind it: docs/decisions.md).
 SHARED_PER_GPU = 6
 # "exclusive" for a job that runs again holding its GPU alone (shapewise.gpushare: a kernel choice to time).

@@ -71,3 +71,30 @@ def in_report(result_path: str) -> str:
 
 def log(step: str, name: str) -> str:
     return f"{RESULTS}/logs/{step}/{name}.log"
+
+
+# A candidate's results (config `candidates`, shapewise.candidates): per candidate and row, the accuracy, timing and
+# profile steps, laid out under results/candidates/<name>/ as shapewise's are under results/.
+CANDIDATE_STEPS = ("accuracy", "timing", "profile")
+
+
+def candidate_result(candidate: str, step: str, shape: str) -> str:
+    if step not in CANDIDATE_STEPS:
+        raise ValueError(f"unknown candidate step {step!r}; steps are {CANDIDATE_STEPS}")
+    if step == "profile":
+        return f"{RESULTS}/candidates/{candidate}/profile/{shape}/kernels.json"
+    return f"{RESULTS}/candidates/{candidate}/{step}/{shape}.json"
+
+
+def candidate_profile_extra(candidate: str, shape: str) -> dict:
+    base = f"{RESULTS}/candidates/{candidate}/profile/{shape}"
+    return {"csv": f"{base}/kernels.csv", "trace": f"{base}/trace.json"}
+
+
+def candidate_per_shape(candidate: str, shape: str) -> dict:
+    """{step: result JSON} of one candidate on one row."""
+    return {step: candidate_result(candidate, step, shape) for step in CANDIDATE_STEPS}
+
+
+def candidate_log(candidate: str, step: str, shape: str) -> str:
+    return f"{RESULTS}/logs/candidates/{candidate}/{step}/{shape}.log"

@@ -164,8 +164,12 @@ def dirty_inputs(root, commit, entries):
     return sorted(e["path"] for e in entries if blob_sha256(root, commit, e["path"]) != e["sha256"])
 
 
-def write(report_dir, inputs, artifacts, root=".", commit=None):
+def write(report_dir, inputs, artifacts, root=".", commit=None, candidates=()):
     """inputs: paths relative to `root`; artifacts: paths relative to report_dir. Returns the record written.
+
+    candidates: the measured candidates (config `candidates`), each {"name", "path" (as configured), "sha256"
+    (what its results were measured with), "files" (its copies among the artifacts)}; recorded as given, and
+    only when there are any.
 
     commit: the commit the inputs come from, for a root that is a copy of the tree without its git repository
     (a GPU machine that received the working tree); default: HEAD of root. When the repository at root does not
@@ -186,6 +190,8 @@ def write(report_dir, inputs, artifacts, root=".", commit=None):
         "inputs": input_entries,
         "artifacts": [_entry(p, report_dir) for p in sorted(set(map(str, artifacts)))],
     }
+    if candidates:
+        record["candidates"] = list(candidates)
     path = report_dir / "provenance.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     return record

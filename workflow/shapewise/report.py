@@ -30,8 +30,9 @@ from pathlib import Path
 
 import jinja2
 import markupsafe
+import pandas as pd
 
-from shapewise import paths, provenance, report_data, report_figures
+from shapewise import candidates, paths, provenance, report_candidates, report_data, report_figures
 from shapewise.report_data import ReportInputError
 
 SOURCE_DIRS = ("model", "kernels", "workflow")
@@ -81,8 +82,9 @@ def html_value(value):
 
 def md_value(value):
     """A value as report.md shows it: `<` written as `&lt;` (no HTML tag or autolink in a Markdown viewer that
-    renders HTML) and line breaks as spaces (a value stays in its line, table cell or list item)."""
-    if not isinstance(value, str):
+    renders HTML) and line breaks as spaces (a value stays in its line, table cell or list item). Markup (a macro's
+    output marked `|safe`, each of whose values went through here already) is kept as it is."""
+    if not isinstance(value, str) or isinstance(value, markupsafe.Markup):
         return value
     return " ".join(value.replace("<", "&lt;").splitlines())
 
@@ -179,16 +181,27 @@ def build(inputs, loaded, outdir):
             artifacts.append(copy_into(path, outdir, paths.in_report(path)))
         if Path(item["profile_csv"]).is_file():
             artifacts.append(copy_into(item["profile_csv"], outdir, paths.in_report(item["profile_csv"])))
+        for cand in item["candidates"].values():
+            for path in [*cand["paths"].values(), cand["profile_csv"]]:
+                artifacts.append(copy_into(path, outdir, paths.in_report(path)))
+    source_artifacts, candidate_sources = report_candidates.copy_sources(loaded["candidates"], outdir, root)
+    artifacts += source_artifacts
 
     frame = report_data.table(loaded)
     groups = report_data.machine_groups(frame, loaded)
     index_of = {g["key"]: g["index"] for g in groups}
     frame["machine_index"] = frame["machine"].map(index_of)
-    report_data.write_summary(frame, outdir / "summary.csv")
+    candidate_records = report_candidates.records(loaded)
+    candidate_frame = pd.DataFrame.from_records(candidate_records) if candidate_records else \
+        pd.DataFrame(columns=frame.columns)
+    row_machine = dict(zip(frame["id"], frame["machine"]))
+    candidate_frame["machine_index"] = [index_of.get(m, index_of.get(row_machine.get(i)))
+                                        for i, m in zip(candidate_frame["id"], candidate_frame["machine"])]
+    report_data.write_summary(frame, outdir / "summary.csv", candidate_frame)
     artifacts.append("summary.csv")
 
     switches = next((i["data"]["ablation"]["switches"] for i in items if i["data"]["ablation"].get("switches")), [])
-    made = report_figures.make_all(frame, items, switches, outdir)
+    made = report_figures.make_all(frame, items, switches, outdir, candidate_frame)
     artifacts += list(made.values())
 
     records = frame.to_dict("records")
@@ -202,6 +215,7 @@ def build(inputs, loaded, outdir):
                      "trace": item["profile_trace"]})
     for g in groups:
         g["rows"] = [r for r in rows if r["r"]["machine"] == g["key"]]
+    report_candidates.side_by_side(groups, rows, candidate_records)
 
     baseline = baseline_section(inputs["baseline"], outdir) if inputs.get("baseline") else None
     timing_protocol, ablation_protocol, protocol_exceptions = protocols(items)
@@ -237,6 +251,8 @@ def build(inputs, loaded, outdir):
         "routes_anchor": ROUTES_ANCHOR,
         "host_cpus_heading": report_data.HOST_CPUS_HEADING,
         "core_pick_note": report_data.core_pick_note([i["data"]["timing"] for i in items]),
+        "candidates": candidate_sources,
+        "candidate_failures": candidates.FAILURES,
     }
     envs = environments()
     # The provenance appendix lists the artifacts above (the report files themselves are in provenance.json).
@@ -245,7 +261,8 @@ def build(inputs, loaded, outdir):
     for kind in ("md", "html"):
         (outdir / f"report.{kind}").write_text(envs[kind].get_template(f"report.{kind}.j2").render(**context))
     artifacts += ["report.md", "report.html"]
-    provenance.write(outdir, source_files, artifacts, root=root, commit=inputs.get("commit"))
+    provenance.write(outdir, source_files, artifacts, root=root, commit=inputs.get("commit"),
+                     candidates=candidate_sources)
     return context
 
 
@@ -264,7 +281,8 @@ def replace_into(staged, outdir):
             shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
-REPORT_ENTRIES = ("data", "figures", "report.md", "report.html", "summary.csv", "provenance.json")
+REPORT_ENTRIES = ("data", "figures", report_candidates.SOURCES, "report.md", "report.html", "summary.csv",
+                  "provenance.json")
 
 
 def render(inputs, outdir):

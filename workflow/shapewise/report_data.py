@@ -28,7 +28,7 @@ from shapewise.inventory import sha256_file
 
 # The columns of summary.csv, in this order: their one list (the report writes them, shapewise.compare reads them).
 SUMMARY_COLUMNS = [
-    "id", "machine", "status", "call", "route", "failed_elements", "total_elements", "max_abs_error",
+    "id", "candidate", "machine", "status", "call", "route", "failed_elements", "total_elements", "max_abs_error",
     "strict_failed_elements", "reference_median_ms", "reference_ci_low_ms", "reference_ci_high_ms",
     "optimized_median_ms", "optimized_ci_low_ms", "optimized_ci_high_ms", "speedup", "speedup_ci_low",
     "speedup_ci_high", "noisy", "target_ms", "target_met", "optimized_peak_memory_bytes", "io_bytes",
@@ -160,9 +160,13 @@ def load(inputs):
             check_run_settings(path, data[step], inputs, regenerate, problems)
         rows.append({"id": row["id"], "row": row, "data": data, "paths": entry["results"],
                      "profile_csv": entry["profile_csv"], "profile_trace": entry["profile_trace"]})
+    from shapewise import report_candidates
+
+    listed = report_candidates.load_rows(inputs, rows, digests, problems)
     if problems:
         raise ReportInputError(problems)
-    return {"rows": rows, "environment_fingerprint": env_fp, "implementation": impl_fp, "microbench": microbench}
+    return {"rows": rows, "environment_fingerprint": env_fp, "implementation": impl_fp, "microbench": microbench,
+            "candidates": listed}
 
 
 # ------------------------------------------------------------------ one row
@@ -399,7 +403,9 @@ def core_pick_note(timings):
 
 def table(loaded):
     """pandas DataFrame, one row per result row, in the order of the inputs."""
-    records = [row_record(item) for item in loaded["rows"]]
+    from shapewise.candidates import SHAPEWISE
+
+    records = [dict(row_record(item), candidate=SHAPEWISE) for item in loaded["rows"]]
     return pd.DataFrame.from_records(records, columns=list(records[0]) if records else SUMMARY_COLUMNS)
 
 
@@ -449,9 +455,12 @@ def machine_groups(frame, loaded):
     return groups
 
 
-def write_summary(frame, path):
-    """summary.csv: exactly SUMMARY_COLUMNS, empty cells for missing values, booleans as true/false."""
+def write_summary(frame, path, candidate_frame=None):
+    """summary.csv: exactly SUMMARY_COLUMNS, empty cells for missing values, booleans as true/false; shapewise's
+    rows (candidate `shapewise`), then those of the candidates (`candidate_frame`, report_candidates.records)."""
     out = frame[SUMMARY_COLUMNS].copy()
+    if candidate_frame is not None and len(candidate_frame):
+        out = pd.concat([out, candidate_frame[SUMMARY_COLUMNS]], ignore_index=True)
     for column in ("noisy", "target_met"):
         out[column] = out[column].map(lambda v: "" if v is None or v != v else ("true" if v else "false"))
     for column in INTEGER_COLUMNS:

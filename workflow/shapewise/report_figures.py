@@ -105,17 +105,109 @@ def ablation(items, switches, path):
     plt.close(fig)
 
 
-def make_all(frame, items, switches, outdir):
-    """Write the figures under outdir/figures; {name: relative path} of those made."""
+def _by_candidate(frame, candidate_frame, column, multi):
+    """(row labels, {candidate: [value or None per row]}) for grouped bars: the rows of `frame` (shapewise's, last
+    first), each with shapewise's value and every candidate's on the same row and machine."""
+    import pandas as pd
+
+    both = pd.concat([frame, candidate_frame], ignore_index=True)
+    both["failed"] = (both["status"] == "fail").astype(float)
+    names = list(dict.fromkeys(both["candidate"]))
+    rows = frame.iloc[::-1]
+    values = {}
+    for name in names:
+        part = both[both["candidate"] == name].set_index(["id", "machine"])
+        values[name] = [None if (i, m) not in part.index or part.loc[(i, m), column] != part.loc[(i, m), column]
+                        else float(part.loc[(i, m), column]) for i, m in zip(rows["id"], rows["machine"])]
+    return _labels(rows, multi), values
+
+
+def _grouped_bars(ax, labels, values, failed, errors=None):
+    """One group of horizontal bars per label, one bar per candidate (legend), missing values left out; the bar of
+    a model that failed the row (failed[name][i]) hatched."""
+    names = list(values)
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        ys = [i + (len(names) - 1 - k) * width - 0.4 + width / 2 for i in range(len(labels))]
+        shown = [(y, v, bad) for y, v, bad in zip(ys, values[name], failed[name]) if v is not None]
+        if not shown:
+            continue
+        bars = ax.barh([y for y, _, _ in shown], [v for _, v, _ in shown], height=width * 0.9, label=name,
+                       color=f"C{k}")
+        for bar, (_, _, bad) in zip(bars, shown):
+            if bad:
+                bar.set_hatch("//")
+        if errors is not None:
+            pairs = [(y, v, lo, hi) for y, v, lo, hi in zip(ys, values[name], *errors[name])
+                     if v is not None and lo is not None and hi is not None]
+            if pairs:
+                ax.errorbar([p[1] for p in pairs], [p[0] for p in pairs],
+                            xerr=[[p[1] - p[2] for p in pairs], [p[3] - p[1] for p in pairs]],
+                            fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="hatched: failed the row",
+              title_fontsize=7)
+
+
+def _failed(frame, candidate_frame, multi):
+    _, status = _by_candidate(frame, candidate_frame, "failed", multi)
+    return {name: [bool(v) for v in values] for name, values in status.items()}
+
+
+def speedup_by_candidate(frame, candidate_frame, path, multi):
+    """Speedup per row of shapewise and of every candidate, each over the reference timed in its own rounds."""
+    plt = _plt()
+    labels, values = _by_candidate(frame, candidate_frame, "speedup", multi)
+    errors = {name: (_by_candidate(frame, candidate_frame, "speedup_ci_low", multi)[1][name],
+                     _by_candidate(frame, candidate_frame, "speedup_ci_high", multi)[1][name]) for name in values}
+    fig, ax = plt.subplots(figsize=(9, _height(len(labels) * max(1, len(values) // 2))))
+    _grouped_bars(ax, labels, values, _failed(frame, candidate_frame, multi), errors)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    shown = [v for vs in values.values() for v in vs if v is not None]
+    if shown and max(shown) / max(min(shown), 1e-12) > 20:
+        ax.set_xscale("log")
+    ax.set_xlabel("speedup = reference median / model median, same rounds (bars: 95 % interval)")
+    ax.set_title("Speedup per row: shapewise and every candidate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def latency_by_candidate(frame, candidate_frame, path, multi):
+    """Median per row of shapewise and of every candidate (log scale)."""
+    plt = _plt()
+    labels, values = _by_candidate(frame, candidate_frame, "optimized_median_ms", multi)
+    fig, ax = plt.subplots(figsize=(9, _height(len(labels) * max(1, len(values) // 2))))
+    _grouped_bars(ax, labels, values, _failed(frame, candidate_frame, multi))
+    ax.set_xscale("log")
+    ax.set_xlabel("ms per forward (log scale)")
+    ax.set_title("Latency per row: shapewise and every candidate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def make_all(frame, items, switches, outdir, candidate_frame=None):
+    """Write the figures under outdir/figures; {name: relative path} of those made. With candidates
+    (`candidate_frame`, report_candidates.records), the speedup and latency figures show every one of them
+    beside shapewise."""
     fig_dir = Path(outdir) / "figures"
     fig_dir.mkdir(parents=True, exist_ok=True)
     multi = frame["machine_index"].nunique() > 1
     made = {}
-    if frame["speedup"].notna().any():
-        speedup(frame, fig_dir / "speedup.png", multi)
+    with_candidates = candidate_frame is not None and len(candidate_frame) > 0
+    if frame["speedup"].notna().any() or (with_candidates and candidate_frame["speedup"].notna().any()):
+        if with_candidates:
+            speedup_by_candidate(frame, candidate_frame, fig_dir / "speedup.png", multi)
+        else:
+            speedup(frame, fig_dir / "speedup.png", multi)
         made["speedup"] = "figures/speedup.png"
-    if frame["optimized_median_ms"].notna().any():
-        latency(frame, fig_dir / "latency.png", multi)
+    if frame["optimized_median_ms"].notna().any() or (
+            with_candidates and candidate_frame["optimized_median_ms"].notna().any()):
+        if with_candidates:
+            latency_by_candidate(frame, candidate_frame, fig_dir / "latency.png", multi)
+        else:
+            latency(frame, fig_dir / "latency.png", multi)
         made["latency"] = "figures/latency.png"
     abl = [i for i in items if i["data"]["ablation"].get("status") == "ok"]
     if abl and switches:

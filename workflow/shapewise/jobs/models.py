@@ -23,18 +23,31 @@ def build_models(row, config, device, disable=(), reference_dtype=torch.float32)
     and is kept in `reference_dtype` (default float32), so it computes exact math on the very parameters the
     optimized model uses. `reference_dtype=None`: no reference is kept (returned as None).
     """
-    from shapewise.model import BaselineTransformer, UserOptimizedTransformer
+    from shapewise.model import UserOptimizedTransformer
 
     dtype = DTYPES[row["dtype"]]
-    torch.manual_seed(WEIGHT_SEED)
-    reference = BaselineTransformer(config)
+    reference = seeded_reference(config)
     optimized = UserOptimizedTransformer(config, route=row["route"], disable=tuple(disable))
     optimized.load_state_dict(reference.state_dict(), strict=True)
     optimized = optimized.to(device=device, dtype=dtype).eval()
     if reference_dtype is None:
         return None, optimized
-    reference = reference.to(dtype=dtype).to(device=device, dtype=reference_dtype).eval()
-    return reference, optimized
+    return place_reference(reference, row, device, reference_dtype), optimized
+
+
+def seeded_reference(config):
+    """The reference whose weights every model of a row gets: BaselineTransformer(config) right after
+    torch.manual_seed(WEIGHT_SEED), on the CPU in float32."""
+    from shapewise.model import BaselineTransformer
+
+    torch.manual_seed(WEIGHT_SEED)
+    return BaselineTransformer(config)
+
+
+def place_reference(reference, row, device, reference_dtype):
+    """The reference on `device` in `reference_dtype`, its weights first rounded to the row's dtype (the very
+    parameters the model it is compared with runs on)."""
+    return reference.to(dtype=DTYPES[row["dtype"]]).to(device=device, dtype=reference_dtype).eval()
 
 
 def build_optimized(row, config, device, disable=()):

@@ -86,26 +86,10 @@ def main(args):
         model = build_optimized(row, config, device)
         x, mask, _ = make_case(row, config, device, FIRST_TRIAL_SEED)
         result["call"] = call_of(mask)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with torch.inference_mode():
-            for _ in range(capture["warmup"]):
-                run_optimized(model, x, mask, row)
-            sync(device)
-            log(f"{row['id']}: profiling {capture['calls']} calls")
-            with profile(activities=activities) as prof:
-                for _ in range(capture["calls"]):
-                    run_optimized(model, x, mask, row)
-                sync(device)
+        prof = capture_calls(lambda: run_optimized(model, x, mask, row), device, capture, row["id"])
         prof.export_chrome_trace(args.trace)
         result["route"], result["route_detail"] = route_of(model)
-        time_field = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        for evt in prof.key_averages():
-            total_us = float(getattr(evt, time_field, 0.0) or 0.0)
-            if device.type == "cuda" and total_us <= 0:
-                continue  # host-only entries: the table lists device kernels
-            table.append({"name": evt.key, "calls": int(evt.count), "total_us": total_us,
-                          "mean_us": total_us / max(1, int(evt.count))})
-        table.sort(key=lambda r: -r["total_us"])
+        table = kernel_table(prof, device)
         ours = our_triton_kernels()
         result["triton_kernels_defined"] = ours
         result["triton_kernels_ran"] = sorted({r["name"] for r in table
@@ -115,9 +99,43 @@ def main(args):
         result["status"] = "ok"
         log(f"{row['id']}: {len(table)} entries; our Triton kernels that ran: {result['triton_kernels_ran']}")
     result["kernels"] = table
-    with open(args.csv, "w", newline="") as fh:
+    write_csv(args.csv, table)
+    write_result(args.out, result)
+    return 0
+
+
+def capture_calls(fn, device, capture, tag):
+    """The profiler's record of capture["calls"] calls of fn, after capture["warmup"] calls outside it."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.inference_mode():
+        for _ in range(capture["warmup"]):
+            fn()
+        sync(device)
+        log(f"{tag}: profiling {capture['calls']} calls")
+        with profile(activities=activities) as prof:
+            for _ in range(capture["calls"]):
+                fn()
+            sync(device)
+    return prof
+
+
+def kernel_table(prof, device):
+    """[{"name", "calls", "total_us", "mean_us"}] of a capture, most time first: on a GPU the device kernels
+    (self device time), on a CPU every entry (self CPU time)."""
+    table = []
+    time_field = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    for evt in prof.key_averages():
+        total_us = float(getattr(evt, time_field, 0.0) or 0.0)
+        if device.type == "cuda" and total_us <= 0:
+            continue  # host-only entries: the table lists device kernels
+        table.append({"name": evt.key, "calls": int(evt.count), "total_us": total_us,
+                      "mean_us": total_us / max(1, int(evt.count))})
+    table.sort(key=lambda r: -r["total_us"])
+    return table
+
+
+def write_csv(path, table):
+    with open(path, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=["name", "calls", "total_us", "mean_us"])
         writer.writeheader()
         writer.writerows(table)
-    write_result(args.out, result)
-    return 0

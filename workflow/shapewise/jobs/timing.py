@@ -161,6 +161,71 @@ def run_rounds(calls, device, name, protocol, tag=""):
     return rounds, peaks_seen, stopping
 
 
+def time_protocol(calls, row, device, name, protocol, result, after_warmup=None):
+    """Run the protocol on `calls` ({model: fn}): the job's cores pinned as the protocol says, the GPU's state
+    and the other processes on it read before and after, then for each model in the dict's order its very first
+    call (timed alone) and its warm-up (`after_warmup(model)` after it), then the alternating rounds. Records
+    cpu_affinity, gpu_state, contention, core_pick and stopping in `result`; returns (rounds, seen) with seen =
+    {"first", "compiled", "warm_peak", "round_peak"}, each {model: value}."""
+    gpu = result["gpu"]
+    result["cpu_affinity"] = pin_cpus(protocol["cpus"]) if name == "stable" else \
+        dict(pin_cpus("inherit"), requested=None,
+             reason="official protocol: cores left as the job started (a local GPU job: its slot's cores)")
+    snapshots = [snapshot(gpu, "before")] if gpu else []
+    result["gpu_state"] = {"before": gpu_state(gpu)}
+    first, compiled = {}, {}  # compiled: kernels the first call compiled (new entries in Triton's disk cache)
+    warm_peak = {}
+    with torch.inference_mode():
+        for which, fn in calls.items():  # the first model's very first call is the one of the process
+            peak_memory_reset(device)
+            cached = triton_cache_entries()
+            first[which] = first_call_ms(fn, device)
+            after = triton_cache_entries()
+            compiled[which] = None if cached is None or after is None else after - cached
+            log(f"{row['id']}: first {which} call {first[which]:.2f} ms; warm-up x{protocol['warmup']}")
+            time_calls(fn, device, protocol["warmup"])
+            warm_peak[which] = peak_memory_bytes(device)
+            if after_warmup is not None:
+                after_warmup(which)
+        t0 = time.perf_counter()
+        rounds, round_peak, stopping = run_rounds(calls, device, name, protocol, tag=f"{row['id']}: ")
+        stopping["seconds"] = round(time.perf_counter() - t0, 3)
+    result["gpu_state"]["after"] = gpu_state(gpu)
+    if gpu:
+        snapshots.append(snapshot(gpu, "after"))
+    result["contention"] = contention(gpu, snapshots)
+    if result["contention"]["contended"]:
+        log(f"{row['id']}: WARNING other processes on the GPU: {result['contention']['other_processes']}")
+    result["core_pick"] = stopping.pop("core_pick", None)
+    result["stopping"] = stopping
+    return rounds, {"first": first, "compiled": compiled, "warm_peak": warm_peak, "round_peak": round_peak}
+
+
+def model_entries(rounds, summary, seen, tokens, row, warm_peak_only=()):
+    """{model: entry} of the timed models: every call's time, the per-call and per-round figures, the first call,
+    peak memory (the peak of warm-up and rounds; for the models in `warm_peak_only` the warm-up's alone) and
+    tokens per second."""
+    entries = {}
+    for which, model_rounds in rounds.items():
+        times = [t for r in model_rounds for t in r]
+        entry = summarize(times)
+        entry.update(summary[which])  # median_ms (the same median), round_medians_ms, median_ci_ms, rel_spread
+        entry["first_call_ms"] = seen["first"][which]
+        entry["first_call_compiled_kernels"] = seen["compiled"][which]
+        peaks = (seen["warm_peak"][which],) if which in warm_peak_only else \
+            (seen["warm_peak"][which], seen["round_peak"][which])
+        peaks_known = [p for p in peaks if p is not None]
+        entry["peak_memory_bytes"] = max(peaks_known) if peaks_known else None
+        entry["tokens_per_s"] = tokens / (entry["median_ms"] * 1e-3)
+        entry["times_ms"] = times
+        entries[which] = entry
+        ci = entry["median_ci_ms"]
+        log(f"{row['id']}: {which} median {entry['median_ms']:.4f} ms "
+            f"(95 % CI {'n/a' if ci is None else f'{ci[0]:.4f}-{ci[1]:.4f}'}), p90 {entry['p90_ms']:.4f} ms, "
+            f"{len(model_rounds)} rounds, spread {entry['rel_spread'] * 100:.1f} %")
+    return entries
+
+
 def roofline_entry(row, median_ms, microbench, environment):
     same_device = microbench["environment"].get("gpu_name") == environment.get("gpu_name") and \
         microbench["environment"].get("cpu") == environment.get("cpu")
@@ -230,7 +295,6 @@ def main(args):
     run_reference = "reference" not in result["skips"]
     config = model_config(row)
     tokens = config.batch_size * config.seq_len
-    gpu = result["gpu"]
 
     set_precision(reference=False)
     if run_reference:
@@ -245,59 +309,20 @@ def main(args):
     if mask_kind == "all-true":  # timed last in each round, and its first call after the others'
         calls["optimized_unmasked"] = lambda: run_optimized(optimized, x, None, row)
 
-    result["cpu_affinity"] = pin_cpus(protocol["cpus"]) if name == "stable" else \
-        dict(pin_cpus("inherit"), requested=None,
-             reason="official protocol: cores left as the job started (a local GPU job: its slot's cores)")
-    snapshots = [snapshot(gpu, "before")] if gpu else []
-    result["gpu_state"] = {"before": gpu_state(gpu)}
-    first, compiled = {}, {}  # compiled: kernels the first call compiled (new entries in Triton's disk cache)
-    warm_peak, routes = {}, {}
-    with torch.inference_mode():
-        for which, fn in calls.items():  # optimized first: its very first call is the one of the process
-            peak_memory_reset(device)
-            cached = triton_cache_entries()
-            first[which] = first_call_ms(fn, device)
-            after = triton_cache_entries()
-            compiled[which] = None if cached is None or after is None else after - cached
-            log(f"{row['id']}: first {which} call {first[which]:.2f} ms; warm-up x{protocol['warmup']}")
-            time_calls(fn, device, protocol["warmup"])
-            warm_peak[which] = peak_memory_bytes(device)
-            if which != "reference":
-                routes[which] = route_of(optimized)  # the route of this call (the last call's is all a model keeps)
-        t0 = time.perf_counter()
-        rounds, round_peak, stopping = run_rounds(calls, device, name, protocol, tag=f"{row['id']}: ")
-        stopping["seconds"] = round(time.perf_counter() - t0, 3)
-    result["gpu_state"]["after"] = gpu_state(gpu)
-    if gpu:
-        snapshots.append(snapshot(gpu, "after"))
-    result["contention"] = contention(gpu, snapshots)
-    if result["contention"]["contended"]:
-        log(f"{row['id']}: WARNING other processes on the GPU: {result['contention']['other_processes']}")
-    result["core_pick"] = stopping.pop("core_pick", None)
-    result["stopping"] = stopping
+    routes = {}
+
+    def keep_route(which):  # the route of this call (the last call's is all a model keeps)
+        if which != "reference":
+            routes[which] = route_of(optimized)
+
+    rounds, seen = time_protocol(calls, row, device, name, protocol, result, after_warmup=keep_route)
     result["route"], result["route_detail"] = routes["optimized"]
 
     summary = stats.summarize(rounds)
-    for which, model_rounds in rounds.items():
-        times = [t for r in model_rounds for t in r]
-        entry = summarize(times)
-        entry.update(summary[which])  # median_ms (the same median), round_medians_ms, median_ci_ms, rel_spread
-        entry["first_call_ms"] = first[which]
-        entry["first_call_compiled_kernels"] = compiled[which]
-        if which == "optimized" and "optimized_unmasked" in rounds:
-            # the rounds' peaks hold the unmasked call's captured graph as well: the official call's own peak is
-            # the one read before that call first ran
-            peaks_known = [p for p in (warm_peak[which],) if p is not None]
-        else:
-            peaks_known = [p for p in (warm_peak[which], round_peak[which]) if p is not None]
-        entry["peak_memory_bytes"] = max(peaks_known) if peaks_known else None
-        entry["tokens_per_s"] = tokens / (entry["median_ms"] * 1e-3)
-        entry["times_ms"] = times
-        result[which] = entry
-        ci = entry["median_ci_ms"]
-        log(f"{row['id']}: {which} median {entry['median_ms']:.4f} ms "
-            f"(95 % CI {'n/a' if ci is None else f'{ci[0]:.4f}-{ci[1]:.4f}'}), p90 {entry['p90_ms']:.4f} ms, "
-            f"{len(model_rounds)} rounds, spread {entry['rel_spread'] * 100:.1f} %")
+    # the rounds' peaks hold the unmasked call's captured graph as well: the official call's own peak is the one
+    # read before that call first ran
+    own_peak = ("optimized",) if "optimized_unmasked" in rounds else ()
+    result.update(model_entries(rounds, summary, seen, tokens, row, warm_peak_only=own_peak))
     result["mask_cost"] = mask_cost(rounds, summary, mask_kind,
                                     {which: route for which, (route, _) in routes.items()})
     if result["mask_cost"]["measured"]:

@@ -1,0 +1,5 @@
+"""A candidate file that defines no UserOptimizedTransformer."""
+
+
+class OptimizedTransformer:
+    pass

@@ -1,0 +1,21 @@
+"""The child process of a candidate job (shapewise.jobs.candidate.supervise starts it): the job's arguments as
+JSON on standard input; runs the step's work and writes its result."""
+
+import argparse
+import importlib
+import json
+import sys
+
+from shapewise import cpus
+
+
+def main():
+    payload = json.loads(sys.stdin.read())
+    cpus.adopt_job_start(payload.pop("job_start"))  # the job process pinned this process's cores already
+    args = argparse.Namespace(**payload)
+    step = importlib.import_module(f"shapewise.jobs.candidate.{args.step.removeprefix('candidate-')}")
+    return step.child(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
