@@ -132,17 +132,19 @@ def test_no_rows(tmp_path, text, says):
     assert says in refused(write_text(tmp_path, text))
 
 
-@pytest.mark.parametrize("field", ["batch_size", "seq_len", "d_model", "num_heads", "ffn_dim", "num_layers",
-                                   "trials"])
+@pytest.mark.parametrize("field", ["batch_size", "seq_len", "d_model", "num_heads", "ffn_dim", "num_layers"])
 def test_integer_beyond_a_64_bit_count(tmp_path, field):
     path = write_text(tmp_path, row_text(**{field: 99999999999999999999999}))
     message = refused(path)
     assert f"row 'r1': field {field}: 99999999999999999999999 does not fit a signed 64-bit count" in message
 
 
-def test_largest_64_bit_count_is_taken_for_trials(tmp_path):
-    rows = load_manifest(write_rows(tmp_path, [dict(GOOD, trials=limits.COUNT_MAX)]))
-    assert rows[0]["trials"] == limits.COUNT_MAX
+def test_trials_beyond_its_maximum_names_the_maximum(tmp_path):
+    maximum = manifest.load_schema()["items"]["properties"]["trials"]["maximum"]
+    assert load_manifest(write_rows(tmp_path, [dict(GOOD, trials=maximum)]))[0]["trials"] == maximum
+    for trials in (maximum + 1, 99999999999999999999999):
+        message = refused(write_text(tmp_path, row_text(trials=trials)))
+        assert f"row 'r1': field trials: {trials} is greater than the maximum of {maximum}" in message
 
 
 def test_tensor_beyond_a_64_bit_count_names_its_fields(tmp_path):
@@ -203,8 +205,7 @@ def test_id_with_markup_or_path_separators(tmp_path, row_id):
     assert "field id" in refused(write_rows(tmp_path, [dict(GOOD, id=row_id)]))
 
 
-@pytest.mark.parametrize("field", ["batch_size", "seq_len", "d_model", "num_heads", "ffn_dim", "num_layers",
-                                   "trials"])
+@pytest.mark.parametrize("field", ["batch_size", "seq_len", "d_model", "num_heads", "ffn_dim", "num_layers"])
 @pytest.mark.parametrize("value", [0, -1])
 def test_zero_or_negative_count(tmp_path, field, value):
     assert f"field {field}" in refused(write_rows(tmp_path, [dict(GOOD, **{field: value})]))

@@ -82,9 +82,8 @@ def html_value(value):
 
 def md_value(value):
     """A value as report.md shows it: `<` written as `&lt;` (no HTML tag or autolink in a Markdown viewer that
-    renders HTML) and line breaks as spaces (a value stays in its line, table cell or list item). Markup (a macro's
-    output marked `|safe`, each of whose values went through here already) is kept as it is."""
-    if not isinstance(value, str) or isinstance(value, markupsafe.Markup):
+    renders HTML) and line breaks as spaces (a value stays in its line, table cell or list item)."""
+    if not isinstance(value, str):
         return value
     return " ".join(value.replace("<", "&lt;").splitlines())
 
