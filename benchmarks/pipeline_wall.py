@@ -40,7 +40,7 @@ def _now():
 def run_snakemake(args, extra, log_path):
     command = [sys.executable, "-m", "snakemake", "--cores", "all", "--config", f"shapes={args.shapes}"]
     if args.commit:
-        command[-1:] += [f"commit={args.commit}"]
+        command.append(f"commit={args.commit}")
     command += extra
     started, t0 = _now(), time.monotonic()
     with open(log_path, "w") as log:
