@@ -1,11 +1,12 @@
-"""Per-row profile table of a committed report: median, target, floor, GPU time and top kernels per forward.
+"""Per-row profile table of a committed report: median, target, floor, GPU time, top kernels per forward, slow rounds.
 
 Usage: python -m benchmarks.report_rows [REPORT_DIR]   (default: reports/h200)
 
 For each row: the optimized median and the row's target (summary.csv), the roofline floor (the timing job's), the
 GPU time per forward in the profile capture (device kernel and copy time / captured calls), and the three kernels
-that took the most device time per forward. Reads only the report's own files (summary.csv, data/timing,
-data/profile).
+that took the most device time per forward; the timing rounds whose optimized median lies more than SLOW_ROUND
+times above the fastest round's (a disturbed host shows there first). Reads only the report's own files
+(summary.csv, data/timing, data/profile).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import json
 from pathlib import Path
 
 HOST_ROWS = ("aten::", "Activity Buffer", "cudaDeviceSynchronize")
+SLOW_ROUND = 1.2
 
 
 def fmt_ms(ms):
@@ -28,8 +30,8 @@ def main():
     with open(report / "summary.csv", newline="") as f:
         summary = {r["id"]: r for r in csv.DictReader(f)}
     print("| row | route | median | target | floor | median / floor | GPU time per forward (profile) "
-          "| top kernels per forward |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"| top kernels per forward | rounds > {SLOW_ROUND}× the fastest (fastest) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for shape, row in summary.items():
         n = int(shape.rsplit("-", 1)[1])
         timing = json.loads((report / "data/timing" / f"{shape}.json").read_text())
@@ -43,9 +45,12 @@ def main():
         floor = timing["roofline"]["floor_ms"]
         top = "; ".join(f"`{k['name'][:44]}` {fmt_ms(float(k['total_us']) / calls / 1000)} "
                         f"({int(k['calls']) // calls}×)" for k in kernels[:3])
+        rounds = timing["optimized"].get("round_medians_ms") or []
+        slow = (f"{sum(r > SLOW_ROUND * min(rounds) for r in rounds)} of {len(rounds)} ({fmt_ms(min(rounds))})"
+                if rounds else "n/a")
         route = row["route"].split(" (")[0]
         print(f"| {n} | {route} | {fmt_ms(median)} | {fmt_ms(float(row['target_ms']))} | {fmt_ms(floor)} | "
-              f"{median / floor:.1f}× | {fmt_ms(busy_ms)} | {top} |")
+              f"{median / floor:.1f}× | {fmt_ms(busy_ms)} | {top} | {slow} |")
 
 
 if __name__ == "__main__":

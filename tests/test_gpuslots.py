@@ -623,6 +623,39 @@ def test_check_lets_jobs_that_time_nothing_share_a_gpu_and_no_one_else(tmp_path,
     assert gpuslots.check_main(tmp_path, min_gpus=1) == 1
 
 
+def test_a_holder_that_shared_its_gpu_from_some_time_on_is_alone_only_until_then(tmp_path):
+    def held(path, start, end, **lock):
+        _result(path, "0", start, end)
+        data = json.loads(path.read_text())
+        data["gpu"]["lock"] = dict(lock, gpu="0")
+        path.write_text(json.dumps(data))
+
+    # a profile that chose a kernel alone until 00:20, then shared; a warm-up sharing from 00:30 on
+    held(tmp_path / "profile" / "a.json", "00:00", "01:00", mode=gpuslots.SHARED,
+         shared_since="2026-11-30T10:00:20.000+00:00")
+    held(tmp_path / "warmup" / "a.json", "00:30", "01:30", mode=gpuslots.SHARED)
+    summary = gpuslots.check_intervals(gpuslots.job_intervals(tmp_path), min_gpus=1)
+    assert summary["problems"] == [] and summary["sharing_pairs"] == 1
+    held(tmp_path / "accuracy" / "a.json", "00:10", "00:25", mode=gpuslots.SHARED)  # while the profile was alone
+    summary = gpuslots.check_intervals(gpuslots.job_intervals(tmp_path), min_gpus=1)
+    assert len(summary["shared"]) == 1 and "profile" in summary["shared"][0] and "accuracy" in summary["shared"][0]
+
+
+def test_a_result_records_its_lock_as_held_when_written(tmp_path, monkeypatch):
+    from shapewise.jobs import io
+
+    class Slot:
+        def record(self):
+            return {"mode": gpuslots.SHARED, "shared_since": "2026-11-30T10:00:20.000+00:00"}
+
+    monkeypatch.setattr(gpuslots, "held", lambda: Slot())
+    out = tmp_path / "r.json"
+    io.write_result(out, {"step": "profile", "gpu": {"uuid": "GPU-0", "lock": {"mode": gpuslots.EXCLUSIVE}}})
+    assert json.loads(out.read_text())["gpu"]["lock"]["shared_since"] == "2026-11-30T10:00:20.000+00:00"
+    io.write_result(out, {"step": "accuracy", "gpu": None})  # a CPU job: nothing to record
+    assert json.loads(out.read_text())["gpu"] is None
+
+
 def test_on_slot_runs_with_the_slot_set_and_before_auto_is_resolved(tmp_path):
     # `auto` imports torch to ask for CUDA: the CPU pinning (on_slot) must come first, with the slot known
     order = []

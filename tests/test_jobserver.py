@@ -220,3 +220,11 @@ def test_a_job_whose_device_is_not_the_servers_runs_fresh(tmp_path, monkeypatch)
     with pytest.raises(jobserver.RunFresh, match="runs on cpu, the job server serves cuda"):
         cli.main(argv, server_mode="cuda")
     assert not (tmp_path / "p.json").exists()
+
+
+def test_a_loaded_cuda_driver_is_forked_only_while_not_initialized():
+    # libraries that link the driver (CUPTI, Triton's driver module) load it without initializing it
+    assert jobserver._initialized_driver_problem("libcuda.so.1", jobserver.CUDA_ERROR_NOT_INITIALIZED) is None
+    assert "initialized while importing (cuDeviceGetCount returned 0" in jobserver._initialized_driver_problem(
+        "libcuda.so.1", 0)
+    assert "cannot ask the loaded CUDA driver" in jobserver._initialized_driver_problem("/nonexistent/libcuda.so.1")

@@ -15,6 +15,7 @@ from shapewise.model import optimized as optimized_module
 from shapewise.model.routing import Shape, select_route
 
 CFG = (5, 9, 32, 2, 48, 2)  # B=5: chunks of 2 give passes of 2, 2 and 1
+STREAMED_ATOL = 1e-6  # a few fp32 roundings of O(1) outputs
 
 
 def budget_for_chunk(model, x, mask, chunk):
@@ -39,9 +40,12 @@ def one_thread():
 @pytest.mark.parametrize("route", ["sdpa", "triton", "megakernel"])
 @pytest.mark.parametrize("mask_kind", ["none", "prefix", "holes", "one_empty"])
 def test_streamed_forward_matches_one_pass(route, mask_kind, one_thread):
-    """Bit-identical on the CPU (one thread): every op of these routes computes a batch element from that element
-    alone, and the CPU GEMMs give the same rows for 2 as for 5 elements (on a GPU, cuBLAS may pick another kernel
-    for another batch size, so there the memory benchmark checks the official tolerance instead)."""
+    """Bit-identical on the CPU (one thread) where every op computes a batch element from that element alone in
+    the same order: the sdpa and megakernel routes. The triton route's kernels run in Triton's interpreter, whose
+    dots are numpy matmuls over blocks of tokens; a token's row may round differently by its place in the block
+    (3.6e-7 with numpy 2.4), so there the streamed result is held within STREAMED_ATOL, far below any misplaced
+    chunk's error (on a GPU, cuBLAS may pick another kernel for another batch size, so there the memory benchmark
+    checks the official tolerance instead)."""
     cfg = cfg_of(CFG)
     _, one_pass = build_pair(cfg, route)
     x, mask = make_inputs(cfg, mask_kind)
@@ -54,7 +58,11 @@ def test_streamed_forward_matches_one_pass(route, mask_kind, one_thread):
     assert one_pass.last_memory_plan.num_chunks == 1
     assert streamed.last_route.name == route and "streamed in 3 chunks of 2" in streamed.last_route.reason
     assert got.shape == want.shape and got.dtype == want.dtype
-    assert torch.equal(got, want), f"route {route} mask {mask_kind}: max |diff| {(got - want).abs().max().item()}"
+    diff = (got - want).abs().max().item()
+    if route == "triton":
+        assert diff <= STREAMED_ATOL, f"route {route} mask {mask_kind}: max |diff| {diff}"
+    else:
+        assert torch.equal(got, want), f"route {route} mask {mask_kind}: max |diff| {diff}"
 
 
 def test_streamed_forward_records_each_chunk_route():

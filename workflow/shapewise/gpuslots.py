@@ -533,8 +533,8 @@ def job_intervals(results_dir):
     "end"}. The GPU is the UUID of the result's `gpu` block or, for a result without one, the slot it held (the
     block's `slot` or the environment's SHAPEWISE_PIPELINE_GPU_SLOT, a GPU index), turned into a UUID where
     another result of the same host names that slot's UUID. The mode is the one its lock record names (a result
-    without one held its GPU alone: every job did before GPUs were shared). Results that ran on no GPU are left
-    out."""
+    without one held its GPU alone: every job did before GPUs were shared); a job that held its GPU alone, then
+    shared it (`shared_since`), gives one record of each. Results that ran on no GPU are left out."""
     records, uuids = [], {}
     for path in sorted(Path(results_dir).rglob("*.json")):
         if any(part.startswith("report") for part in path.relative_to(results_dir).parts[:-1]):
@@ -556,9 +556,15 @@ def job_intervals(results_dir):
         if gpu_block.get("uuid") and index is not None:
             uuids[(env.get("host"), str(index))] = gpu_block["uuid"]
         lock = gpu_block.get("lock") or {}
-        records.append({"file": str(path), "host": env.get("host"), "gpu": str(gpu), "source": source,
-                        "mode": lock.get("mode", EXCLUSIVE), "step": data.get("step"),
-                        "start": _parse_time(data["started"]), "end": _parse_time(data["finished"])})
+        record = {"file": str(path), "host": env.get("host"), "gpu": str(gpu), "source": source,
+                  "mode": lock.get("mode", EXCLUSIVE), "step": data.get("step"),
+                  "start": _parse_time(data["started"]), "end": _parse_time(data["finished"])}
+        since = _parse_time(lock["shared_since"]) if lock.get("shared_since") else None
+        if since is not None and record["start"] < since < record["end"]:
+            # held alone until `shared_since` (Slot.downgrade), shared from then on: two intervals
+            records.append(dict(record, mode=EXCLUSIVE, end=since))
+            record["start"] = since
+        records.append(record)
     for rec in records:
         rec["gpu"] = uuids.get((rec["host"], rec["gpu"]), rec["gpu"])
     return records

@@ -6,7 +6,7 @@ a fork of a process that did that once costs milliseconds. Each job is still a p
 output and log, and nothing of one job reaches another:
 - the server imports modules and reads the static environment (shapewise.inventory.cheap_environment), and
   nothing else: it never initializes CUDA (CUDA does not survive a fork; `fork_problems` checks that torch did not
-  initialize it, that the driver is not even loaded, and that a fork of the server can initialize it), runs no
+  initialize it, that the driver is not initialized, and that a fork of the server can initialize it), runs no
   kernel, and starts no thread;
 - each job gets a fork of that same state, with the job's own stdin, stdout and stderr (passed over the socket),
   working directory, umask, environment, CPU affinity and torch thread count (what a fresh process takes from
@@ -359,8 +359,8 @@ def preload(mode):
 
 def fork_problems(cuda_initialized, mode, probe=None):
     """What keeps this process's state from being forked into jobs: CUDA initialized by torch, more than one
-    thread, and in the cuda mode the CUDA driver loaded already (only initializing it loads it) or a fork that
-    cannot initialize it (`probe`, by default _cuda_driver_problem)."""
+    thread, and in the cuda mode the CUDA driver initialized already (loaded is harmless: libraries that link it
+    load it) or a fork that cannot initialize it (`probe`, by default _cuda_driver_problem)."""
     problems = []
     if cuda_initialized:
         problems.append("torch initialized CUDA while importing")
@@ -373,14 +373,37 @@ def fork_problems(cuda_initialized, mode, probe=None):
     return problems
 
 
+CUDA_ERROR_NOT_INITIALIZED = 3  # what every driver call but cuInit returns before cuInit
+
+
 def _cuda_driver_problem():
     try:
         maps = open("/proc/self/maps").read()
     except OSError as exc:
         return f"cannot read /proc/self/maps ({exc.strerror}) to see whether the CUDA driver is loaded"
-    if "libcuda.so" in maps:
-        return "the CUDA driver was loaded (so initialized) while importing"
+    loaded = sorted({line.split()[-1] for line in maps.splitlines() if "libcuda.so" in line.rsplit("/", 1)[-1]})
+    if loaded:  # loaded by a library that links it (CUPTI, Triton's driver module): harmless until initialized
+        problem = _initialized_driver_problem(loaded[0])
+        if problem:
+            return problem
     return _cuda_init_in_a_fork()
+
+
+def _initialized_driver_problem(library, device_count_status=None):
+    """None while the loaded CUDA driver `library` is not initialized (cuDeviceGetCount, which initializes nothing,
+    answers CUDA_ERROR_NOT_INITIALIZED), else why it is."""
+    if device_count_status is None:
+        import ctypes
+
+        count = ctypes.c_int()
+        try:
+            device_count_status = ctypes.CDLL(library).cuDeviceGetCount(ctypes.byref(count))
+        except (OSError, AttributeError) as exc:
+            return f"cannot ask the loaded CUDA driver {library} whether it is initialized ({exc})"
+    if device_count_status != CUDA_ERROR_NOT_INITIALIZED:
+        return (f"the CUDA driver was initialized while importing (cuDeviceGetCount returned {device_count_status}, "
+                f"not {CUDA_ERROR_NOT_INITIALIZED}: not initialized)")
+    return None
 
 
 def _cuda_init_in_a_fork():

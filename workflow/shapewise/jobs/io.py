@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from shapewise import provenance
+from shapewise import gpuslots, provenance
 from shapewise.inventory import job_environment
 from shapewise.identity import identity
 from shapewise.jobs.device import gpu_identity, job_cpu_affinity
@@ -56,6 +56,9 @@ def write_result(path, result):
     """Write `result` as JSON, sealed with the digest of its content (shapewise.provenance.seal), atomically."""
     t0 = result.pop("_t0", None)
     result["finished"] = now_iso()
+    slot = gpuslots.held()
+    if slot is not None and isinstance(result.get("gpu"), dict) and "lock" in result["gpu"]:
+        result["gpu"]["lock"] = slot.record()  # as held at the end: a job that stopped holding its GPU alone says when
     if t0 is not None:
         result["duration_s"] = round(time.perf_counter() - t0, 3)
     path = Path(path)
