@@ -233,7 +233,7 @@ def run_isolated(argv, time_limit_s, stdin_text="", env=None, log=print) -> dict
     Returns {"returncode", "signal" (the name of
     the signal that ended it, or None), "timed_out", "seconds"}."""
     started = time.monotonic()
-    child = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env, start_new_session=True, text=True)
+    child = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env, preexec_fn=os.setpgrp, text=True)
 
     def stop(signum, frame):
         _kill_group(child)
