@@ -230,7 +230,8 @@ def run_job_here(args, argv, server_mode=None):
     if args.device == "cuda" and gpuslots.held() is not None:
         gpushare.install(warm=args.step == "warmup",
                          alone_until_chosen=os.environ.get(gpuslots.USE_VAR) == gpuslots.EXCLUSIVE)
-    module = importlib.import_module(f"shapewise.jobs.{args.step.replace('candidate-', 'candidate.')}")
+    package = "shapewise.jobs.candidate" if args.step.startswith("candidate-") else "shapewise.jobs"
+    module = importlib.import_module(f"{package}.{args.step.replace('-', '_')}")  # the step's own module
     try:
         return module.main(args)
     except gpushare.NeedsExclusiveGPU as exc:

@@ -13,7 +13,7 @@ def main():
     payload = json.loads(sys.stdin.read())
     cpus.adopt_job_start(payload.pop("job_start"))  # the job process pinned this process's cores already
     args = argparse.Namespace(**payload)
-    step = importlib.import_module(f"shapewise.jobs.candidate.{args.step.removeprefix('candidate-')}")
+    step = importlib.import_module(f"shapewise.jobs.candidate.{args.step.replace('-', '_')}")
     return step.child(args)
 
 
