@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import ast
 import functools
-import hashlib
 import importlib.util
-import json
 import os
 import re
 import signal
@@ -147,11 +145,12 @@ def files(path, root=".") -> dict:
 def digest(path, root=".") -> str:
     """The candidate's SHA-256: of the file's bytes, or over the package's {relative path: SHA-256} (canonical
     JSON), so an edit of any of its files changes it."""
+    from shapewise.inventory import digest_of
+
     found = files(path, root)
-    full = location(path, root)
-    if full.is_file():
+    if location(path, root).is_file():
         return next(iter(found.values()))
-    return hashlib.sha256(json.dumps(found, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return digest_of(found)
 
 
 def reference_files(root=".") -> list[Path]:

@@ -180,7 +180,7 @@ def load_rows(report_dir) -> list[dict]:
             row["machine_source"] = SUMMARY
         else:
             row["machine"], row["machine_source"] = _machine_from_timing(report_dir, row["id"])
-        row["candidate"] = row.get("candidate") or SHAPEWISE
+        row["candidate"] = candidate_of(row)
         key = (row["machine"], row["id"], row["candidate"])
         if key in seen:
             raise CompareError(f"{path}, line {line}: row {label(row)} appears twice for machine {row['machine']!r}")
@@ -233,9 +233,15 @@ def _route_changed(old, new):
     return _route_name(old["route"]) != _route_name(new["route"])
 
 
+def candidate_of(row):
+    """The model a row measured: its `candidate`, shapewise's own where it names none (a summary without the
+    column, an older report)."""
+    return row.get("candidate") or SHAPEWISE
+
+
 def label(row):
     """How a row is named: its id for shapewise's rows, `<id> (<candidate>)` for a candidate's."""
-    candidate = row.get("candidate") or SHAPEWISE
+    candidate = candidate_of(row)
     return row["id"] if candidate == SHAPEWISE else f"{row['id']} ({candidate})"
 
 
@@ -253,7 +259,7 @@ def compare_rows(old_rows, new_rows, floors=None) -> dict:
     for machine, row_id in keys:
         old, new = old_by.get((machine, row_id)), new_by.get((machine, row_id))
         status = "both" if old and new else ("removed" if old else "added")
-        entry = {"id": (old or new)["id"], "candidate": (old or new).get("candidate") or SHAPEWISE, "label": row_id,
+        entry = {"id": (old or new)["id"], "candidate": candidate_of(old or new), "label": row_id,
                  "machine": machine, "status": status,
                  "route_old": old.get("route") if old else None, "route_new": new.get("route") if new else None,
                  "route_changed": bool(old and new and _route_changed(old, new)),
@@ -320,10 +326,10 @@ def format_comparison(result, old_name="OLD", new_name="NEW") -> list[str]:
     lines = [f"compare: {old_name} -> {new_name} (noise floors: optimized {floors['optimized']:.0%}, "
              f"reference {floors['reference']:.0%}; beyond noise = intervals apart and change above the floor)"]
     elsewhere = {n["id"] for n in result["not_comparable"]}
-    groups = list(dict.fromkeys((r["machine"], r.get("candidate", SHAPEWISE)) for r in result["rows"]))
+    groups = list(dict.fromkeys((r["machine"], r["candidate"]) for r in result["rows"]))
     with_candidates = any(candidate != SHAPEWISE for _, candidate in groups)
     for machine, candidate in groups:
-        rows = [r for r in result["rows"] if (r["machine"], r.get("candidate", SHAPEWISE)) == (machine, candidate)]
+        rows = [r for r in result["rows"] if (r["machine"], r["candidate"]) == (machine, candidate)]
         both = [r for r in rows if r["status"] == "both"]
         lines.append("")
         lines.append(f"machine {machine}{f', candidate {candidate}' if with_candidates else ''}: {len(both)} rows in "
@@ -341,8 +347,8 @@ def format_comparison(result, old_name="OLD", new_name="NEW") -> list[str]:
                 lines.append(f"  route changed: {r['id']}: {r['route_old']} -> {r['route_new']}")
             if r["result_old"] != r["result_new"]:
                 lines.append(f"  status changed: {r['id']}: {r['result_old']} -> {r['result_new']}")
-        added = [r["id"] for r in rows if r["status"] == "added" and r.get("label", r["id"]) not in elsewhere]
-        removed = [r["id"] for r in rows if r["status"] == "removed" and r.get("label", r["id"]) not in elsewhere]
+        added = [r["id"] for r in rows if r["status"] == "added" and r["label"] not in elsewhere]
+        removed = [r["id"] for r in rows if r["status"] == "removed" and r["label"] not in elsewhere]
         if added:
             lines.append(f"  rows added: {', '.join(added)}")
         if removed:

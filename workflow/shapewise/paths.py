@@ -38,18 +38,27 @@ def manifest(name: str) -> str:
     return f"shapes/{name}.yaml"
 
 
+def _result_under(base: str, step: str, shape: str) -> str:
+    """The layout of per-shape results under `base` (results/, or a candidate's directory in it)."""
+    if step == "profile":
+        return f"{base}/profile/{shape}/kernels.json"
+    return f"{base}/{step}/{shape}.json"
+
+
+def _profile_extra_under(base: str, shape: str) -> dict:
+    return {"csv": f"{base}/profile/{shape}/kernels.csv", "trace": f"{base}/profile/{shape}/trace.json"}
+
+
 def result(step: str, shape: str) -> str:
     """The result JSON of one per-shape step (the profile step's table is its JSON), or of a row's warm-up."""
     if step not in SHAPE_STEPS and step != WARMUP_STEP:
         raise ValueError(f"unknown step {step!r}; steps are {SHAPE_STEPS + (WARMUP_STEP,)}")
-    if step == "profile":
-        return f"{RESULTS}/profile/{shape}/kernels.json"
-    return f"{RESULTS}/{step}/{shape}.json"
+    return _result_under(RESULTS, step, shape)
 
 
 def profile_extra(shape: str) -> dict:
     """The profile step's other outputs: the per-kernel CSV and the Chrome trace."""
-    return {"csv": f"{RESULTS}/profile/{shape}/kernels.csv", "trace": f"{RESULTS}/profile/{shape}/trace.json"}
+    return _profile_extra_under(RESULTS, shape)
 
 
 def per_shape(shape: str) -> dict:
@@ -81,14 +90,11 @@ CANDIDATE_STEPS = ("accuracy", "timing", "profile")
 def candidate_result(candidate: str, step: str, shape: str) -> str:
     if step not in CANDIDATE_STEPS:
         raise ValueError(f"unknown candidate step {step!r}; steps are {CANDIDATE_STEPS}")
-    if step == "profile":
-        return f"{RESULTS}/candidates/{candidate}/profile/{shape}/kernels.json"
-    return f"{RESULTS}/candidates/{candidate}/{step}/{shape}.json"
+    return _result_under(f"{RESULTS}/candidates/{candidate}", step, shape)
 
 
 def candidate_profile_extra(candidate: str, shape: str) -> dict:
-    base = f"{RESULTS}/candidates/{candidate}/profile/{shape}"
-    return {"csv": f"{base}/kernels.csv", "trace": f"{base}/trace.json"}
+    return _profile_extra_under(f"{RESULTS}/candidates/{candidate}", shape)
 
 
 def candidate_per_shape(candidate: str, shape: str) -> dict:

@@ -33,7 +33,7 @@ import markupsafe
 import pandas as pd
 
 from shapewise import candidates, paths, provenance, report_candidates, report_data, report_figures
-from shapewise.report_data import ReportInputError
+from shapewise.report_data import ReportInputError, copy_into
 
 SOURCE_DIRS = ("model", "kernels", "workflow")
 SOURCE_SUFFIXES = (".py", ".smk", ".yaml", ".yml", ".json", ".j2", ".csv", ".toml")
@@ -135,13 +135,6 @@ def protocols(items):
             if p and json.dumps(p, sort_keys=True) != usual:
                 exceptions.append({"id": i["id"], "step": step, "protocol": p})
     return out[0], out[1], exceptions
-
-
-def copy_into(src, outdir, rel):
-    dst = Path(outdir) / rel
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst)
-    return rel
 
 
 def baseline_section(baseline, outdir):

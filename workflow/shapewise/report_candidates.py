@@ -17,12 +17,8 @@ shows its time beside its failure, and it is never the fastest.
 
 from __future__ import annotations
 
-import math
-import shutil
-from pathlib import Path
-
 from shapewise import candidates, identity, paths
-from shapewise.report_data import check_identity, check_run_settings, read_result, row_record
+from shapewise.report_data import check_identity, check_run_settings, copy_into, geomean, read_result, row_record
 
 SHAPEWISE = candidates.SHAPEWISE  # the `candidate` column's value for shapewise's own rows
 SOURCES = "candidates"  # where a report keeps each candidate's files: candidates/<name>/<file>
@@ -46,12 +42,13 @@ def load_rows(inputs, rows, digests, problems):
         for name, spec in (entry.get("candidates") or {}).items():
             expected = dict(digests, implementation_digest=sha[name], row_id=row["id"],
                             row_digest=identity.row_digest(row))
+            redo = regenerate(name, row["id"])
             data = {}
             for step in paths.CANDIDATE_STEPS:
                 path = spec["results"][step]
-                data[step] = read_result(path, regenerate(name, row["id"]), problems)
-                check_identity(path, data[step], expected, regenerate(name, row["id"]), problems)
-                check_run_settings(path, data[step], inputs, regenerate(name, row["id"]), problems)
+                data[step] = read_result(path, redo, problems)
+                check_identity(path, data[step], expected, redo, problems)
+                check_run_settings(path, data[step], inputs, redo, problems)
             item["candidates"][name] = {"data": data, "paths": spec["results"], "profile_csv": spec["profile_csv"]}
     return listed
 
@@ -121,7 +118,7 @@ def summary(candidate_rows):
         speedups = [e["speedup"] for e in mine if e["speedup"] is not None and e["speedup"] > 0]
         out.append({"name": name, "rows": len(mine), "passed": sum(e["status"] == "pass" for e in mine),
                     "timed_rows": len(speedups), "fastest_rows": sum(e["fastest"] for e in mine),
-                    "geomean_speedup": math.exp(sum(map(math.log, speedups)) / len(speedups)) if speedups else None})
+                    "geomean_speedup": geomean(speedups)})
     return out
 
 
@@ -141,11 +138,8 @@ def copy_sources(listed, outdir, root):
         files = []
         for rel in candidates.files(c["path"], root):
             src = source if source.is_file() else source / rel
-            dst = f"{SOURCES}/{c['name']}/{rel}"
-            (Path(outdir) / dst).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, Path(outdir) / dst)
-            artifacts.append(dst)
-            files.append(dst)
+            files.append(copy_into(src, outdir, f"{SOURCES}/{c['name']}/{rel}"))
+        artifacts += files
         entries.append({"name": c["name"], "path": c["path"], "sha256": c["sha256"], "files": files})
     if problems:
         raise ReportInputError(problems)

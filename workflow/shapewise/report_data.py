@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 from pathlib import Path
 
@@ -409,8 +410,18 @@ def table(loaded):
     return pd.DataFrame.from_records(records, columns=list(records[0]) if records else SUMMARY_COLUMNS)
 
 
-def _geomean(series):
-    values = series.dropna()
+def copy_into(src, outdir, rel):
+    """Copy `src` to outdir/rel (its directories made); returns `rel`, the copy's path in the report."""
+    dst = Path(outdir) / rel
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    return rel
+
+
+def geomean(values):
+    """The geometric mean of the positive values among `values` (a series or any iterable; None and NaN left out),
+    or None when there is none."""
+    values = pd.Series(values, dtype=float).dropna()
     values = values[values > 0]
     if values.empty:
         return None
@@ -437,7 +448,7 @@ def machine_groups(frame, loaded):
             "hosts": sorted({e.get("host") for e in envs if e.get("host")}),
             "is_cpu": env.get("gpu_name") is None,
             "ids": list(part["id"]),
-            "geomean_speedup": _geomean(part["speedup"]),
+            "geomean_speedup": geomean(part["speedup"]),
             "timed_rows": int(part["speedup"].notna().sum()),
             "passed": int(counts.get("pass", 0)),
             "failed": int(counts.get("fail", 0)),

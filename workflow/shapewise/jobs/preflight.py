@@ -27,25 +27,35 @@ from shapewise.jobs.io import header, log, write_result
 from shapewise.jobs.models import build_optimized, model_config
 
 
-def main(args):
+def budget_bytes(free, headroom):
+    """What a row may plan with: the free device memory (or available RAM) times the headroom; None when the free
+    memory is not known."""
+    return int(free * headroom) if free is not None else None
+
+
+def reference_fit(config, budget):
+    """(estimated peak bytes, whether it fits `budget`) of the plain reference, in float32: the reference of an
+    accuracy check runs in float32 whatever the row's dtype."""
     from shapewise.model.memory import estimate_memory_bytes
 
+    estimate = int(estimate_memory_bytes(config, DTYPES["float32"], "reference"))
+    return estimate, budget is not None and estimate <= budget
+
+
+def main(args):
     device = setup(args.device)
     row = json.loads(args.row)
     config = model_config(row)
     result = header("preflight", row, args.device, args)
     free, total = free_memory_bytes(device)
-    budget = int(free * args.headroom) if free is not None else None
+    budget = budget_bytes(free, args.headroom)
     result["free_bytes"] = free
     result["total_bytes"] = total
     result["headroom"] = args.headroom
     result["budget_bytes"] = budget
     result["memory_kind"] = "GPU free memory (torch.cuda.mem_get_info)" if device.type == "cuda" \
         else "available RAM (/proc/meminfo MemAvailable)"
-    # the reference of an accuracy check runs in float32 whatever the row's dtype
-    dtype = DTYPES["float32"]
-    estimate = int(estimate_memory_bytes(config, dtype, "reference"))
-    reference_fits = budget is not None and estimate <= budget
+    estimate, reference_fits = reference_fit(config, budget)
     models = {"reference": {"estimate_bytes": estimate, "dtype": "float32", "fits": reference_fits}}
     log(f"{row['id']}: reference needs ~{estimate / 2**30:.2f} GiB of {_gib(budget)}: "
         f"{'fits' if reference_fits else 'DOES NOT FIT (resource skip)'}")

@@ -76,8 +76,7 @@ def main(args):
     result["call"] = None
     if not fits(preflight, "optimized"):
         result["status"] = "resource-skip"
-        with open(args.trace, "w") as fh:
-            json.dump({"traceEvents": [], "note": "resource skip: the optimized model does not fit"}, fh)
+        write_empty_trace(args.trace, "resource skip: the optimized model does not fit")
     else:
         interpreted = device.type == "cpu"
         if interpreted:
@@ -94,7 +93,7 @@ def main(args):
         result["triton_kernels_defined"] = ours
         result["triton_kernels_ran"] = sorted({r["name"] for r in table
                                                if any(r["name"].startswith(k) for k in ours)})
-        result["time_source"] = ("CUDA kernel time (self device time)" if device.type == "cuda"
+        result["time_source"] = (DEVICE_TIME_SOURCE if device.type == "cuda"
                                  else "CPU time; Triton kernels timed inside the interpreter")
         result["status"] = "ok"
         log(f"{row['id']}: {len(table)} entries; our Triton kernels that ran: {result['triton_kernels_ran']}")
@@ -102,6 +101,9 @@ def main(args):
     write_csv(args.csv, table)
     write_result(args.out, result)
     return 0
+
+
+DEVICE_TIME_SOURCE = "CUDA kernel time (self device time)"  # what kernel_table's times are on a GPU
 
 
 def capture_calls(fn, device, capture, tag):
@@ -132,6 +134,11 @@ def kernel_table(prof, device):
                       "mean_us": total_us / max(1, int(evt.count))})
     table.sort(key=lambda r: -r["total_us"])
     return table
+
+
+def write_empty_trace(path, note):
+    """The Chrome trace of a capture that did not happen, saying why."""
+    Path(path).write_text(json.dumps({"traceEvents": [], "note": note}))
 
 
 def write_csv(path, table):

@@ -95,8 +95,13 @@ class Progress:
 
     def __init__(self, path):
         self.path = Path(path)
-        self.state = {"header": None, "stage": "setup", "candidate_code": False}
+        self.state = self.initial()
         self.result = None  # the result being filled in, once begun
+
+    @staticmethod
+    def initial():
+        """The state before the child's first stage (also what the job process assumes of a child that wrote none)."""
+        return {"header": None, "stage": "setup", "candidate_code": False}
 
     def begin(self, result):
         self.result = result
@@ -219,13 +224,11 @@ def shares_memory(a, b):
 def reference_fit(config, device, headroom):
     """Whether the plain reference fits, as the preflight job decides it: its estimated peak (float32) against the
     free device memory (a GPU) or available RAM (a CPU) times the headroom, read before anything is allocated."""
+    from shapewise.jobs import preflight
     from shapewise.jobs.device import free_memory_bytes
-    from shapewise.model import estimate_memory_bytes
 
-    free, _ = free_memory_bytes(device)
-    budget = int(free * headroom) if free is not None else None
-    estimate = int(estimate_memory_bytes(config, torch.float32, "reference"))
-    fits = budget is not None and estimate <= budget
+    budget = preflight.budget_bytes(free_memory_bytes(device)[0], headroom)
+    estimate, fits = preflight.reference_fit(config, budget)
     return {"fits": fits, "estimate_bytes": estimate, "budget_bytes": budget, "headroom": headroom,
             "reason": None if fits else f"resource skip: estimated {estimate} bytes > budget {budget} bytes"}
 
@@ -270,8 +273,7 @@ def supervise(args, outputs_on_failure=None):
                                       stdin_text=json.dumps(payload), log=log)
     if outcome["returncode"] == 0 and not outcome["timed_out"] and Path(args.out).is_file():
         return 0
-    state = json.loads(progress.read_text()) if progress.is_file() else {"header": None, "stage": "setup",
-                                                                         "candidate_code": False}
+    state = json.loads(progress.read_text()) if progress.is_file() else Progress.initial()
     if not outcome["timed_out"] and not state["candidate_code"]:
         raise SystemExit(f"candidate {args.candidate}: the job's child process failed at stage {state['stage']} "
                          f"(outside the candidate's code): exit {outcome['returncode']}; see the log above")

@@ -13,7 +13,7 @@ from shapewise.jobs.device import setup
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
 from shapewise.jobs.io import log, write_result
 from shapewise.jobs.models import call_of, model_config, set_precision
-from shapewise.jobs.profile import capture_calls, kernel_table, write_csv
+from shapewise.jobs.profile import DEVICE_TIME_SOURCE, capture_calls, kernel_table, write_csv, write_empty_trace
 
 STAGE = "profile"
 
@@ -31,7 +31,7 @@ def empty_outputs(args, note):
     for path in (args.csv, args.trace):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_csv(args.csv, [])
-    Path(args.trace).write_text(json.dumps({"traceEvents": [], "note": note}))
+    write_empty_trace(args.trace, note)
 
 
 def work(args, progress):
@@ -56,7 +56,7 @@ def work(args, progress):
     progress.stage("write", candidate_code=False)
     prof.export_chrome_trace(args.trace)
     result["kernels"] = kernel_table(prof, device)
-    result["time_source"] = "CUDA kernel time (self device time)" if device.type == "cuda" else "CPU time"
+    result["time_source"] = DEVICE_TIME_SOURCE if device.type == "cuda" else "CPU time"
     result["status"] = "ok"
     log(f"{row['id']} {args.candidate}: {len(result['kernels'])} entries")
     write_csv(args.csv, result["kernels"])
