@@ -21,6 +21,7 @@ import triton.language as tl
 from . import INTERPRET as _INTERPRET
 from . import PRECISIONS
 from .mask import check_summary, prefix_lengths
+from .pdl import launch_options, pdl_release_end, pdl_release_start, pdl_wait
 from .tiles import DOT_BF16_IN_FP32
 
 MAX_HEAD_DIM = 256  # largest head_dim served (register and shared-memory budget of one tile)
@@ -156,7 +157,10 @@ def _attention_fwd(
     PRECISION: tl.constexpr,
     MASK_LOOP: tl.constexpr,  # with HAS_KEY_MASK: a mask that is no prefix runs a loop of its own
     # (MASK_OWN_LOOP_MAX_BLOCK_D)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_release_start(PDL)
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     if IS_CAUSAL:  # the longest query blocks (the last ones) first: the short ones fill the last wave
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -248,6 +252,7 @@ def _attention_fwd(
             q_ok = tl.load(mask_base + offs_m, mask=m_ok, other=0) != 0
             out = tl.where(q_ok[:, None], out, 0.0)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok)
+    pdl_release_end(PDL)
 
 
 def _configs():
@@ -408,7 +413,7 @@ def _check(q, k, v, key_lengths, key_mask, precision, mask_prefix_lengths=None):
 
 
 def flash_attention(q, k, v, *, causal: bool, key_lengths=None, key_mask=None, precision: str = "fp16",
-                    out=None, config=None, mask_prefix_lengths=None):
+                    out=None, config=None, mask_prefix_lengths=None, pdl=False):
     """Attention over `[B, S, H, D]` views; returns `[B, S, H, D]` (contiguous, dtype of q, or `out`).
 
     causal: mask keys j > i.
@@ -421,6 +426,8 @@ def flash_attention(q, k, v, *, causal: bool, key_lengths=None, key_mask=None, p
     precision: operand precision of both matmuls: "fp32" (exact), "tf32", "fp16", "bf16";
         accumulation and softmax statistics are fp32 always.
     config: optional dict with BLOCK_M, BLOCK_N, num_warps, num_stages to bypass autotuning.
+    pdl: launch with programmatic dependent launch (kernels/pdl.py), for a kernel that follows another of the same
+        forward (the mask's summary is then given: computing it here would be a launch of its own before this one).
     """
     _check(q, k, v, key_lengths, key_mask, precision, mask_prefix_lengths)
     B, S, H, D = q.shape
@@ -449,7 +456,8 @@ def flash_attention(q, k, v, *, causal: bool, key_lengths=None, key_mask=None, p
                   HAS_KEY_LEN=key_lengths is not None or mask_prefix_lengths is not None,
                   HAS_KEY_MASK=key_mask is not None, PRECISION=_PRECISION_CODE[precision],
                   MASK_LOOP=(key_mask is not None and MASK_OWN_LOOP_MAX_BLOCK_D is not None
-                             and block_d <= MASK_OWN_LOOP_MAX_BLOCK_D))
+                             and block_d <= MASK_OWN_LOOP_MAX_BLOCK_D),
+                  **launch_options(pdl, "flash_attention"))
     if config is None and s_bucket >= UNTUNED_FROM_SEQ:
         config = long_sequence_config(S, block_d, consts["PRECISION"])
     if config is not None:

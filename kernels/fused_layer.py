@@ -32,6 +32,7 @@ import triton.language as tl
 from ..model.reference import LAYER_NORM_EPS
 from .layer_tail import layer_tail_reference
 from .mask import check_summary, first_mask_block, prefix_length_of_row, summary_block
+from .pdl import launch_options, pdl_release_end, pdl_release_start, pdl_wait
 from .tiles import MAX_D_MODEL, MIN_D_MODEL, _ffn_residual, _layer_norm_rows, _mm, _store_rows
 
 MAX_SEQ = 128
@@ -123,7 +124,10 @@ def _fused_layer_fwd(
     PREFIX_IN: tl.constexpr,  # with HAS_MASK: read the mask's summary from Prefix instead of computing it
     PREFIX_OUT: tl.constexpr,  # with HAS_MASK, not PREFIX_IN: write the summary to Prefix (for the next layers)
     ROW_MASK_BRANCH: tl.constexpr,  # ROW_MASK_BRANCH: the output rows' mask read in a branch (_store_rows)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_release_start(PDL)
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     op_ty = Wqkv.dtype.element_ty
@@ -224,6 +228,7 @@ def _fused_layer_fwd(
                        BLOCK_F)
     _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps,
                 key_len, not_prefix, HAS_MASK, FINAL_NORM, ROW_MASK_BRANCH)
+    pdl_release_end(PDL)
 
 
 @triton.jit
@@ -240,12 +245,15 @@ def _ln_kv_fwd(
     Mask, PrefixOut, stride_mb,  # with WRITE_PREFIX: int8 mask [B, S] in, its per-sequence prefix summary out
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_PREFIX: tl.constexpr, MASK_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """LayerNorm 1 and a column range of the QKV projection of every token, once: keys and values for
     _fused_layer_fwd with KV_GLOBAL (the same math as its in-program recomputation: LayerNorm 1 in fp32,
     operand-dtype dot, fp32 accumulation, bias, rounding), or q, k and v for the split layer (ln_qkv). A program
     takes BLOCK_T tokens and columns [program_id(2) * cols_per_program, + cols_per_program) of n_cols; with
     several column blocks each recomputes its tokens' LayerNorm (cheap) so that few tokens still fill the GPU."""
+    pdl_release_start(PDL)
+    pdl_wait(PDL)
     pid_t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     c_lo = tl.program_id(2) * cols_per_program
@@ -276,6 +284,7 @@ def _ln_kv_fwd(
     if WRITE_PREFIX:
         if summarizes:
             tl.store(PrefixOut + b, prefix_length_of_row(Mask + b * stride_mb, seq_len, mask_head, MASK_BLOCK))
+    pdl_release_end(PDL)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -306,10 +315,11 @@ def _ln_project_grid(B, S, n_cols, block_t=None, col_blocks=None):
             (token_blocks, B, triton.cdiv(steps, steps_per_program)))
 
 
-def _ln_project(x, w, first_col, n_cols, block_t=None, col_blocks=None, num_warps=4, mask=None):
+def _ln_project(x, w, first_col, n_cols, block_t=None, col_blocks=None, num_warps=4, mask=None, pdl=False):
     """LayerNorm 1 of every token of x [B, S, d] and its projection onto rows first_col..first_col + n_cols of
     the packed QKV weight: [B, S, n_cols] in the weights' dtype (one _ln_kv_fwd launch; `_ln_project_grid`).
-    With `mask` (bool [B, S]) the same launch also returns its prefix summary (kernels.mask.prefix_lengths)."""
+    With `mask` (bool [B, S]) the same launch also returns its prefix summary (kernels.mask.prefix_lengths).
+    pdl: launch with programmatic dependent launch (kernels/pdl.py)."""
     B, S, d = x.shape
     out = torch.empty((B, S, n_cols), device=x.device, dtype=w["qkv_w"].dtype)
     block_t, cols_per_program, grid = _ln_project_grid(B, S, n_cols, block_t, col_blocks)
@@ -322,17 +332,19 @@ def _ln_project(x, w, first_col, n_cols, block_t=None, col_blocks=None, num_warp
         x, out, w["qkv_w"], w["qkv_b"], w["n1_w"], w["n1_b"], x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         S, d, LAYER_NORM_EPS, first_col, n_cols, cols_per_program, m, prefix, m.stride(0) if mask is not None else 0,
         BLOCK_T=block_t, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=LN_PROJECT_BLOCK_N,
-        WRITE_PREFIX=mask is not None, MASK_BLOCK=summary_block(S), num_warps=num_warps, num_stages=1,
+        WRITE_PREFIX=mask is not None, MASK_BLOCK=summary_block(S), num_warps=num_warps,
+        num_stages=1, **launch_options(pdl, "ln_qkv"),
     )
     return out if mask is None else (out, prefix)
 
 
-def ln_qkv(x, w, *, block_t=None, col_blocks=None, num_warps=4, mask=None):
+def ln_qkv(x, w, *, block_t=None, col_blocks=None, num_warps=4, mask=None, pdl=False):
     """LayerNorm 1 and the packed QKV projection of x [B, S, d] (d <= MAX_D_MODEL, unit stride along d) in one
     kernel: [B, S, 3d] (q, k, v) in the weights' dtype (fp16/bf16), with fp32 statistics and sums. `w` as for
     fused_layer (qkv_w, qkv_b, n1_w, n1_b). block_t, col_blocks, num_warps: the launch (None: `_ln_project_grid`'s
     defaults), for benchmarks. With `mask` (bool [B, S]): returns (qkv, the mask's prefix summary as
-    kernels.mask.prefix_lengths gives it), computed in the same launch."""
+    kernels.mask.prefix_lengths gives it), computed in the same launch. pdl: launch with programmatic dependent
+    launch (kernels/pdl.py), for a kernel that follows another of the same forward."""
     B, S, d = x.shape
     if not MIN_D_MODEL <= d <= MAX_D_MODEL or x.stride(-1) != 1:
         raise ValueError(f"ln_qkv: x must be [B, S, d] with {MIN_D_MODEL} <= d <= {MAX_D_MODEL} and unit stride "
@@ -342,7 +354,7 @@ def ln_qkv(x, w, *, block_t=None, col_blocks=None, num_warps=4, mask=None):
                          f"{w['qkv_w'].dtype} {tuple(w['qkv_w'].shape)}")
     if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, S)):
         raise ValueError(f"ln_qkv: mask must be bool [B, S]={B, S}, got {mask.dtype} {tuple(mask.shape)}")
-    return _ln_project(x, w, 0, 3 * d, block_t, col_blocks, num_warps, mask)
+    return _ln_project(x, w, 0, 3 * d, block_t, col_blocks, num_warps, mask, pdl)
 
 
 def why_unsupported(seq_len: int, d_model: int, num_heads: int) -> str | None:
@@ -377,7 +389,7 @@ ROW_MASK_BRANCH = True
 
 def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=None, out=None, block_m=None,
                 num_warps=4, num_stages=1, kv_precompute=False, key_block=None, ffn_block=None,
-                mask_prefix_lengths=None, prefix_out=None):
+                mask_prefix_lengths=None, prefix_out=None, pdl=False):
     """One layer (and the final norm when `final=(weight, bias)`) over `x [B, S, d]`.
 
     w: dict with qkv_w [3d, d], qkv_b [3d], o_w, o_b, in_w [ffn, d], in_b, out_w [d, ffn], out_b in the
@@ -394,6 +406,8 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
     With a mask the kernel summarizes it per sequence (kernels.mask: its prefix length, or -1) and treats a prefix
     as index arithmetic; prefix_out (int32 [B]) also receives that summary, and a later layer given it as
     mask_prefix_lengths reads it instead of the mask (it must describe `mask`: the kernel trusts it).
+    pdl: launch the layer's kernels with programmatic dependent launch (kernels/pdl.py), for a layer that follows
+    another kernel of the same forward.
     """
     B, S, d = x.shape
     why = why_unsupported(S, d, num_heads)
@@ -435,7 +449,7 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
                          f"kv_precompute=True: the key blocks are read from the precomputed keys and values")
     ffn_pad = max(16, triton.next_power_of_2(ffn))
     block_f = _block_size("ffn_block", ffn_block, min(64, ffn_pad), ffn_pad)
-    kv = _ln_project(x, w, d, 2 * d) if kv_precompute else out  # out: a placeholder pointer, never read
+    kv = _ln_project(x, w, d, 2 * d, pdl=pdl) if kv_precompute else out  # out: a placeholder pointer, never read
     grid = (triton.cdiv(S, block_m), B)
     prefix = mask_prefix_lengths if mask_prefix_lengths is not None else prefix_out
     _fused_layer_fwd[grid](
@@ -450,6 +464,6 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
         IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, FINAL_NORM=final is not None,
         KV_GLOBAL=bool(kv_precompute), BLOCK_N=block_n, PREFIX_IN=mask_prefix_lengths is not None,
         PREFIX_OUT=prefix_out is not None, ROW_MASK_BRANCH=ROW_MASK_BRANCH,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **launch_options(pdl, "fused_layer"),
     )
     return out

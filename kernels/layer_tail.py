@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ..model.reference import LAYER_NORM_EPS
+from .pdl import launch_options, pdl_release_end, pdl_release_start, pdl_wait
 from .tiles import MAX_D_MODEL, MIN_D_MODEL, _ffn_residual, _mm, _store_rows
 
 
@@ -53,17 +54,20 @@ def _layer_tail_fwd(
     n_tokens, d_model, ffn_dim, eps,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
     HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py): weights first, then the wait
 ):
+    pdl_release_start(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < n_tokens
     col_ok = cols < d_model
     tile_ok = row_ok[:, None] & col_ok[None, :]
-    o = tl.load(O + rows[:, None] * d_model + cols[None, :], mask=tile_ok, other=0.0)
-    x = tl.load(X + rows[:, None] * d_model + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32)
     # W_o^T [d, d]: element (j, n) is Wo[n, j]
     wo = tl.load(Wo + cols[None, :] * d_model + cols[:, None], mask=col_ok[:, None] & col_ok[None, :], other=0.0)
     bo = tl.load(Bo + cols, mask=col_ok, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
+    o = tl.load(O + rows[:, None] * d_model + cols[None, :], mask=tile_ok, other=0.0)
+    x = tl.load(X + rows[:, None] * d_model + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32)
     x1 = x + _mm(o.to(Wo.dtype.element_ty), wo) + bo[None, :]
     x2 = _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn_dim, eps, BLOCK_M, BLOCK_D,
                        BLOCK_F)
@@ -71,6 +75,7 @@ def _layer_tail_fwd(
     # n_tokens rows whose mask is read as it is (no prefix summary)
     _store_rows(x2, Y, Mask, 0, 0, d_model, 1, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps, n_tokens, True,
                 HAS_MASK, FINAL_NORM, False)
+    pdl_release_end(PDL)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -98,13 +103,14 @@ def tail_block_m(n_tokens: int) -> int:
 
 
 def layer_tail(o, x, w, *, mask=None, final=None, out_dtype=None, block_m=None, ffn_block=32, num_warps=4,
-               num_stages=3):
+               num_stages=3, pdl=False):
     """The layer after attention: `o` [B, S, d] (the attention output, weights' dtype) and `x` [B, S, d] (the
     residual into the layer), both contiguous; `w` with o_w, o_b, in_w, in_b, out_w, out_b (fp16/bf16) and n2_w,
     n2_b (fp32), as for fused_layer. Returns the fp32 residual [B, S, d], or with `final=(weight, bias)` the final
     LayerNorm of it in `out_dtype` (default x's dtype). Rows where `mask` (bool [B, S]) is False are 0.
     Default launch: `tail_block_m` tokens (64 from 8192 tokens), 4 warps, 32 FFN columns per step, 3 stages: the
-    fastest measured on the H200 at d_model 128 (docs/decisions.md#split-layer)."""
+    fastest measured on the H200 at d_model 128 (docs/decisions.md#split-layer). pdl: launch with programmatic
+    dependent launch (kernels/pdl.py), for a kernel that follows another of the same forward."""
     B, S, d = x.shape
     why = why_unsupported(d)
     if why:
@@ -131,6 +137,7 @@ def layer_tail(o, x, w, *, mask=None, final=None, out_dtype=None, block_m=None, 
         o, x, out, m, w["o_w"], w["o_b"], w["in_w"], w["in_b"], w["out_w"], w["out_b"], w["n2_w"], w["n2_b"],
         nf_w, nf_b, n_tokens, d, ffn, LAYER_NORM_EPS,
         BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_F=min(ffn_block, ffn_pad),
-        HAS_MASK=mask is not None, FINAL_NORM=final is not None, num_warps=num_warps, num_stages=num_stages,
+        HAS_MASK=mask is not None, FINAL_NORM=final is not None, num_warps=num_warps,
+        num_stages=num_stages, **launch_options(pdl, "layer_tail"),
     )
     return out

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ..model.reference import LAYER_NORM_EPS
+from .pdl import launch_options, pdl_release_end, pdl_release_start, pdl_wait
 
 
 # ----------------------------------------------------------------------------------------------
@@ -41,7 +42,10 @@ def _add_layernorm_fwd(
     n_rows, n_cols, eps,
     BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_BRANCH: tl.constexpr, HAS_ROW_MASK: tl.constexpr, WRITE_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_release_start(PDL)
+    pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < n_rows
@@ -65,6 +69,7 @@ def _add_layernorm_fwd(
     if HAS_ROW_MASK:
         y = tl.where(keep[:, None], y, 0.0)
     tl.store(Out + rows64[:, None] * stride_o + cols[None, :], y.to(Out.dtype.element_ty), mask=ok)
+    pdl_release_end(PDL)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,13 +87,15 @@ def _rows(name, t, n_cols):
 
 
 def add_layernorm(residual, branch, weight, bias, *, eps=LAYER_NORM_EPS, out_dtype=torch.float32, row_mask=None,
-                  residual_out=None, write_residual=True, out=None):
+                  residual_out=None, write_residual=True, out=None, pdl=False):
     """Return `(new_residual_fp32 or None, layer_norm(new_residual) in out_dtype)`.
 
     residual: `[..., d]`; branch: same shape, or None (plain LayerNorm of the residual).
     row_mask: bool `[...]` (residual's dimensions but its last); rows where it is False become 0 in both outputs.
     residual_out: fp32 tensor for the new residual (may be `residual` itself: in place).
     write_residual=False skips writing the residual (the model's final norm).
+    pdl: launch with programmatic dependent launch (kernels/pdl.py), for a kernel that follows another of the same
+    forward.
     """
     d = weight.shape[-1]
     if weight.shape != (d,) or bias.shape != (d,):
@@ -127,6 +134,7 @@ def add_layernorm(residual, branch, weight, bias, *, eps=LAYER_NORM_EPS, out_dty
         n, d, eps,
         BLOCK_ROWS=block_rows, BLOCK_D=block_d, HAS_BRANCH=b2 is not None, HAS_ROW_MASK=m is not None,
         WRITE_RESIDUAL=bool(write_residual), num_warps=num_warps,
+        **launch_options(pdl, "add_layernorm"),
     )
     return residual_out, out
 

@@ -29,7 +29,8 @@ from .captured import MAX_GRAPHS, CapturedForward, Captures
 from .config import TransformerConfig
 from .memory import available_bytes, memory_fraction, user_budget_bytes
 from .reference import BaselineTransformer, check_inputs
-from .routing import KERNEL_DTYPES, ROUTE_SPECS, ROUTES, RouteUnavailable, Shape, route_module, select_route
+from .routing import (KERNEL_DTYPES, ROUTE_SPECS, ROUTES, RouteUnavailable, Shape, route_module, select_route,
+                      with_pdl)
 from .weights import FP16_SAFE_ABS, DerivedWeights
 
 # Ablation switches: each can be turned off alone (constructor `disable=` or env SHAPEWISE_DISABLE).
@@ -43,6 +44,8 @@ OPTIMIZATIONS = (
     "direct_input",  # a captured graph reads the caller's x and mask in place once their addresses repeat (off: copy in)
     "split_layer",  # where the policy says so: a layer as LN+QKV, our attention and one tail kernel (off: unfused)
     "megakernel",  # where the policy says so: the whole forward in one Triton kernel (off: the per-layer routes)
+    "pdl",  # on sm_90+: a forward's kernels after its first launch early and wait in-kernel (off: each launches when
+    # the one before it has finished)
 )
 MAX_MEMORY_PLANS = 64  # memory plans a model keeps (one per input signature, cap and memory fraction)
 
@@ -61,6 +64,8 @@ def switches_used(route, input_dtype, device_type: str) -> tuple:
         used.add("reduced_precision")
     if spec.captured and (spec.cuda_only or device_type == "cuda"):
         used.update(("cuda_graph", "direct_input"))
+    if route.pdl:
+        used.add("pdl")
     return tuple(name for name in OPTIMIZATIONS if name in used)
 
 
@@ -169,7 +174,10 @@ class UserOptimizedTransformer(BaselineTransformer):
                 route = replace(route, precision="bf16", reason=route.reason + (
                     f"; bf16 operands: max |{name}| = {peak:.4g} > FP16_SAFE_ABS = {FP16_SAFE_ABS:g} (fp16 range)"))
         settle = getattr(route_module(route.name), "settle", None)
-        return route if settle is None else settle(route, x, self.disabled)
+        route = route if settle is None else settle(route, x, self.disabled)
+        if "pdl" in self.disabled or not x.is_cuda:
+            return route
+        return with_pdl(route, torch.cuda.get_device_capability(x.device))
 
     def _captured(self, route, x) -> bool:
         """Whether `forward` runs this route as captured CUDA graphs for `x` (memory_plan asks the same)."""

@@ -40,7 +40,8 @@ class FusedForward:
             last = i == cfg.num_layers - 1
             summary = {} if mask is None else {"prefix_out": prefix} if i == 0 else {"mask_prefix_lengths": prefix}
             res = self.fused_layer(res, wi, num_heads=cfg.num_heads, causal=cfg.causal, mask=mask,
-                                   final=self.final if last else None, out_dtype=x.dtype, **self.launch, **summary)
+                                   final=self.final if last else None, out_dtype=x.dtype, **self.launch, **summary,
+                                   pdl=self.route.pdl and i > 0)  # every layer's kernels but the first layer's
         return res
 
 

@@ -74,11 +74,14 @@ class KernelForward:
             elif self.ours:
                 object.__setattr__(model, "last_route", self.route_ours)
 
-        def add_ln(res, branch, name, row_mask=None, out_dtype=act, last=False):
+        pdl = route.pdl  # our kernels after layer 0's LayerNorm 1 (that one, or the mask's summary, comes first)
+
+        def add_ln(res, branch, name, row_mask=None, out_dtype=act, last=False, first=False):
             if self.fused_ln:
                 return self.add_layernorm(res, branch, w[name + "_w"], w[name + "_b"], out_dtype=out_dtype,
                                           row_mask=row_mask, write_residual=not last,
-                                          residual_out=None if res is x or last else res)
+                                          residual_out=None if res is x or last else res,
+                                          pdl=pdl and not first)
             r = res.float() if branch is None else res.float() + branch.float()
             if row_mask is not None:
                 r = r.masked_fill(~row_mask[..., None], 0.0)
@@ -94,11 +97,11 @@ class KernelForward:
                 q, k, v = (F.linear(h2d, w[f"{i}.{n}_w"], w[f"{i}.{n}_b"]).view(B, S, H, D) for n in "qkv")
             if ours:
                 return self.flash_attention(q, k, v, causal=cfg.causal, key_mask=mask, precision=route.precision,
-                                            mask_prefix_lengths=prefix)
+                                            mask_prefix_lengths=prefix, pdl=pdl)
             return sdpa_attention(q, k, v, cfg.causal, sdpa_mask)
 
         with _matmul_precision(route.precision):
-            _, h = add_ln(x, None, "0.n1", last=True)  # normalize only: the input stays the residual
+            _, h = add_ln(x, None, "0.n1", last=True, first=True)  # normalize only: the input stays the residual
             res = x
             for i in range(cfg.num_layers):
                 o = attention(h.view(N, d), i)
@@ -136,17 +139,18 @@ class SplitLayerForward:
         B, S, d = x.shape
         res = x.contiguous()
         prefix = None
+        pdl = self.route.pdl  # every kernel but the forward's first
         for i, wi in enumerate(self.layers):
             if i == 0 and mask is not None:
                 qkv, prefix = self.ln_qkv(res, wi, mask=mask)
             else:
-                qkv = self.ln_qkv(res, wi)
+                qkv = self.ln_qkv(res, wi, pdl=pdl and i > 0)
             q, k, v = qkv.view(B, S, 3, cfg.num_heads, cfg.head_dim).unbind(2)
             o = self.flash_attention(q, k, v, causal=cfg.causal, key_mask=mask, precision=self.route.precision,
-                                     mask_prefix_lengths=prefix)
+                                     mask_prefix_lengths=prefix, pdl=pdl)
             last = i == cfg.num_layers - 1
             res = self.layer_tail(o.view(B, S, d), res, wi, mask=mask, final=self.final if last else None,
-                                  out_dtype=x.dtype)
+                                  out_dtype=x.dtype, pdl=pdl)
         return res
 
 

@@ -45,6 +45,7 @@ class RouteSpec:
     kernels: bool = False  # runs our Triton kernels: KERNEL_DTYPES, head_dim <= MAX_HEAD_DIM, CUDA or the interpreter
     cuda_only: bool = False  # CUDA only, even under TRITON_INTERPRET=1
     captured: bool = False  # on CUDA, captured once per input signature in a CUDA graph and replayed
+    pdl: bool = False  # its kernels after a forward's first can launch early and wait in-kernel (kernels/pdl.py)
 
 
 # The routes, in the order the docs list them: adding one is a module and an entry here (and, for `select_route`
@@ -52,9 +53,9 @@ class RouteSpec:
 ROUTE_SPECS = {
     "reference": RouteSpec("route_reference"),
     "sdpa": RouteSpec("route_sdpa"),
-    "triton": RouteSpec("route_triton", kernels=True),
-    "graph": RouteSpec("route_triton", kernels=True, cuda_only=True, captured=True),
-    "fused": RouteSpec("route_fused", kernels=True, captured=True),
+    "triton": RouteSpec("route_triton", kernels=True, pdl=True),
+    "graph": RouteSpec("route_triton", kernels=True, cuda_only=True, captured=True, pdl=True),
+    "fused": RouteSpec("route_fused", kernels=True, captured=True, pdl=True),
     "megakernel": RouteSpec("route_megakernel", kernels=True, captured=True),
 }
 ROUTES = tuple(ROUTE_SPECS)
@@ -100,6 +101,7 @@ class Route:
     key_block: int = 0  # fused route with kv_precompute: keys per online-softmax step (policy; 0: the whole sequence)
     ffn_block: int = 0  # fused route: FFN columns per step (policy; 0: the kernel's default)
     split_layer: bool = False  # triton/graph routes: each layer as ln_qkv, our attention and layer_tail (policy)
+    pdl: bool = False  # kernels after the forward's first launch with programmatic dependent launch (`with_pdl`)
 
     def __str__(self) -> str:
         how = "forced" if self.forced else "auto"
@@ -108,7 +110,8 @@ class Route:
         kv = " kv=precomputed" if self.kv_precompute else ""
         blocks = "".join(f" {n}={v}" for n, v in (("key_block", self.key_block), ("ffn_block", self.ffn_block)) if v)
         split = " split-layer" if self.split_layer else ""
-        return f"{self.name}/{self.precision}{attn}{launch}{kv}{blocks}{split} ({how}: {self.reason})"
+        pdl = " pdl" if self.pdl else ""
+        return f"{self.name}/{self.precision}{attn}{launch}{kv}{blocks}{split}{pdl} ({how}: {self.reason})"
 
     def as_dict(self) -> dict:  # JSON-ready: the launch tuple as a list
         return {**asdict(self), "launch": list(self.launch)}
@@ -209,6 +212,16 @@ def _with_split_layer(route: Route, shape: Shape) -> Route:
         return route
     return replace(route, split_layer=True,
                    reason=route.reason + f"; split layer (d_model <= {most}, tokens >= {fewest})")
+
+
+def with_pdl(route: Route, capability) -> Route:
+    """`route` with programmatic dependent launch where its kernels take it (RouteSpec.pdl) and the CUDA device's
+    compute capability (a (major, minor) pair; None: no CUDA device) is at least the policy's `pdl.min_capability`
+    (null: never); else `route` itself."""
+    least = POLICY["pdl"]["min_capability"]
+    if not ROUTE_SPECS[route.name].pdl or capability is None or least is None or tuple(capability) < tuple(least):
+        return route
+    return replace(route, pdl=True, reason=route.reason + f"; programmatic dependent launch (sm_{least[0]}{least[1]}+)")
 
 
 def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool) -> str | None:

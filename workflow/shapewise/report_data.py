@@ -174,11 +174,11 @@ def load(inputs):
 
 
 def route_label(detail, route=None):
-    """A short label of a route (`fused(32,4,2)+kv`, `fused(32,4,2)+kv+k32+f32`, `graph`, `graph+split`,
+    """A short label of a route (`fused(32,4,2)+kv`, `fused(32,4,2)+kv+k32+f32`, `graph`, `graph+split+pdl`,
     `triton+sdpa`, `reference (forced)`).
 
     `detail` is Route.as_dict() from a result (fields beyond name, launch, kv_precompute, key_block, ffn_block,
-    split_layer, attention and forced are ignored); without it the route string's name (before the first '/') is
+    split_layer, attention, pdl and forced are ignored); without it the route string's name (before the first '/') is
     used; None without either."""
     if isinstance(detail, dict) and detail.get("name"):
         label = str(detail["name"])
@@ -195,6 +195,8 @@ def route_label(detail, route=None):
         attention = detail.get("attention")
         if attention and attention != "triton":
             label += f"+{attention}"
+        if detail.get("pdl"):
+            label += "+pdl"
         if detail.get("forced"):
             label += " (forced)"
         return label
