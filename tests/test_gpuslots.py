@@ -623,22 +623,40 @@ def test_check_lets_jobs_that_time_nothing_share_a_gpu_and_no_one_else(tmp_path,
     assert gpuslots.check_main(tmp_path, min_gpus=1) == 1
 
 
-def test_a_holder_that_shared_its_gpu_from_some_time_on_is_alone_only_until_then(tmp_path):
-    def held(path, start, end, **lock):
-        _result(path, "0", start, end)
-        data = json.loads(path.read_text())
-        data["gpu"]["lock"] = dict(lock, gpu="0")
-        path.write_text(json.dumps(data))
+def _held(path, start, end, **lock):
+    """A result on GPU 0 whose lock record is `lock`."""
+    _result(path, "0", start, end)
+    data = json.loads(path.read_text())
+    data["gpu"]["lock"] = dict(lock, gpu="0")
+    path.write_text(json.dumps(data))
 
+
+def test_a_holder_that_shared_its_gpu_from_some_time_on_is_alone_only_until_then(tmp_path):
     # a profile that chose a kernel alone until 00:20, then shared; a warm-up sharing from 00:30 on
-    held(tmp_path / "profile" / "a.json", "00:00", "01:00", mode=gpuslots.SHARED,
+    _held(tmp_path / "profile" / "a.json", "00:00", "01:00", mode=gpuslots.SHARED,
          shared_since="2026-11-30T10:00:20.000+00:00")
-    held(tmp_path / "warmup" / "a.json", "00:30", "01:30", mode=gpuslots.SHARED)
+    _held(tmp_path / "warmup" / "a.json", "00:30", "01:30", mode=gpuslots.SHARED)
     summary = gpuslots.check_intervals(gpuslots.job_intervals(tmp_path), min_gpus=1)
     assert summary["problems"] == [] and summary["sharing_pairs"] == 1
-    held(tmp_path / "accuracy" / "a.json", "00:10", "00:25", mode=gpuslots.SHARED)  # while the profile was alone
+    _held(tmp_path / "accuracy" / "a.json", "00:10", "00:25", mode=gpuslots.SHARED)  # while the profile was alone
     summary = gpuslots.check_intervals(gpuslots.job_intervals(tmp_path), min_gpus=1)
     assert len(summary["shared"]) == 1 and "profile" in summary["shared"][0] and "accuracy" in summary["shared"][0]
+
+
+def test_a_job_is_on_its_gpu_from_its_lock_acquisition_not_its_whole_second_start(tmp_path):
+    """A profile alone until 00:14.314, then shared; a warm-up whose result says it started at 00:14 (whole
+    seconds) but took its shared lock at 00:14.386: no overlap with the profile's time alone (the H200 run of
+    2026-12-02 had this pair)."""
+    _held(tmp_path / "profile" / "a.json", "00:12", "00:19", mode=gpuslots.SHARED,
+         acquired="2026-11-30T10:00:12.466+00:00", shared_since="2026-11-30T10:00:14.314+00:00")
+    _held(tmp_path / "warmup" / "a.json", "00:14", "00:40", mode=gpuslots.SHARED,
+         acquired="2026-11-30T10:00:14.386+00:00")
+    summary = gpuslots.check_intervals(gpuslots.job_intervals(tmp_path), min_gpus=1)
+    assert summary["problems"] == [] and summary["shared"] == [] and summary["sharing_pairs"] == 1
+    _held(tmp_path / "accuracy" / "a.json", "00:13", "00:16", mode=gpuslots.SHARED,
+         acquired="2026-11-30T10:00:13.900+00:00")  # took its lock while the profile was alone: reported
+    summary = gpuslots.check_intervals(gpuslots.job_intervals(tmp_path), min_gpus=1)
+    assert len(summary["shared"]) == 1 and "accuracy" in summary["shared"][0]
 
 
 def test_a_result_records_its_lock_as_held_when_written(tmp_path, monkeypatch):

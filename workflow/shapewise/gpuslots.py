@@ -534,7 +534,8 @@ def job_intervals(results_dir):
     block's `slot` or the environment's SHAPEWISE_PIPELINE_GPU_SLOT, a GPU index), turned into a UUID where
     another result of the same host names that slot's UUID. The mode is the one its lock record names (a result
     without one held its GPU alone: every job did before GPUs were shared); a job that held its GPU alone, then
-    shared it (`shared_since`), gives one record of each. Results that ran on no GPU are left out."""
+    shared it (`shared_since`), gives one record of each. The start is the lock's `acquired` where recorded, else
+    `started`. Results that ran on no GPU are left out."""
     records, uuids = [], {}
     for path in sorted(Path(results_dir).rglob("*.json")):
         if any(part.startswith("report") for part in path.relative_to(results_dir).parts[:-1]):
@@ -556,9 +557,12 @@ def job_intervals(results_dir):
         if gpu_block.get("uuid") and index is not None:
             uuids[(env.get("host"), str(index))] = gpu_block["uuid"]
         lock = gpu_block.get("lock") or {}
+        # on the GPU from the lock's acquisition (milliseconds; `started` may be whole seconds, which would put the
+        # start of a job that took its lock just after another's `shared_since` before that moment)
+        start = _parse_time(lock["acquired"]) if lock.get("acquired") else _parse_time(data["started"])
         record = {"file": str(path), "host": env.get("host"), "gpu": str(gpu), "source": source,
                   "mode": lock.get("mode", EXCLUSIVE), "step": data.get("step"),
-                  "start": _parse_time(data["started"]), "end": _parse_time(data["finished"])}
+                  "start": start, "end": max(start, _parse_time(data["finished"]))}
         since = _parse_time(lock["shared_since"]) if lock.get("shared_since") else None
         if since is not None and record["start"] < since < record["end"]:
             # held alone until `shared_since` (Slot.downgrade), shared from then on: two intervals
