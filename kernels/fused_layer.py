@@ -33,7 +33,8 @@ from ..model.reference import LAYER_NORM_EPS
 from .layer_tail import layer_tail_reference
 from .mask import check_summary, first_mask_block, prefix_length_of_row, summary_block
 from .pdl import launch_options, pdl_release_end, pdl_release_start, pdl_wait
-from .tiles import MAX_D_MODEL, MIN_D_MODEL, _ffn_residual, _layer_norm_rows, _mm, _store_rows
+from .tiles import (MAX_D_MODEL, MIN_D_MODEL, PROJECT_BLOCK_N, _ffn_residual, _layer_norm_rows, _mm, _project_rows,
+                    _store_rows)
 
 MAX_SEQ = 128
 # Largest block_m served: 64 and 128 fault on the H200 under Triton 3.6 (docs/decisions.md#fused-block-m).
@@ -270,17 +271,8 @@ def _ln_kv_fwd(
     x = tl.load(X + b * stride_xb + rows[:, None] * stride_xs + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                 other=0.0).to(tl.float32)
     h = _layer_norm_rows(x, N1w, N1b, cols, col_ok, d_model, eps).to(op_ty)
-    ncol = tl.arange(0, BLOCK_N)
-    for n0 in range(c_lo, c_hi, BLOCK_N):
-        n = n0 + ncol
-        n_ok = n < c_hi
-        # [BLOCK_D, BLOCK_N] slice of Wqkvᵀ: element (c, j) is row first_col + n0 + j, column c of Wqkv
-        w = tl.load(Wqkv + (first_col + n[None, :]) * d_model + cols[:, None],
-                    mask=col_ok[:, None] & n_ok[None, :], other=0.0)
-        bias = tl.load(Bqkv + first_col + n, mask=n_ok, other=0.0).to(tl.float32)
-        kv = _mm(h, w) + bias[None, :]
-        tl.store(KV + b * stride_kvb + rows[:, None] * stride_kvs + n[None, :], kv.to(KV.dtype.element_ty),
-                 mask=row_ok[:, None] & n_ok[None, :])
+    _project_rows(h, Wqkv, Bqkv, KV + b * stride_kvb, rows, row_ok, stride_kvs, cols, col_ok, d_model, first_col, c_lo,
+                  c_hi, BLOCK_N)
     if WRITE_PREFIX:
         if summarizes:
             tl.store(PrefixOut + b, prefix_length_of_row(Mask + b * stride_mb, seq_len, mask_head, MASK_BLOCK))
@@ -294,7 +286,7 @@ def _ln_kv_fwd(
 # step leaves fewer than LN_PROJECT_MIN_PROGRAMS // 2 programs (about one per SM of the H200's 132); then as many
 # column blocks as it takes for LN_PROJECT_MIN_PROGRAMS programs, so that a few tokens still fill the GPU
 # (docs/decisions.md#split-layer).
-LN_PROJECT_BLOCK_N = 64
+LN_PROJECT_BLOCK_N = PROJECT_BLOCK_N
 LN_PROJECT_MIN_PROGRAMS = 264
 
 

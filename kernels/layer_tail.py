@@ -16,7 +16,8 @@ import triton.language as tl
 
 from ..model.reference import LAYER_NORM_EPS
 from .pdl import launch_options, pdl_release_end, pdl_release_start, pdl_wait
-from .tiles import MAX_D_MODEL, MIN_D_MODEL, _ffn_residual, _mm, _store_rows
+from .tiles import (MAX_D_MODEL, MIN_D_MODEL, PROJECT_BLOCK_N, _ffn_residual, _layer_norm_rows, _mm, _project_rows,
+                    _store_rows)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -51,9 +52,13 @@ def _layer_tail_fwd(
     Mask,  # pointer to int8 [N], 1 = valid token; read when HAS_MASK
     Wo, Bo, Win, Bin, Wout, Bout,  # out-projection [d, d], FFN in [ffn, d] and out [d, ffn] weights, biases
     N2w, N2b, NFw, NFb,  # LayerNorm 2 and final LayerNorm weight/bias [d] (fp32); NF read when FINAL_NORM
+    Wqkv, Bqkv, N1w, N1b,  # with NEXT_QKV: the next layer's packed QKV weight [3d, d] and bias, its LayerNorm 1 [d]
+    QKV,  # with NEXT_QKV: pointer to the next layer's q, k and v [N, 3d] (operand dtype)
     n_tokens, d_model, ffn_dim, eps,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
     HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr,
+    NEXT_QKV: tl.constexpr,  # also the next layer's LayerNorm 1 and QKV projection of the rows written (ln_qkv's math)
+    BLOCK_N: tl.constexpr,  # with NEXT_QKV: QKV columns per step
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py): weights first, then the wait
 ):
     pdl_release_start(PDL)
@@ -75,6 +80,12 @@ def _layer_tail_fwd(
     # n_tokens rows whose mask is read as it is (no prefix summary)
     _store_rows(x2, Y, Mask, 0, 0, d_model, 1, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps, n_tokens, True,
                 HAS_MASK, FINAL_NORM, False)
+    if NEXT_QKV:  # from the rows as stored: invalid ones 0, as the next layer's ln_qkv would read them
+        if HAS_MASK:
+            x2 = tl.where((tl.load(Mask + rows, mask=row_ok, other=0) != 0)[:, None], x2, 0.0)
+        h1 = _layer_norm_rows(x2, N1w, N1b, cols, col_ok, d_model, eps).to(Wqkv.dtype.element_ty)
+        _project_rows(h1, Wqkv, Bqkv, QKV, rows, row_ok, 3 * d_model, cols, col_ok, d_model, 0, 0, 3 * d_model,
+                      BLOCK_N)
     pdl_release_end(PDL)
 
 
@@ -103,14 +114,17 @@ def tail_block_m(n_tokens: int) -> int:
 
 
 def layer_tail(o, x, w, *, mask=None, final=None, out_dtype=None, block_m=None, ffn_block=32, num_warps=4,
-               num_stages=3, pdl=False):
+               num_stages=3, pdl=False, next_layer=None):
     """The layer after attention: `o` [B, S, d] (the attention output, weights' dtype) and `x` [B, S, d] (the
     residual into the layer), both contiguous; `w` with o_w, o_b, in_w, in_b, out_w, out_b (fp16/bf16) and n2_w,
     n2_b (fp32), as for fused_layer. Returns the fp32 residual [B, S, d], or with `final=(weight, bias)` the final
     LayerNorm of it in `out_dtype` (default x's dtype). Rows where `mask` (bool [B, S]) is False are 0.
     Default launch: `tail_block_m` tokens (64 from 8192 tokens), 4 warps, 32 FFN columns per step, 3 stages: the
     fastest measured on the H200 at d_model 128 (docs/decisions.md#split-layer). pdl: launch with programmatic
-    dependent launch (kernels/pdl.py), for a kernel that follows another of the same forward."""
+    dependent launch (kernels/pdl.py), for a kernel that follows another of the same forward.
+    next_layer: the next layer's weights (qkv_w, qkv_b, n1_w, n1_b, as for ln_qkv): the same launch also computes
+    what `ln_qkv(out, next_layer)` would, and returns (out, qkv), qkv [B, S, 3d] in the weights' dtype; the next
+    layer then needs no ln_qkv launch and no read of the residual it writes. Not with `final`."""
     B, S, d = x.shape
     why = why_unsupported(d)
     if why:
@@ -127,17 +141,27 @@ def layer_tail(o, x, w, *, mask=None, final=None, out_dtype=None, block_m=None, 
         raise ValueError("layer_tail: weight shapes do not match d_model/ffn_dim")
     if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, S)):
         raise ValueError(f"layer_tail: mask must be bool [B, S]={B, S}, got {mask.dtype} {tuple(mask.shape)}")
+    if next_layer is not None:
+        if final is not None:
+            raise ValueError("layer_tail: next_layer (the next layer's LayerNorm 1 and QKV) and final (the last "
+                             "layer's norm) exclude each other")
+        if next_layer["qkv_w"].shape != (3 * d, d) or next_layer["qkv_w"].dtype != op:
+            raise ValueError(f"layer_tail: next_layer's qkv_w must be {op} [3d, d] = [{3 * d}, {d}], got "
+                             f"{next_layer['qkv_w'].dtype} {tuple(next_layer['qkv_w'].shape)}")
     out = torch.empty((B, S, d), device=x.device, dtype=torch.float32 if final is None else out_dtype or x.dtype)
     m = mask.contiguous().view(torch.int8) if mask is not None else out
     nf_w, nf_b = final if final is not None else (w["n2_w"], w["n2_b"])
+    nxt = next_layer if next_layer is not None else {"qkv_w": w["o_w"], "qkv_b": w["o_b"], "n1_w": w["n2_w"],
+                                                     "n1_b": w["n2_b"]}  # placeholders, never read
+    qkv = torch.empty((B, S, 3 * d), device=x.device, dtype=op) if next_layer is not None else out
     n_tokens = B * S
     block_m = block_m or tail_block_m(n_tokens)
     ffn_pad = max(16, triton.next_power_of_2(ffn))
     _layer_tail_fwd[(triton.cdiv(n_tokens, block_m),)](
         o, x, out, m, w["o_w"], w["o_b"], w["in_w"], w["in_b"], w["out_w"], w["out_b"], w["n2_w"], w["n2_b"],
-        nf_w, nf_b, n_tokens, d, ffn, LAYER_NORM_EPS,
+        nf_w, nf_b, nxt["qkv_w"], nxt["qkv_b"], nxt["n1_w"], nxt["n1_b"], qkv, n_tokens, d, ffn, LAYER_NORM_EPS,
         BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_F=min(ffn_block, ffn_pad),
-        HAS_MASK=mask is not None, FINAL_NORM=final is not None, num_warps=num_warps,
-        num_stages=num_stages, **launch_options(pdl, "layer_tail"),
+        HAS_MASK=mask is not None, FINAL_NORM=final is not None, NEXT_QKV=next_layer is not None,
+        BLOCK_N=PROJECT_BLOCK_N, num_warps=num_warps, num_stages=num_stages, **launch_options(pdl, "layer_tail"),
     )
-    return out
+    return out if next_layer is None else (out, qkv)

@@ -20,7 +20,7 @@ from . import INTERPRET
 
 # Where a kernel launched with PDL lets the next one be scheduled: "end" (after its last store) or "start" (its first
 # instruction: the next kernel's programs may then sit on the SMs, waiting, while this one runs). The launchers read it
-# at each launch (benchmarks.pdl --setting pdl.RELEASE="start" measures the other).
+# at each launch (`python -m benchmarks.switch_ab --switch pdl --release start` measures the other).
 RELEASE = "end"
 _CODES = {"end": 1, "start": 2}  # the kernels' PDL constexpr; 0: launched without PDL
 

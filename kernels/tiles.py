@@ -10,6 +10,7 @@ from . import INTERPRET
 
 MIN_D_MODEL = 16  # the smallest tile Triton's dot takes
 MAX_D_MODEL = 128  # the widest token row one tile holds
+PROJECT_BLOCK_N = 64  # output columns per step where a launcher runs _project_rows (ln_qkv, the layer tail's fold)
 # Triton 3.6's interpreter computes garbage for bf16 dots: there the (already bf16-rounded) operands are multiplied
 # in fp32, which gives the tensor cores' products (exact products, fp32 sums). Every kernel's bf16 dot asks this.
 DOT_BF16_IN_FP32 = tl.constexpr(INTERPRET)
@@ -32,6 +33,25 @@ def _layer_norm_rows(x, w_ptr, b_ptr, cols, col_ok, n_cols, eps):
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0)
     b = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
     return xc * rstd[:, None] * w[None, :] + b[None, :]
+
+
+@triton.jit
+def _project_rows(h, W, Bias, out_base, rows, row_ok, stride_out, cols, col_ok, d_model, first_col, c_lo, c_hi,
+                  BLOCK_N: tl.constexpr):
+    """Store h @ W[first_col + c]ᵀ + Bias[first_col + c] for columns c in [c_lo, c_hi), BLOCK_N at a time: h is a
+    [rows, BLOCK_D] tile in the weights' dtype (padding columns 0), W a row-major [*, d_model] weight; row r, column c
+    of the result goes to out_base + r * stride_out + c in out_base's dtype (fp32 sums and bias, one rounding)."""
+    ncol = tl.arange(0, BLOCK_N)
+    for n0 in range(c_lo, c_hi, BLOCK_N):
+        n = n0 + ncol
+        n_ok = n < c_hi
+        # [BLOCK_D, BLOCK_N] slice of Wᵀ: element (k, j) is row first_col + n0 + j, column k of W
+        w = tl.load(W + (first_col + n[None, :]) * d_model + cols[:, None], mask=col_ok[:, None] & n_ok[None, :],
+                    other=0.0)
+        bias = tl.load(Bias + first_col + n, mask=n_ok, other=0.0).to(tl.float32)
+        out = _mm(h, w) + bias[None, :]
+        tl.store(out_base + rows[:, None] * stride_out + n[None, :], out.to(out_base.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit

@@ -102,6 +102,7 @@ class Route:
     ffn_block: int = 0  # fused route: FFN columns per step (policy; 0: the kernel's default)
     split_layer: bool = False  # triton/graph routes: each layer as ln_qkv, our attention and layer_tail (policy)
     pdl: bool = False  # kernels after the forward's first launch with programmatic dependent launch (`with_pdl`)
+    fold_qkv: bool = False  # split layer: each tail but the last also computes the next layer's LN1 + QKV (policy)
 
     def __str__(self) -> str:
         how = "forced" if self.forced else "auto"
@@ -110,6 +111,7 @@ class Route:
         kv = " kv=precomputed" if self.kv_precompute else ""
         blocks = "".join(f" {n}={v}" for n, v in (("key_block", self.key_block), ("ffn_block", self.ffn_block)) if v)
         split = " split-layer" if self.split_layer else ""
+        split += " fold-qkv" if self.fold_qkv else ""
         pdl = " pdl" if self.pdl else ""
         return f"{self.name}/{self.precision}{attn}{launch}{kv}{blocks}{split}{pdl} ({how}: {self.reason})"
 
@@ -201,7 +203,8 @@ def _megakernel_pays(shape: Shape) -> bool:
 def _with_split_layer(route: Route, shape: Shape) -> Route:
     """The triton/graph `route` with the split layer where the policy's `split_layer.max_d_model` (null: never)
     covers d_model, batch_size*seq_len is at least `split_layer.min_tokens` (null or absent: any), the operands
-    are fp16/bf16 and the attention is our kernel; else `route` itself."""
+    are fp16/bf16 and the attention is our kernel; else `route` itself. With `split_layer.fold_next_qkv` (absent:
+    false) each layer's tail but the last also computes the next layer's LayerNorm 1 and QKV projection."""
     from shapewise.kernels.layer_tail import why_unsupported as tail_unsupported  # the kernel owns its limits
 
     split = POLICY["split_layer"]
@@ -210,8 +213,10 @@ def _with_split_layer(route: Route, shape: Shape) -> Route:
             or route.attention != "triton" or route.precision not in ("fp16", "bf16")
             or tail_unsupported(shape.d_model)):
         return route
-    return replace(route, split_layer=True,
-                   reason=route.reason + f"; split layer (d_model <= {most}, tokens >= {fewest})")
+    fold = bool(split.get("fold_next_qkv", False))
+    return replace(route, split_layer=True, fold_qkv=fold,
+                   reason=route.reason + f"; split layer (d_model <= {most}, tokens >= {fewest})"
+                   + ("; the next layer's LN1 + QKV in each tail" if fold else ""))
 
 
 def with_pdl(route: Route, capability) -> Route:

@@ -134,6 +134,26 @@ def test_split_layer_is_the_layer(shape, mask_kind):
     check(y, want, torch.float16)
 
 
+@pytest.mark.parametrize("mask_kind", ["none", "holes", "one_empty"])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_layer_tail_folds_the_next_layers_ln_qkv(shape, mask_kind):
+    """With next_layer the tail also returns the next layer's q, k and v: ln_qkv of the residual it wrote (invalid
+    rows 0), against fp64 from that residual, and the residual itself unchanged by the fold (bit for bit)."""
+    B, S, d, H, ffn = SHAPES[shape]
+    w, nxt = weights(d, ffn, torch.float16, seed=14), weights(d, ffn, torch.float16, seed=15)
+    x = torch.randn(B, S, d, device=DEVICE)
+    o = torch.randn(B, S, d, device=DEVICE).to(torch.float16)
+    mask = make_mask(mask_kind, B, S)
+    y, qkv = layer_tail(o, x, w, mask=mask, block_m=16, ffn_block=16, next_layer=nxt)
+    assert torch.equal(y, layer_tail(o, x, w, mask=mask, block_m=16, ffn_block=16))
+    assert qkv.shape == (B, S, 3 * d) and qkv.dtype == torch.float16
+    h = torch.nn.functional.layer_norm(y.double(), (d,), nxt["n1_w"].double(), nxt["n1_b"].double(), 1e-5)
+    want = h @ nxt["qkv_w"].double().t() + nxt["qkv_b"].double()
+    atol, rtol = TOL[torch.float16]
+    assert ((qkv.double() - want).abs() <= atol + rtol * want.abs()).all()
+    assert (qkv.float() - ln_qkv(y, nxt).float()).abs().max().item() <= 2e-3  # the same math, other tiles
+
+
 def test_bad_inputs_are_named():
     B, S, d, H, ffn = SHAPES["S7-d48-H3"]
     w = weights(d, ffn, torch.float16)
@@ -149,6 +169,10 @@ def test_bad_inputs_are_named():
         layer_tail(o, x, w, mask=torch.ones(B, S, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="ln_qkv: qkv_w must be"):
         ln_qkv(x, {**w, "qkv_w": w["qkv_w"].float()})
+    with pytest.raises(ValueError, match="next_layer .* and final .* exclude each other"):
+        layer_tail(o, x, w, final=(w["n1_w"], w["n1_b"]), next_layer=w)
+    with pytest.raises(ValueError, match="next_layer's qkv_w must be"):
+        layer_tail(o, x, w, next_layer={**w, "qkv_w": w["qkv_w"][:d]})
 
 
 
