@@ -118,7 +118,8 @@ def _results(row, kind):
                         "slot_source": "lock", "cuda_visible_devices": "1"},
                    contention={"checked": True, "contended": True,
                                "other_processes": [{"pid": 4242, "name": "python", "used_memory_bytes": 2**30}]})
-    prof.update(status="ok", triton_kernels_ran=["_fused_layer_fwd"])
+    prof.update(status="ok", triton_kernels_ran=["_fused_layer_fwd"],
+                gpu_shared_during_capture=["warmup results/warmup/t-09.json"] if kind == "timed" else [])
     variants = [{"variant": "all-on", "disable": [], "median_ms": opt_ms, "slowdown_vs_all_on": 1.0, "passed": True}]
     variants += [{"variant": s, "disable": [s], "median_ms": opt_ms * 1.5, "slowdown_vs_all_on": 1.5, "passed": True}
                  for s in SWITCHES[:2]]
@@ -210,6 +211,9 @@ def test_report_renders_every_row_and_summary_columns(run):
     html = (out / "report.html").read_text()
     md = (out / "report.md").read_text()
     assert "resource-skip" in html and "t-03" in html
+    # a profile captured beside another job on its GPU says its kernel times are upper bounds; the others do not
+    shared = "captured beside 1 other job(s) on its GPU: its kernel times are upper bounds"
+    assert f"- t-01: _fused_layer_fwd ({shared})" in md and md.count(shared) == 1 and html.count(shared) == 1
     # short labels in the tables, the full sentence one hover away
     assert ">fused(32,4,2)+kv</a>" in html and f'title="{ROUTE_STR}"' in html
     assert "model(x, mask)" in html and "contended" in html and "GPU 1 (slot 1, lock)" in html

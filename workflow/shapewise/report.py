@@ -238,6 +238,7 @@ def build(inputs, loaded, outdir):
         "ablation_protocol": ablation_protocol,
         "protocol_exceptions": protocol_exceptions,
         "profile_kernels": {i["id"]: i["data"]["profile"].get("triton_kernels_ran", []) for i in items},
+        "profile_shared": {i["id"]: len(i["data"]["profile"].get("gpu_shared_during_capture") or []) for i in items},
         "pass_env": inputs.get("pass_env") or {},
         "baseline": baseline,
         "routes_anchor": ROUTES_ANCHOR,

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from shapewise import gpuslots
 from shapewise.jobs.device import setup, sync
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
 from shapewise.jobs.io import header, log, read_json, write_result
@@ -85,7 +86,10 @@ def main(args):
         model = build_optimized(row, config, device)
         x, mask, _ = make_case(row, config, device, FIRST_TRIAL_SEED)
         result["call"] = call_of(mask)
+        before = sharing_jobs()
         prof = capture_calls(lambda: run_optimized(model, x, mask, row), device, capture, row["id"])
+        # the other jobs on this GPU when the capture began or ended: beside them kernels run longer
+        result["gpu_shared_during_capture"] = None if before is None else sorted(set(before) | set(sharing_jobs()))
         prof.export_chrome_trace(args.trace)
         result["route"], result["route_detail"] = route_of(model)
         table = kernel_table(prof, device)
@@ -104,6 +108,12 @@ def main(args):
 
 
 DEVICE_TIME_SOURCE = "CUDA kernel time (self device time)"  # what kernel_table's times are on a GPU
+
+
+def sharing_jobs():
+    """The labels of the run's other jobs holding this job's GPU now, or None where this job holds no GPU slot."""
+    slot = gpuslots.held()
+    return None if slot is None else [note.get("job") or f"pid {note.get('pid')}" for note in slot.others_now()]
 
 
 def capture_calls(fn, device, capture, tag):
