@@ -55,6 +55,12 @@ def _project_rows(h, W, Bias, out_base, rows, row_ok, stride_out, cols, col_ok, 
 
 
 @triton.jit
+def _gelu_exact(t):
+    """GELU with the error function (the contract's exact GELU), in fp32."""
+    return 0.5 * t * (1.0 + tl.erf(t * 0.7071067811865476))
+
+
+@triton.jit
 def _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn_dim, eps,
                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
     """x1 + FFN(LayerNorm 2(x1)) for an fp32 [BLOCK_M, BLOCK_D] tile of residual rows (padding columns 0): the
@@ -68,8 +74,7 @@ def _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn
         w_in = tl.load(Win + (f_start + fcol[None, :]) * d_model + cols[:, None],
                        mask=col_ok[:, None] & f_ok[None, :], other=0.0)  # [BLOCK_D, BLOCK_F] = W_in^T slice
         b_in = tl.load(Bin + f_start + fcol, mask=f_ok, other=0.0).to(tl.float32)
-        t = _mm(h2, w_in) + b_in[None, :]
-        t = 0.5 * t * (1.0 + tl.erf(t * 0.7071067811865476))  # exact GELU
+        t = _gelu_exact(_mm(h2, w_in) + b_in[None, :])
         w_out = tl.load(Wout + cols[None, :] * ffn_dim + f_start + fcol[:, None],
                         mask=f_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_F, BLOCK_D] = W_out^T slice
         ffn += _mm(t.to(op_ty), w_out)

@@ -47,6 +47,7 @@ OPTIMIZATIONS = (
     "pdl",  # on sm_90+: a forward's kernels after its first launch early and wait in-kernel (off: each launches when
     # the one before it has finished)
     "fold_qkv",  # where the policy says so: a split layer's tail also computes the next layer's LN1 + QKV (off: ln_qkv)
+    "persistent_tail",  # where the policy says so: split-layer tails as one program per SM, weights loaded once
 )
 MAX_MEMORY_PLANS = 64  # memory plans a model keeps (one per input signature, cap and memory fraction)
 

@@ -119,7 +119,8 @@ class SplitLayerForward:
     """Each layer as three kernels: LayerNorm 1 with the packed QKV projection, our attention, and the rest of the
     layer (out-projection, residual, LayerNorm 2, FFN, residual, zeroed rows; the final LayerNorm last). With a mask,
     layer 0's projection also writes the mask's summary, which every layer's attention reads. With `fold_qkv` each
-    tail but the last also writes the next layer's q, k and v: two kernels per layer after the first."""
+    tail but the last also writes the next layer's q, k and v: two kernels per layer after the first. With
+    `persistent_tail` the tails that do not fold run as the persistent kernel (kernels/layer_tail.py)."""
 
     uses_weights = True
 
@@ -152,7 +153,8 @@ class SplitLayerForward:
             last = i == cfg.num_layers - 1
             fold = self.route.fold_qkv and not last
             res = self.layer_tail(o.view(B, S, d), res, wi, mask=mask, final=self.final if last else None,
-                                  out_dtype=x.dtype, pdl=pdl, next_layer=self.layers[i + 1] if fold else None)
+                                  out_dtype=x.dtype, pdl=pdl, next_layer=self.layers[i + 1] if fold else None,
+                                  persistent=self.route.persistent_tail and not fold)
             res, qkv = res if fold else (res, None)
         return res
 
@@ -165,16 +167,18 @@ def settle(route, x, disabled):
     """The split layer only with its switches on and fp16/bf16 operands; else the unfused layer, and why."""
     if route.split_layer and (route.precision not in ("fp16", "bf16") or disabled & set(SPLIT_NEEDS)):
         off = sorted(disabled & set(SPLIT_NEEDS)) or [f"{route.precision} operands"]
-        route = replace(route, split_layer=False, fold_qkv=False,
+        route = replace(route, split_layer=False, fold_qkv=False, persistent_tail=False,
                         reason=route.reason + f"; no split layer: {', '.join(off)}")
-    if route.fold_qkv and "fold_qkv" in disabled:
-        route = replace(route, fold_qkv=False, reason=route.reason + "; fold_qkv disabled")
+    for name in ("fold_qkv", "persistent_tail"):
+        if getattr(route, name) and name in disabled:
+            route = replace(route, **{name: False}, reason=route.reason + f"; {name} disabled")
     return route
 
 
 def switches(route) -> set:
     if route.split_layer:  # each switch of SPLIT_NEEDS turns it off
-        return set(SPLIT_NEEDS) | ({"fold_qkv"} if route.fold_qkv else set())
+        return (set(SPLIT_NEEDS) | ({"fold_qkv"} if route.fold_qkv else set())
+                | ({"persistent_tail"} if route.persistent_tail else set()))
     return {"fused_layernorm", "packed_qkv"} | ({"flash_attention"} if route.attention == "triton" else set())
 
 

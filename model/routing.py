@@ -103,6 +103,7 @@ class Route:
     split_layer: bool = False  # triton/graph routes: each layer as ln_qkv, our attention and layer_tail (policy)
     pdl: bool = False  # kernels after the forward's first launch with programmatic dependent launch (`with_pdl`)
     fold_qkv: bool = False  # split layer: each tail but the last also computes the next layer's LN1 + QKV (policy)
+    persistent_tail: bool = False  # split layer: tails that do not fold run persistent, weights loaded once (policy)
 
     def __str__(self) -> str:
         how = "forced" if self.forced else "auto"
@@ -111,7 +112,7 @@ class Route:
         kv = " kv=precomputed" if self.kv_precompute else ""
         blocks = "".join(f" {n}={v}" for n, v in (("key_block", self.key_block), ("ffn_block", self.ffn_block)) if v)
         split = " split-layer" if self.split_layer else ""
-        split += " fold-qkv" if self.fold_qkv else ""
+        split += (" fold-qkv" if self.fold_qkv else "") + (" persistent-tail" if self.persistent_tail else "")
         pdl = " pdl" if self.pdl else ""
         return f"{self.name}/{self.precision}{attn}{launch}{kv}{blocks}{split}{pdl} ({how}: {self.reason})"
 
@@ -204,7 +205,10 @@ def _with_split_layer(route: Route, shape: Shape) -> Route:
     """The triton/graph `route` with the split layer where the policy's `split_layer.max_d_model` (null: never)
     covers d_model, batch_size*seq_len is at least `split_layer.min_tokens` (null or absent: any), the operands
     are fp16/bf16 and the attention is our kernel; else `route` itself. With `split_layer.fold_next_qkv` (absent:
-    false) each layer's tail but the last also computes the next layer's LayerNorm 1 and QKV projection."""
+    false) each layer's tail but the last also computes the next layer's LayerNorm 1 and QKV projection; with
+    `split_layer.persistent_tail` (absent: false) the tails that do not fold run as the persistent kernel, where it
+    serves the shape."""
+    from shapewise.kernels.layer_tail import why_persistent_unsupported
     from shapewise.kernels.layer_tail import why_unsupported as tail_unsupported  # the kernel owns its limits
 
     split = POLICY["split_layer"]
@@ -214,9 +218,12 @@ def _with_split_layer(route: Route, shape: Shape) -> Route:
             or tail_unsupported(shape.d_model)):
         return route
     fold = bool(split.get("fold_next_qkv", False))
-    return replace(route, split_layer=True, fold_qkv=fold,
+    persistent = bool(split.get("persistent_tail", False)) and not why_persistent_unsupported(shape.d_model,
+                                                                                              shape.ffn_dim)
+    return replace(route, split_layer=True, fold_qkv=fold, persistent_tail=persistent,
                    reason=route.reason + f"; split layer (d_model <= {most}, tokens >= {fewest})"
-                   + ("; the next layer's LN1 + QKV in each tail" if fold else ""))
+                   + ("; the next layer's LN1 + QKV in each tail" if fold else "")
+                   + ("; persistent tails" if persistent else ""))
 
 
 def with_pdl(route: Route, capability) -> Route:

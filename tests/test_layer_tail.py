@@ -31,10 +31,13 @@ SHAPES = {
 }
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-block", "persistent"])
 @pytest.mark.parametrize("final", [False, True], ids=["layer", "last-layer"])
 @pytest.mark.parametrize("mask_kind", ["none", "holes", "one_empty"])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-def test_layer_tail_matches_fp64(shape, mask_kind, final):
+def test_layer_tail_matches_fp64(shape, mask_kind, final, persistent):
+    """Per block, and persistent (weights loaded once per program, token blocks in a loop: 3 programs under the
+    interpreter, so most take several blocks, the last one ragged), which also agrees with the per-block kernel."""
     B, S, d, H, ffn = SHAPES[shape]
     w = weights(d, ffn, torch.float16, seed=11)
     x = torch.randn(B, S, d, device=DEVICE)
@@ -43,6 +46,10 @@ def test_layer_tail_matches_fp64(shape, mask_kind, final):
     norm = ((1 + 0.1 * torch.randn(d)).to(DEVICE), (0.1 * torch.randn(d)).to(DEVICE)) if final else None
     y = layer_tail(o, x, w, mask=mask, final=norm, out_dtype=torch.float32, block_m=16, ffn_block=16)
     want = layer_tail_reference(o, x, w, mask=mask, final=norm)
+    if persistent:
+        per_block = y
+        y = layer_tail(o, x, w, mask=mask, final=norm, out_dtype=torch.float32, block_m=16, persistent=True)
+        assert (y - per_block).abs().max().item() <= 2e-3
     check(y, want, torch.float16)
     if mask is not None and (~mask).any():
         assert y[~mask].abs().max().item() == 0.0, "invalid rows are not exactly zero"
@@ -152,6 +159,18 @@ def test_layer_tail_folds_the_next_layers_ln_qkv(shape, mask_kind):
     atol, rtol = TOL[torch.float16]
     assert ((qkv.double() - want).abs() <= atol + rtol * want.abs()).all()
     assert (qkv.float() - ln_qkv(y, nxt).float()).abs().max().item() <= 2e-3  # the same math, other tiles
+
+
+def test_persistent_layer_tail_limits_are_named():
+    B, S, d, H, ffn = SHAPES["S33-hd16"]
+    w = weights(d, 256, torch.float16)
+    x = torch.randn(B, S, d, device=DEVICE)
+    o = torch.randn(B, S, d, device=DEVICE).to(torch.float16)
+    with pytest.raises(ValueError, match="persistent layer tail serves ffn_dim <= 128, got ffn_dim=256"):
+        layer_tail(o, x, w, persistent=True)
+    w = weights(d, ffn, torch.float16)
+    with pytest.raises(ValueError, match="persistent and next_layer exclude each other"):
+        layer_tail(o, x, w, persistent=True, next_layer=w)
 
 
 def test_bad_inputs_are_named():

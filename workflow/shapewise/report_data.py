@@ -178,8 +178,8 @@ def route_label(detail, route=None):
     `triton+sdpa`, `reference (forced)`).
 
     `detail` is Route.as_dict() from a result (fields beyond name, launch, kv_precompute, key_block, ffn_block,
-    split_layer, fold_qkv, attention, pdl and forced are ignored); without it the route string's name (before the first '/') is
-    used; None without either."""
+    split_layer, fold_qkv, persistent_tail, attention, pdl and forced are ignored); without it the route string's
+    name (before the first '/') is used; None without either."""
     if isinstance(detail, dict) and detail.get("name"):
         label = str(detail["name"])
         launch = detail.get("launch") or []
@@ -194,6 +194,8 @@ def route_label(detail, route=None):
             label += "+split"
         if detail.get("fold_qkv"):
             label += "+fold"
+        if detail.get("persistent_tail"):
+            label += "+ptail"
         attention = detail.get("attention")
         if attention and attention != "triton":
             label += f"+{attention}"

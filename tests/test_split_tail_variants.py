@@ -1,8 +1,10 @@
-"""The split layer with the next layer's LayerNorm 1 and QKV projection folded into each tail (policy
-`split_layer.fold_next_qkv`, switch `fold_qkv`): the route it gives, the kernels a forward launches, and the model's
-output against the reference and against the same route unfolded, masks with holes and an empty sequence included.
+"""The split layer's two tail variants, off in the committed policy: the next layer's LayerNorm 1 and QKV projection
+folded into each tail (`split_layer.fold_next_qkv`, switch `fold_qkv`) and the persistent tail
+(`split_layer.persistent_tail`, switch `persistent_tail`): the routes they give, the kernels a forward launches, and
+the model's output against the reference and against the plain split layer, masks with holes and an empty sequence
+included.
 
-CPU (the interpreter) and, with the `gpu` marker, the H200 (`pytest -m gpu tests/test_fold_qkv.py`).
+CPU (the interpreter) and, with the `gpu` marker, the H200 (`pytest -m gpu tests/test_split_tail_variants.py`).
 """
 import pytest
 import torch
@@ -91,12 +93,16 @@ def test_a_folded_forward_launches_ln_qkv_once(fold_on):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["fold_next_qkv", "persistent_tail"])
 @pytest.mark.parametrize("mask_kind", ["all-true", "holes"])
 @pytest.mark.parametrize("shape", [dict(batch_size=64, seq_len=128, d_model=128, num_heads=4, ffn_dim=128,
                                         num_layers=4), dict(batch_size=3, seq_len=77, d_model=64, num_heads=2,
                                                             ffn_dim=96, num_layers=3)])
-def test_folded_graph_route_on_the_gpu(fold_on, shape, mask_kind):
-    config, ref, opt, plain = _models(route="graph", **shape)
+def test_tail_variants_on_the_gpu(monkeypatch, variant, shape, mask_kind):
+    monkeypatch.setitem(routing.POLICY, "split_layer", {**routing.POLICY["split_layer"], variant: True})
+    config, ref, opt, _ = _models(route="graph", **shape)
+    plain = UserOptimizedTransformer(config, route="graph", disable=("fold_qkv", "persistent_tail")).to(DEVICE)
+    plain.load_state_dict(ref.state_dict(), strict=True)
     x = torch.randn(config.batch_size, config.seq_len, config.d_model, device=DEVICE)
     mask = _mask(mask_kind, config.batch_size, config.seq_len)
     before, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
@@ -110,7 +116,7 @@ def test_folded_graph_route_on_the_gpu(fold_on, shape, mask_kind):
             got, unfolded = opt(x, mask), plain(x, mask)
             assert compare_outputs(want, got, **TOLERANCES["official"]).passed
             assert (got - unfolded).abs().max().item() <= 2e-3
-    assert opt.last_route.fold_qkv
+    assert getattr(opt.last_route, {"fold_next_qkv": "fold_qkv"}.get(variant, variant))
 
 
 def test_the_switch_benchmark_runs_the_fold_on_a_tiny_row(tmp_path):
@@ -133,3 +139,39 @@ def test_the_switch_benchmark_runs_the_fold_on_a_tiny_row(tmp_path):
     (rec,) = json.loads(out.read_text())["rows"]
     assert " fold-qkv" in rec["route"] and " fold-qkv" not in rec["route_off"]
     assert rec["accuracy"]["official"]["failed_elements"] == 0 and rec["max_abs_difference"] <= 2e-3
+
+
+@pytest.fixture
+def persistent_on(monkeypatch):
+    monkeypatch.setitem(routing.POLICY, "split_layer", {**routing.POLICY["split_layer"], "persistent_tail": True})
+
+
+def test_persistent_tail_route_and_its_limit(persistent_on):
+    route = routing.select_route(routing.Shape(**CFG), torch.float32, "cuda", forced="graph")
+    assert route.persistent_tail and " persistent-tail" in str(route) and "+ptail" in route_label(route.as_dict())
+    assert "persistent_tail" in switches_used(route, torch.float32, "cuda")
+    wide = routing.select_route(routing.Shape(**{**CFG, "ffn_dim": 256}), torch.float32, "cuda", forced="graph")
+    assert wide.split_layer and not wide.persistent_tail  # its FFN does not fit the persistent tail's shared memory
+
+
+def test_the_committed_policy_runs_no_persistent_tail():
+    assert routing.POLICY["split_layer"]["persistent_tail"] is False
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["persistent", "fold+persistent-last"])
+@pytest.mark.parametrize("mask_kind", ["all-true", "holes"])
+def test_persistent_tails_match_the_reference(persistent_on, monkeypatch, fold, mask_kind):
+    if fold:
+        monkeypatch.setitem(routing.POLICY, "split_layer", {**routing.POLICY["split_layer"], "fold_next_qkv": True})
+    config, ref, opt, _ = _models()
+    plain = UserOptimizedTransformer(config, route="triton", disable=("persistent_tail", "fold_qkv")).to(DEVICE)
+    plain.load_state_dict(ref.state_dict(), strict=True)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(config.batch_size, config.seq_len, config.d_model, generator=g).to(DEVICE)
+    mask = _mask(mask_kind, config.batch_size, config.seq_len)
+    with torch.no_grad():
+        want, got, other = ref(x, mask), opt(x, mask), plain(x, mask.clone())
+    assert opt.last_route.persistent_tail and opt.last_route.fold_qkv == fold
+    assert not plain.last_route.persistent_tail
+    assert compare_outputs(want, got, **TOLERANCES["official"]).passed
+    assert (got - other).abs().max().item() <= 2e-3
