@@ -1,9 +1,10 @@
 """Programmatic dependent launch (PDL, sm_90 and later) between the kernels of one forward.
 
 A kernel launched with `launch_pdl` may be scheduled while the kernel before it on the stream still runs: as soon as
-every program of that kernel has executed `griddepcontrol.launch_dependents` (`pdl_release`) or ended. Its programs
-then stop in `griddepcontrol.wait` (`pdl_wait`) until that kernel has finished and its writes are visible. Launch
-latency and whatever a kernel does before its wait overlap the previous kernel's last programs.
+every program of that kernel has executed `griddepcontrol.launch_dependents` (`pdl_release_start` or
+`pdl_release_end`, as RELEASE says) or ended. Its programs then stop in `griddepcontrol.wait` (`pdl_wait`) until that
+kernel has finished and its writes are visible. Launch latency and whatever a kernel does before its wait overlap the
+previous kernel's last programs.
 
 The rule every kernel here keeps, so that PDL changes no result: before its wait a kernel reads only weights and
 writes nothing. No kernel of a forward writes weights, and a forward's first kernel launches without PDL (it waits
