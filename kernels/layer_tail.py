@@ -78,12 +78,10 @@ def _layer_tail_fwd(
                        BLOCK_F)
     # rows index the flat [N, d] output and [N] mask: one "sequence" (b = 0), row stride d_model, mask stride 1, of
     # n_tokens rows whose mask is read as it is (no prefix summary)
-    _store_rows(x2, Y, Mask, 0, 0, d_model, 1, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps, n_tokens, True,
-                HAS_MASK, FINAL_NORM, False)
-    if NEXT_QKV:  # from the rows as stored: invalid ones 0, as the next layer's ln_qkv would read them
-        if HAS_MASK:
-            x2 = tl.where((tl.load(Mask + rows, mask=row_ok, other=0) != 0)[:, None], x2, 0.0)
-        h1 = _layer_norm_rows(x2, N1w, N1b, cols, col_ok, d_model, eps).to(Wqkv.dtype.element_ty)
+    stored = _store_rows(x2, Y, Mask, 0, 0, d_model, 1, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps, n_tokens,
+                         True, HAS_MASK, FINAL_NORM, False)
+    if NEXT_QKV:  # from the rows as stored (invalid ones 0; fp32, no final norm), as the next layer's ln_qkv reads them
+        h1 = _layer_norm_rows(stored, N1w, N1b, cols, col_ok, d_model, eps).to(Wqkv.dtype.element_ty)
         _project_rows(h1, Wqkv, Bqkv, QKV, rows, row_ok, 3 * d_model, cols, col_ok, d_model, 0, 0, 3 * d_model,
                       BLOCK_N)
     pdl_release_end(PDL)
@@ -228,9 +226,6 @@ def layer_tail(o, x, w, *, mask=None, final=None, out_dtype=None, block_m=None, 
     out = torch.empty((B, S, d), device=x.device, dtype=torch.float32 if final is None else out_dtype or x.dtype)
     m = mask.contiguous().view(torch.int8) if mask is not None else out
     nf_w, nf_b = final if final is not None else (w["n2_w"], w["n2_b"])
-    nxt = next_layer if next_layer is not None else {"qkv_w": w["o_w"], "qkv_b": w["o_b"], "n1_w": w["n2_w"],
-                                                     "n1_b": w["n2_b"]}  # placeholders, never read
-    qkv = torch.empty((B, S, 3 * d), device=x.device, dtype=op) if next_layer is not None else out
     n_tokens = B * S
     ffn_pad = max(16, triton.next_power_of_2(ffn))
     if persistent:
@@ -244,6 +239,9 @@ def layer_tail(o, x, w, *, mask=None, final=None, out_dtype=None, block_m=None, 
             num_stages=PERSISTENT_STAGES, **launch_options(pdl, "layer_tail"),
         )
         return out
+    nxt = next_layer if next_layer is not None else {"qkv_w": w["o_w"], "qkv_b": w["o_b"], "n1_w": w["n2_w"],
+                                                     "n1_b": w["n2_b"]}  # placeholders, never read
+    qkv = torch.empty((B, S, 3 * d), device=x.device, dtype=op) if next_layer is not None else out
     block_m = block_m or tail_block_m(n_tokens)
     _layer_tail_fwd[(triton.cdiv(n_tokens, block_m),)](
         o, x, out, m, w["o_w"], w["o_b"], w["in_w"], w["in_b"], w["out_w"], w["out_b"], w["n2_w"], w["n2_b"],

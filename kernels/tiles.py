@@ -89,7 +89,7 @@ def _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows,
     (Mask[b * stride_mb + r] == 0) as 0, after the final LayerNorm when FINAL_NORM. Where the mask is a prefix
     (not_prefix False) the rows below key_len are the valid ones and the mask is not read; elsewhere (not_prefix
     True, key_len the number of rows) the mask says. BRANCH: the mask's load in a branch on not_prefix instead of
-    a load predicated off for a prefix."""
+    a load predicated off for a prefix. Returns the tile as stored, before its cast to Y's dtype."""
     if HAS_MASK:
         if BRANCH:
             row_valid = rows < key_len
@@ -105,3 +105,4 @@ def _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows,
             x2 = tl.where(row_valid[:, None], x2, 0.0)
     y_ptrs = Y + b * stride_yb + rows[:, None] * stride_ys + cols[None, :]
     tl.store(y_ptrs, x2.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    return x2

@@ -233,7 +233,8 @@ def with_pdl(route: Route, capability) -> Route:
     least = POLICY["pdl"]["min_capability"]
     if not ROUTE_SPECS[route.name].pdl or capability is None or least is None or tuple(capability) < tuple(least):
         return route
-    return replace(route, pdl=True, reason=route.reason + f"; programmatic dependent launch (sm_{least[0]}{least[1]}+)")
+    return replace(route, pdl=True,
+                   reason=route.reason + f"; programmatic dependent launch (sm_{least[0]}{least[1]}+)")
 
 
 def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool) -> str | None:

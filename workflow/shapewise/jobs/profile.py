@@ -86,10 +86,8 @@ def main(args):
         model = build_optimized(row, config, device)
         x, mask, _ = make_case(row, config, device, FIRST_TRIAL_SEED)
         result["call"] = call_of(mask)
-        before = sharing_jobs()
-        prof = capture_calls(lambda: run_optimized(model, x, mask, row), device, capture, row["id"])
-        # the other jobs on this GPU when the capture began or ended: beside them kernels run longer
-        result["gpu_shared_during_capture"] = None if before is None else sorted(set(before) | set(sharing_jobs()))
+        prof, result["gpu_shared_during_capture"] = capture_calls(lambda: run_optimized(model, x, mask, row), device,
+                                                                  capture, row["id"])
         prof.export_chrome_trace(args.trace)
         result["route"], result["route_detail"] = route_of(model)
         table = kernel_table(prof, device)
@@ -117,18 +115,20 @@ def sharing_jobs():
 
 
 def capture_calls(fn, device, capture, tag):
-    """The profiler's record of capture["calls"] calls of fn, after capture["warmup"] calls outside it."""
+    """The profiler's record of capture["calls"] calls of fn, after capture["warmup"] calls outside it, and the other
+    jobs on this GPU when the capture began or ended (beside them kernels run longer; None: no GPU slot held)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.inference_mode():
         for _ in range(capture["warmup"]):
             fn()
         sync(device)
         log(f"{tag}: profiling {capture['calls']} calls")
+        before = sharing_jobs()
         with profile(activities=activities) as prof:
             for _ in range(capture["calls"]):
                 fn()
             sync(device)
-    return prof
+    return prof, None if before is None else sorted(set(before) | set(sharing_jobs()))
 
 
 def kernel_table(prof, device):

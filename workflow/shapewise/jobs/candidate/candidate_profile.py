@@ -52,7 +52,8 @@ def work(args, progress):
     progress.stage(STAGE)
     with torch.inference_mode():
         forward(model, x, mask, STAGE + " (first call)")
-    prof = capture_calls(lambda: guarded(STAGE, call, model, x, mask), device, capture, row["id"])
+    prof, result["gpu_shared_during_capture"] = capture_calls(lambda: guarded(STAGE, call, model, x, mask), device,
+                                                              capture, row["id"])
     progress.stage("write", candidate_code=False)
     prof.export_chrome_trace(args.trace)
     result["kernels"] = kernel_table(prof, device)
