@@ -10,7 +10,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from test_fused_layer import weights
 
+from shapewise.kernels import INTERPRET
 from shapewise.model import TransformerConfig, UserOptimizedTransformer, routing
 from shapewise.model.optimized import OPTIMIZATIONS, switches_used
 from shapewise.model.routing import ROUTE_SPECS, Route, with_pdl
@@ -59,17 +61,7 @@ def test_cpu_model_never_asks_for_pdl():
     assert not model.last_route.pdl
 
 
-def _weights(d, ffn):
-    g = torch.Generator().manual_seed(0)
-    w = {"qkv_w": torch.randn(3 * d, d, generator=g), "qkv_b": torch.randn(3 * d, generator=g),
-         "o_w": torch.randn(d, d, generator=g), "o_b": torch.randn(d, generator=g),
-         "in_w": torch.randn(ffn, d, generator=g), "in_b": torch.randn(ffn, generator=g),
-         "out_w": torch.randn(d, ffn, generator=g), "out_b": torch.randn(d, generator=g)}
-    w = {k: v.half() for k, v in w.items()}
-    w.update({n: torch.ones(d) for n in ("n1_w", "n2_w")}, **{n: torch.zeros(d) for n in ("n1_b", "n2_b")})
-    return w
-
-
+@pytest.mark.skipif(not INTERPRET, reason="the kernels run compiled here: there is no interpreter to refuse PDL")
 def test_every_launcher_refuses_pdl_under_the_interpreter():
     from shapewise.kernels.attention import flash_attention
     from shapewise.kernels.fused_layer import fused_layer, ln_qkv
@@ -77,7 +69,7 @@ def test_every_launcher_refuses_pdl_under_the_interpreter():
     from shapewise.kernels.layernorm import add_layernorm
 
     B, S, d, H = 1, 16, 32, 2
-    x, w = torch.randn(B, S, d), _weights(d, 32)
+    x, w = torch.randn(B, S, d), weights(d, 32, torch.float16)
     q = torch.randn(B, S, H, d // H).half()
     calls = {
         "ln_qkv": lambda: ln_qkv(x, w, pdl=True),
