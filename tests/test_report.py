@@ -213,7 +213,7 @@ def test_report_renders_every_row_and_summary_columns(run):
     assert "resource-skip" in html and "t-03" in html
     # a profile captured beside another job on its GPU says its kernel times are upper bounds; the others do not
     shared = "captured beside 1 other job(s) on its GPU: its kernel times are upper bounds"
-    assert f"- t-01: _fused_layer_fwd ({shared})" in md and md.count(shared) == 1 and html.count(shared) == 1
+    assert f"- t-01: _fused_layer_fwd ({shared})\n- t-02: " in md and md.count(shared) == 1 and html.count(shared) == 1
     # short labels in the tables, the full sentence one hover away
     assert ">fused(32,4,2)+kv</a>" in html and f'title="{ROUTE_STR}"' in html
     assert "model(x, mask)" in html and "contended" in html and "GPU 1 (slot 1, lock)" in html
