@@ -204,6 +204,33 @@ def test_verify_passes_then_names_tampered_and_deleted_files(workdir):
         shutil.rmtree(copy)
 
 
+def job_priorities(workdir, *args):
+    """{(rule, shape): priority} of every job of a forced dry run."""
+    text = snakemake(workdir, "-n", "--forceall", *args).stdout
+    found = {}
+    for block in re.split(r"\n\s*\n", text):
+        rule, shape = re.search(r"^(?:local)?rule (\w+):", block, re.M), re.search(r"shape=([\w-]+)", block)
+        priority = re.search(r"priority: ([-\d.]+)", block)
+        if rule and shape and priority:
+            found[(rule.group(1), shape.group(1))] = float(priority.group(1))
+    return found
+
+
+@pytest.mark.parametrize("shared_first", [False, True])
+def test_heavy_shared_first_starts_a_heavy_rows_shared_jobs_first_in_their_step(workdir, tmp_path, shared_first):
+    # tiny-holes (0.000242 GFLOP) is heavy at this threshold, tiny-triton (0.000236) is not
+    extra = tmp_path / "heavy.yaml"
+    extra.write_text(f"heavy: {{min_gflop: 0.00024, shared_first: {str(shared_first).lower()}}}\n")
+    p = job_priorities(workdir, "--configfile", str(extra), "--config", "shapes=tiny")
+    for step in ("preflight", "warmup", "accuracy", "profile"):
+        assert (p[(step, "tiny-holes")] > p[(step, "tiny-triton")]) == shared_first, step
+    for step in ("timing", "ablation"):  # the jobs that time keep the cheapest row first either way
+        assert p[(step, "tiny-triton")] > p[(step, "tiny-holes")], step
+    # the steps keep their order: every shared job before every job that times
+    assert min(v for (rule, _), v in p.items() if rule in ("accuracy", "profile")) > max(
+        v for (rule, _), v in p.items() if rule in ("timing", "ablation"))
+
+
 def test_bad_manifest_stops_before_any_job(workdir):
     (workdir / "shapes" / "bad.yaml").write_text(
         "- {id: bad-row, batch_size: 2, seq_len: 8, d_model: 30, num_heads: 4, ffn_dim: 8, num_layers: 1}\n"

@@ -143,9 +143,22 @@ def row_priority(wildcards):
 STEP_ORDER = {"preflight": 4, "warmup": 3, "accuracy": 2, "profile": 2, "timing": 1, "ablation": 1}
 
 
+# With heavy.shared_first, a heavy row's jobs that time nothing go first within their step (row_priority spans
+# less than this, so the steps keep their order): row 14's accuracy then shares the GPU with the other rows'
+# shared jobs early, instead of holding it alone between two timing jobs at the end.
+HEAVY_SHARED_FIRST = 500
+SHARED_STEPS = ("preflight", "warmup", "accuracy", "profile")
+
+
 def step_priority(step):
-    """The priority function of `step`'s jobs: STEP_ORDER first, then the row's."""
-    return lambda wildcards: STEP_ORDER[step] * 1000 + row_priority(wildcards)
+    """The priority function of `step`'s jobs: STEP_ORDER first, then the row's (heavy.shared_first: a heavy
+    row's shared steps first)."""
+
+    def priority(wildcards):
+        first = config["heavy"]["shared_first"] and step in SHARED_STEPS and _is_heavy(wildcards.shape)
+        return STEP_ORDER[step] * 1000 + row_priority(wildcards) + (HEAVY_SHARED_FIRST if first else 0)
+
+    return priority
 
 
 def res(name):
