@@ -147,7 +147,6 @@ STEP_ORDER = {"preflight": 4, "warmup": 3, "accuracy": 2, "profile": 2, "timing"
 # less than this, so the steps keep their order): row 14's accuracy then shares the GPU with the other rows'
 # shared jobs early, instead of holding it alone between two timing jobs at the end.
 HEAVY_SHARED_FIRST = 500
-SHARED_STEPS = ("preflight", "warmup", "accuracy", "profile")
 
 
 def step_priority(step):
@@ -155,7 +154,8 @@ def step_priority(step):
     row's shared steps first)."""
 
     def priority(wildcards):
-        first = config["heavy"]["shared_first"] and step in SHARED_STEPS and _is_heavy(wildcards.shape)
+        shared = sw_gpuslots.GPU_USE[step] == sw_gpuslots.SHARED
+        first = config["heavy"]["shared_first"] and shared and _is_heavy(wildcards.shape)
         return STEP_ORDER[step] * 1000 + row_priority(wildcards) + (HEAVY_SHARED_FIRST if first else 0)
 
     return priority
