@@ -231,6 +231,17 @@ def test_heavy_shared_first_starts_a_heavy_rows_shared_jobs_first_in_their_step(
         v for (rule, _), v in p.items() if rule in ("timing", "ablation"))
 
 
+def test_a_candidates_jobs_keep_the_step_order(workdir, tmp_path):
+    # a candidate that compiles on its first call does it in its accuracy job, before any job that times
+    (tmp_path / "mine.py").write_text("from shapewise.model import BaselineTransformer as UserOptimizedTransformer\n")
+    p = job_priorities(workdir, "--config", "shapes=tiny", f"candidates=mine={tmp_path / 'mine.py'}")
+    shared = [v for (rule, _), v in p.items() if rule in ("accuracy", "profile", "candidate_accuracy",
+                                                            "candidate_profile")]
+    timed = [v for (rule, _), v in p.items() if rule in ("timing", "ablation", "candidate_timing")]
+    assert any(rule == "candidate_accuracy" for rule, _ in p) and any(rule == "candidate_timing" for rule, _ in p)
+    assert min(shared) > max(timed)
+
+
 def test_bad_manifest_stops_before_any_job(workdir):
     (workdir / "shapes" / "bad.yaml").write_text(
         "- {id: bad-row, batch_size: 2, seq_len: 8, d_model: 30, num_heads: 4, ffn_dim: 8, num_layers: 1}\n"

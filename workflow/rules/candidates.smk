@@ -18,7 +18,7 @@ rule candidate_accuracy:
         sw_paths.candidate_result("{candidate}", "accuracy", "{shape}"),
     log:
         sw_paths.candidate_log("{candidate}", "accuracy", "{shape}"),
-    priority: row_priority
+    priority: step_priority("candidate-accuracy")
     threads: res("threads")
     resources:
         **MEASURE_RESOURCES,
@@ -38,7 +38,7 @@ rule candidate_timing:
         sw_paths.candidate_result("{candidate}", "timing", "{shape}"),
     log:
         sw_paths.candidate_log("{candidate}", "timing", "{shape}"),
-    priority: row_priority
+    priority: step_priority("candidate-timing")
     threads: res("threads")
     resources:
         **MEASURE_RESOURCES,
@@ -59,7 +59,7 @@ rule candidate_profile:
         table=sw_paths.candidate_result("{candidate}", "profile", "{shape}"),
     log:
         sw_paths.candidate_log("{candidate}", "profile", "{shape}"),
-    priority: row_priority
+    priority: step_priority("candidate-profile")
     threads: res("threads")
     resources:
         **MEASURE_RESOURCES,
