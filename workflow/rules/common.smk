@@ -139,20 +139,11 @@ def row_priority(wildcards):
 # times, and within each step the cheapest rows first (row_priority). On a GPU run the jobs that time nothing
 # then run side by side on shared GPUs, the warm-ups compile the kernels before the jobs that time would, and the
 # jobs that time follow one another with their kernels compiled; a run stopped at a time limit has every row's
-# accuracy and the cheapest rows' timings. A candidate's jobs follow the same order, so a candidate that compiles
-# or tunes itself on its first call (torch.compile) does it in its accuracy job, and its timing job, started
-# after, finds its compile caches warm instead of compiling while it holds the GPU alone.
-STEP_ORDER = {
-    "preflight": 4,
-    "warmup": 3,
-    "accuracy": 2,
-    "profile": 2,
-    "timing": 1,
-    "ablation": 1,
-    "candidate-accuracy": 2,
-    "candidate-profile": 2,
-    "candidate-timing": 1,
-}
+# accuracy and the cheapest rows' timings. A candidate's job starts with shapewise's job of the same step, so a
+# candidate that compiles or tunes itself on its first call (torch.compile) does it in its accuracy job, and not
+# while its timing job holds the GPU alone.
+STEP_ORDER = {"preflight": 4, "warmup": 3, "accuracy": 2, "profile": 2, "timing": 1, "ablation": 1}
+STEP_ORDER.update({f"candidate-{step}": STEP_ORDER[step] for step in ("accuracy", "profile", "timing")})
 
 
 # With heavy.shared_first, a heavy row's jobs that time nothing go first within their step (row_priority spans
