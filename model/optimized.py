@@ -48,6 +48,8 @@ OPTIMIZATIONS = (
     # the one before it has finished)
     "fold_qkv",  # where the policy says so: a split layer's tail also computes the next layer's LN1 + QKV (off: ln_qkv)
     "persistent_tail",  # where the policy says so: split-layer tails as one program per SM, weights loaded once
+    "hopper_forward",  # where the policy says so, on sm_90: the whole forward in one Gluon kernel (off: the per-layer
+    # routes)
 )
 MAX_MEMORY_PLANS = 64  # memory plans a model keeps (one per input signature, cap and memory fraction)
 
@@ -157,7 +159,9 @@ class UserOptimizedTransformer(BaselineTransformer):
         shape = Shape(x.shape[0], x.shape[1], cfg.d_model, cfg.num_heads, cfg.ffn_dim, cfg.num_layers, cfg.causal)
         route = select_route(shape, x.dtype, x.device, "none" if mask is None else "general", forced=self.route,
                              allow_fused="fused_layer" not in self.disabled,
-                             allow_megakernel="megakernel" not in self.disabled)
+                             allow_megakernel="megakernel" not in self.disabled,
+                             allow_hopper="hopper_forward" not in self.disabled,
+                             capability=torch.cuda.get_device_capability(x.device) if x.is_cuda else None)
         if not ROUTE_SPECS[route.name].kernels:
             return route
         caller_precision = False

@@ -11,6 +11,9 @@ Routes (ROUTE_SPECS: each route's module, which runs it, and what it needs):
 - `megakernel`: the whole forward in one Triton kernel (kernels/megakernel.py), one program per sequence, where the
   policy's `megakernel.max_seq_len_x_d_model` covers the shape (null: never unasked), fp16/bf16 operands; captured
   in a CUDA graph on CUDA.
+- `hopper`: the whole forward in one Gluon kernel (kernels/hopper_forward.py: wgmma, a TMA weight ring, the
+  residual stream in registers), one program per sequence, on sm_90 only, where the policy's `hopper` entry covers
+  the shape (`max_seq_len` null: never unasked), fp16 operands; captured in a CUDA graph.
 
 Operand precision (`Route.precision`; accumulation is fp32 always, and the kernel routes keep an fp32 residual
 stream and fp32 LayerNorm statistics): `reference` and `sdpa` run PyTorch in the input dtype. The kernel routes
@@ -46,6 +49,7 @@ class RouteSpec:
     cuda_only: bool = False  # CUDA only, even under TRITON_INTERPRET=1
     captured: bool = False  # on CUDA, captured once per input signature in a CUDA graph and replayed
     pdl: bool = False  # its kernels after a forward's first can launch early and wait in-kernel (kernels/pdl.py)
+    sm: int | None = None  # the one CUDA compute capability major its kernels are built for (None: any)
 
 
 # The routes, in the order the docs list them: adding one is a module and an entry here (and, for `select_route`
@@ -57,6 +61,7 @@ ROUTE_SPECS = {
     "graph": RouteSpec("route_triton", kernels=True, cuda_only=True, captured=True, pdl=True),
     "fused": RouteSpec("route_fused", kernels=True, captured=True, pdl=True),
     "megakernel": RouteSpec("route_megakernel", kernels=True, captured=True),
+    "hopper": RouteSpec("route_hopper", kernels=True, cuda_only=True, captured=True, sm=9),
 }
 ROUTES = tuple(ROUTE_SPECS)
 CPU_ROUTES = tuple(n for n, s in ROUTE_SPECS.items() if not s.cuda_only)  # kernel routes only under TRITON_INTERPRET=1
@@ -201,6 +206,14 @@ def _megakernel_pays(shape: Shape) -> bool:
     return most is not None and shape.seq_len * shape.d_model <= most and (tokens is None or shape.tokens <= tokens)
 
 
+def _hopper_pays(shape: Shape) -> bool:
+    """Whether the policy expects the Hopper forward to beat the per-layer routes here: seq_len up to
+    `hopper.max_seq_len` (null: never) and batch_size*seq_len at least `hopper.min_tokens` (null or absent: any)."""
+    hopper = POLICY["hopper"]
+    most, fewest = hopper["max_seq_len"], hopper.get("min_tokens") or 1
+    return most is not None and shape.seq_len <= most and shape.tokens >= fewest
+
+
 def _with_split_layer(route: Route, shape: Shape) -> Route:
     """The triton/graph `route` with the split layer where the policy's `split_layer.max_d_model` (null: never)
     covers d_model, batch_size*seq_len is at least `split_layer.min_tokens` (null or absent: any), the operands
@@ -237,8 +250,9 @@ def with_pdl(route: Route, capability) -> Route:
                    reason=route.reason + f"; programmatic dependent launch (sm_{least[0]}{least[1]}+)")
 
 
-def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool) -> str | None:
-    """Why route `name` cannot serve this input, or None if it can."""
+def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool, capability=None) -> str | None:
+    """Why route `name` cannot serve this input, or None if it can. `capability`: the CUDA device's (major,
+    minor), asked of the device where None and the route is built for one (RouteSpec.sm)."""
     dev, dt = _device_type(device), _dtype_name(dtype)
     if name not in ROUTES:
         return f"unknown route {name!r}; routes are {', '.join(ROUTES)}"
@@ -255,6 +269,14 @@ def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool) -> 
         return f"route {name!r} needs a CUDA device, got {dev}"
     if dev != "cuda" and not (dev == "cpu" and interpret):
         return f"route {name!r} needs a CUDA device, or TRITON_INTERPRET=1 on the CPU (device {dev})"
+    if spec.sm is not None:
+        if capability is None:
+            import torch
+
+            capability = torch.cuda.get_device_capability(device)
+        if capability[0] != spec.sm:
+            return (f"route {name!r} runs on compute capability {spec.sm}.x (sm_{spec.sm}0) only, got "
+                    f"{capability[0]}.{capability[1]}")
     limits = getattr(route_module(name), "why_unsupported", None)
     why = limits(shape) if limits is not None else None
     if why:
@@ -263,10 +285,13 @@ def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool) -> 
 
 
 def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: str | None = None,
-                 interpret: bool | None = None, allow_fused: bool = True, allow_megakernel: bool = True) -> Route:
+                 interpret: bool | None = None, allow_fused: bool = True, allow_megakernel: bool = True,
+                 allow_hopper: bool = True, capability=None) -> Route:
     """Pick the route for one input signature. Pure: reads only its arguments and the policy data.
 
     `forced` (a route name, or None/"auto") is honoured or refused with RouteUnavailable, never replaced.
+    `capability`: the CUDA device's (major, minor) compute capability (None: no route built for one capability is
+    picked unasked; a forced one asks the device).
     """
     if mask_kind not in MASK_KINDS:
         raise ValueError(f"mask_kind must be one of {MASK_KINDS}, got {mask_kind!r}")
@@ -276,7 +301,7 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
     if forced not in (None, "auto"):
         if forced not in ROUTES:
             raise ValueError(f"unknown route {forced!r}; choose one of auto, {', '.join(ROUTES)}")
-        why = why_unavailable(forced, shape, dtype, device, interpret)
+        why = why_unavailable(forced, shape, dtype, device, interpret, capability)
         if why:
             raise RouteUnavailable(why)
         if forced == "fused":
@@ -292,6 +317,11 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
     if why_unavailable("triton", shape, dtype, device, interpret):
         return Route("sdpa", _precision_for("sdpa", dt, shape), "outside the Triton kernels' range")
     size = shape.tokens * shape.d_model
+    if (allow_hopper and capability is not None and _hopper_pays(shape)
+            and _precision_for("hopper", dt, shape) == "fp16"
+            and not why_unavailable("hopper", shape, dtype, device, interpret, capability)):
+        return Route("hopper", "fp16", f"one sequence's residual stream in registers: the whole forward in one "
+                                       f"Gluon kernel (seq_len {shape.seq_len} <= {POLICY['hopper']['max_seq_len']})")
     if allow_megakernel and _megakernel_pays(shape) and not why_unavailable("megakernel", shape, dtype, device,
                                                                             interpret):
         return _megakernel_route(_precision_for("megakernel", dt, shape),

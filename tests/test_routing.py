@@ -117,7 +117,7 @@ def test_forced_triton_refused_beyond_head_dim_range():
 @pytest.mark.parametrize("name", ROUTES)
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
 def test_forced_route_honoured_on_cuda(name, mask_kind):
-    r = select_route(SHAPES[2], torch.float32, "cuda", mask_kind, forced=name, interpret=False)
+    r = select_route(SHAPES[2], torch.float32, "cuda", mask_kind, forced=name, interpret=False, capability=(9, 0))
     assert r.name == name and r.forced
     assert r.reason
 
@@ -173,7 +173,7 @@ def test_low_precision_inputs_get_fp16_operands_on_kernel_routes(name):
     native = name in ("reference", "sdpa")
     for dtype, expect in ((torch.float16, "fp16"), (torch.bfloat16, "bf16" if native else "fp16")):
         for shape in (SHAPES[0], SHAPES[2], SHAPES[3]):  # the split layer's shapes (row 6) too
-            r = select_route(shape, dtype, "cuda", "none", forced=name, interpret=False)
+            r = select_route(shape, dtype, "cuda", "none", forced=name, interpret=False, capability=(9, 0))
             assert r.precision == expect, f"{name} {dtype}: precision {r.precision}"
             auto = select_route(shape, dtype, "cuda", "none", interpret=False)
             assert auto.precision == "fp16", f"auto {dtype}: {auto}"
@@ -370,3 +370,47 @@ def test_split_layer_has_a_token_floor(monkeypatch):
     assert select_route(one, torch.float32, "cuda").split_layer
     monkeypatch.setitem(routing.POLICY, "split_layer", {"max_d_model": 128})
     assert select_route(one, torch.float32, "cuda").split_layer
+
+
+# ----------------------------------------------------------------------------------------------
+# hopper: built for sm_90 alone, picked unasked only where the policy's hopper entry covers the shape
+# ----------------------------------------------------------------------------------------------
+def _hopper_policy(monkeypatch, max_seq_len=128, min_tokens=None):
+    monkeypatch.setitem(routing.POLICY, "hopper", {"max_seq_len": max_seq_len, "min_tokens": min_tokens})
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0), (10, 0), None])
+def test_hopper_is_picked_only_on_sm90_where_the_policy_covers(monkeypatch, capability):
+    _hopper_policy(monkeypatch)
+    r = select_route(SHAPES[2], torch.float32, "cuda", "general", interpret=False, capability=capability)
+    assert (r.name == "hopper") == (capability == (9, 0)), r
+    if r.name == "hopper":
+        assert r.precision == "fp16" and "Gluon" in r.reason
+
+
+def test_hopper_keeps_to_the_policy(monkeypatch):
+    _hopper_policy(monkeypatch, max_seq_len=64)
+    assert select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0)).name != "hopper"  # seq_len 128
+    _hopper_policy(monkeypatch, max_seq_len=128, min_tokens=8192 + 1)
+    assert select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0)).name != "hopper"  # 8192 tokens
+    _hopper_policy(monkeypatch, max_seq_len=None)
+    assert select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0)).name != "hopper"
+    _hopper_policy(monkeypatch)
+    assert select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0), allow_hopper=False).name != "hopper"
+    # a shape outside the kernel's limits (d_model 1024) is never picked, even where the policy would
+    assert select_route(SHAPES[5], torch.float32, "cuda", capability=(9, 0)).name != "hopper"
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (10, 0)])
+def test_forced_hopper_is_refused_off_sm90_naming_the_capability(capability):
+    with pytest.raises(RouteUnavailable, match=r"'hopper'.*9\.x.*got " + f"{capability[0]}.{capability[1]}"):
+        select_route(SHAPES[2], torch.float32, "cuda", forced="hopper", capability=capability)
+
+
+def test_forced_hopper_is_refused_where_the_kernel_cannot_serve():
+    with pytest.raises(RouteUnavailable, match="'hopper'.*seq_len <= 128"):
+        select_route(dataclasses.replace(SHAPES[2], seq_len=129), torch.float32, "cuda", forced="hopper",
+                     capability=(9, 0))
+    with pytest.raises(RouteUnavailable, match="'hopper'.*d_model in"):
+        select_route(dataclasses.replace(SHAPES[2], d_model=256, num_heads=8), torch.float32, "cuda",
+                     forced="hopper", capability=(9, 0))

@@ -1,0 +1,379 @@
+"""The whole pre-LayerNorm Transformer forward in one Gluon kernel for Hopper (sm_90): wgmma and a TMA weight ring.
+
+One program (a CTA of S_PAD // 16 warps, one per SM) takes one sequence at a time (persistent: program p runs
+sequences p, p + P, ...) and keeps its fp32 residual stream [S_PAD, d] in registers, as the wgmma accumulator, from
+the first layer to the final LayerNorm: HBM sees each sequence's input once and its output once. Per layer:
+  LayerNorm 1 (registers) -> per head: q, k, v projections (wgmma, A from registers); k, v to shared memory;
+  scores, causal/key mask, fp32 softmax, probs @ v (wgmma); the head's slice of the out-projection accumulated
+  straight into the residual -> bias -> LayerNorm 2 -> per FFN chunk: in-projection, bias, exact GELU,
+  out-projection accumulated into the residual -> bias -> invalid rows zeroed.
+Every weight operand is one [HD, d] fp16 tile of one stream (`pack_weights`), consumed in order and brought from
+L2 by TMA into a ring of NUM_SLOTS shared-memory slots that runs NUM_SLOTS tiles ahead of the math, across
+layers and sequences. Head dims are padded to HD (>= 16, a wgmma k step) and the FFN to a multiple of HD with zero
+weights, which changes no output bit of the unpadded math but the summation order.
+
+Operands fp16, accumulation and statistics fp32; masks exact (any valid-token mask, a sequence with no valid
+token included); the output in the caller's dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..model.reference import LAYER_NORM_EPS
+
+try:  # Gluon ships with Triton >= 3.5; without it (or without a Hopper GPU) `why_unsupported` says so
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+
+D_MODELS = (32, 64, 128)  # residual widths one register tile holds (a power of two: the tile's columns)
+MAX_SEQ_LEN = 128  # rows of one program's tile: 64 (4 warps) or 128 (8 warps), one warpgroup per 64 rows
+MIN_HEAD_DIM = 16  # a wgmma k step for fp16: narrower heads are padded to it with zero weights
+SMEM_BYTES = 216 * 1024  # shared memory one program may take (the H200 offers 227 KB per block)
+MAX_SLOTS = 16  # the weight ring's depth at most
+VECTORS = ("qkv_b", "o_b", "in_b", "out_b", "n1_w", "n1_b", "n2_w", "n2_b")  # per-layer fp32 vectors
+
+
+def head_dim_padded(head_dim: int) -> int:
+    """The head width the kernel computes with: head_dim rounded up to a multiple of MIN_HEAD_DIM."""
+    return -(-head_dim // MIN_HEAD_DIM) * MIN_HEAD_DIM
+
+
+def why_unsupported(seq_len: int, d_model: int, num_heads: int, ffn_dim: int) -> str | None:
+    """Why the Hopper forward cannot serve this shape (any device), or None: the one statement of its limits."""
+    if gluon is None:
+        return "the Hopper forward needs Triton's Gluon (triton >= 3.5)"
+    if d_model not in D_MODELS:
+        return f"the Hopper forward serves d_model in {D_MODELS}, got {d_model}"
+    if seq_len > MAX_SEQ_LEN:
+        return f"the Hopper forward serves seq_len <= {MAX_SEQ_LEN} (one tile of rows), got {seq_len}"
+    if d_model % num_heads:
+        return f"the Hopper forward needs d_model % num_heads == 0, got {d_model} % {num_heads}"
+    hd = head_dim_padded(d_model // num_heads)
+    if hd > d_model:
+        return f"the Hopper forward pads head_dim to {hd}, wider than d_model={d_model}"
+    if _ring_slots(_seq_pad(seq_len), hd, d_model, stream_tiles(num_heads, ffn_dim, hd)) < 2:
+        return f"the Hopper forward's weight ring holds fewer than 2 tiles of [{hd}, {d_model}] in shared memory"
+    return None
+
+
+def stream_tiles(num_heads: int, ffn_dim: int, hd: int) -> int:
+    """Weight tiles per layer: q, k, v and out-projection per head, then in and out per FFN chunk of hd."""
+    return 4 * num_heads + 2 * (-(-ffn_dim // hd))
+
+
+def _seq_pad(seq_len: int) -> int:
+    """Rows of one program's tile: a warpgroup (4 warps) per 64 rows."""
+    return 64 if seq_len <= 64 else 128
+
+
+def _ring_slots(s_pad: int, hd: int, d_model: int, tiles_per_layer: int) -> int:
+    """Slots of the weight ring: as many [hd, d] fp16 tiles as fit in SMEM_BYTES beside k and v ([s_pad, hd] fp16
+    each), at most MAX_SLOTS and at most a layer's tiles."""
+    return min(MAX_SLOTS, tiles_per_layer, (SMEM_BYTES - 4 * s_pad * hd) // (2 * hd * d_model))
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain torch: the weight stream, and the forward computed from it (fp64) as the kernel consumes it
+# ----------------------------------------------------------------------------------------------
+def pack_weights(layers: list[dict], final: tuple, num_heads: int, operand_dtype=torch.float16) -> dict:
+    """The kernel's weights from per-layer dicts (kernels' names: qkv_w [3d, d], qkv_b, o_w [d, d], o_b, in_w
+    [f, d], in_b, out_w [d, f], out_b, n1_w, n1_b, n2_w, n2_b) and the final norm's (weight, bias):
+    - `stream` [L * tiles * HD, d] in `operand_dtype`: per layer, per head h the tiles Wq_h, Wk_h, Wv_h
+      ([HD, d], out features by in features) and Wo[:, h]ᵀ ([HD, d], in features by out features), then per FFN
+      chunk c Win_c ([HD, d]) and Wout[:, c]ᵀ ([HD, d]); head lanes and FFN columns past the real ones are 0;
+    - `qkv_b` [L, 3, H * HD], `in_b` [L, F_PAD] padded alike, `o_b`, `out_b`, the norms [L, d], fp32;
+    - `final_w`, `final_b` [d] fp32."""
+    L, d = len(layers), layers[0]["o_w"].shape[0]
+    hd = d // num_heads
+    hdp, ffn = head_dim_padded(hd), layers[0]["in_w"].shape[0]
+    chunks = -(-ffn // hdp)
+    dt, dev = operand_dtype, layers[0]["qkv_w"].device
+    stream = torch.zeros(L, stream_tiles(num_heads, ffn, hdp), hdp, d, dtype=dt, device=dev)
+    qkv_b = torch.zeros(L, 3, num_heads, hdp, dtype=torch.float32, device=dev)
+    in_b = torch.zeros(L, chunks * hdp, dtype=torch.float32, device=dev)
+    for i, w in enumerate(layers):
+        qkv = w["qkv_w"].view(3, num_heads, hd, d)
+        wo_t = w["o_w"].t().reshape(num_heads, hd, d)  # [in, out] rows of head h
+        for h in range(num_heads):
+            for j in range(3):
+                stream[i, 4 * h + j, :hd] = qkv[j, h]
+            stream[i, 4 * h + 3, :hd] = wo_t[h]
+        win, wout_t = w["in_w"], w["out_w"].t()  # [f, d] each
+        for c in range(chunks):
+            lo, hi = c * hdp, min(ffn, (c + 1) * hdp)
+            stream[i, 4 * num_heads + 2 * c, :hi - lo] = win[lo:hi]
+            stream[i, 4 * num_heads + 2 * c + 1, :hi - lo] = wout_t[lo:hi]
+        qkv_b[i, :, :, :hd] = w["qkv_b"].float().view(3, num_heads, hd)
+        in_b[i, :ffn] = w["in_b"].float()
+    out = {"stream": stream.view(-1, d).contiguous(), "qkv_b": qkv_b.view(L, 3, -1).contiguous(),
+           "in_b": in_b.contiguous(), "final_w": final[0].float().contiguous(),
+           "final_b": final[1].float().contiguous()}
+    for n in ("o_b", "out_b", "n1_w", "n1_b", "n2_w", "n2_b"):
+        out[n] = torch.stack([w[n].float() for w in layers]).contiguous()
+    return out
+
+
+def forward_from_stream(x, w, *, num_heads, causal, mask=None, eps=LAYER_NORM_EPS):
+    """The forward computed in fp64 from `pack_weights`'s layout, tile by tile in the kernel's order (padded heads
+    and FFN chunks included): what the kernel computes, up to its fp16 operands and summation order."""
+    B, S, d = x.shape
+    hd = d // num_heads
+    L, hdp = w["o_b"].shape[0], head_dim_padded(hd)
+    tiles = w["stream"].double().view(L, -1, hdp, d)
+    chunks = (tiles.shape[1] - 4 * num_heads) // 2
+    valid = torch.ones(B, S, dtype=torch.bool, device=x.device) if mask is None else mask
+    visible = valid[:, None, :]
+    if causal:
+        visible = visible & torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
+    ln = torch.nn.functional.layer_norm
+    h = x.double()
+    for i in range(L):
+        t, qkv_b = tiles[i], w["qkv_b"][i].double().view(3, num_heads, hdp)
+        n1 = ln(h, (d,), w["n1_w"][i].double(), w["n1_b"][i].double(), eps)
+        for head in range(num_heads):
+            q, k, v = (n1 @ t[4 * head + j].t() + qkv_b[j, head] for j in range(3))
+            s = (q @ k.transpose(1, 2) * hd**-0.5).masked_fill(~visible, float("-inf"))
+            o = torch.softmax(s, -1).nan_to_num(0.0) @ v
+            h = h + o @ t[4 * head + 3]
+        h = h + w["o_b"][i].double()
+        n2 = ln(h, (d,), w["n2_w"][i].double(), w["n2_b"][i].double(), eps)
+        for c in range(chunks):
+            f = n2 @ t[4 * num_heads + 2 * c].t() + w["in_b"][i, c * hdp:(c + 1) * hdp].double()
+            h = h + torch.nn.functional.gelu(f) @ t[4 * num_heads + 2 * c + 1]
+        h = (h + w["out_b"][i].double()).masked_fill(~valid[:, :, None], 0.0)
+    y = ln(h, (d,), w["final_w"].double(), w["final_b"].double(), eps)
+    return y.masked_fill(~valid[:, :, None], 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Gluon kernel
+# ----------------------------------------------------------------------------------------------
+if gluon is not None:
+
+    @gluon.jit
+    def _layer_norm(x, w_ptr, b_ptr, cols, D: gl.constexpr, eps):
+        """LayerNorm of each row of the fp32 tile x (every column real), weights at w_ptr, b_ptr."""
+        mean = gl.sum(x, axis=1) / D
+        xc = x - gl.expand_dims(mean, 1)
+        rstd = gl.rsqrt(gl.sum(xc * xc, axis=1) / D + eps)
+        w = gl.load(w_ptr + cols)
+        b = gl.load(b_ptr + cols)
+        return xc * gl.expand_dims(rstd, 1) * gl.expand_dims(w, 0) + gl.expand_dims(b, 0)
+
+    @gluon.jit
+    def _wait_tile(bars, g, NUM_SLOTS: gl.constexpr):
+        """The ring slot of stream tile g (the g-th this program consumes), once its TMA load has landed."""
+        slot = g % NUM_SLOTS
+        mbarrier.wait(bars.index(slot), (g // NUM_SLOTS) & 1)
+        return slot
+
+    @gluon.jit
+    def _refill(w_desc, ring, bars, g, total, tiles_per_forward, HD: gl.constexpr, NUM_SLOTS: gl.constexpr):
+        """Tile g's slot is read by every warp (the barrier): load tile g + NUM_SLOTS into it, if there is one."""
+        gl.thread_barrier()
+        nxt = g + NUM_SLOTS
+        if nxt < total:
+            slot = g % NUM_SLOTS
+            mbarrier.expect(bars.index(slot), w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [(nxt % tiles_per_forward) * HD, 0], bars.index(slot),
+                                            ring.index(slot))
+
+    @gluon.jit
+    def _hopper_forward_fwd(
+        X, Y, Mask,  # [B, S, d] input (any float dtype), [B, S, d] output, int8 [B, S] valid tokens (HAS_MASK)
+        w_desc,  # TMA descriptor of the weight stream [L * tiles * HD, d] fp16, block [HD, d]
+        QKVb, Ob, INb, OUTb, N1w, N1b, N2w, N2b, NFw, NFb,  # fp32 vectors (pack_weights)
+        batch, seq_len, num_layers, qk_scale, eps,  # qk_scale = head_dim**-0.5 * log2(e)
+        stride_xb, stride_xs, stride_yb, stride_ys, stride_mb,
+        S_PAD: gl.constexpr, D: gl.constexpr, HD: gl.constexpr, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr,
+        NUM_SLOTS: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_MASK: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        # accumulators: residual/out-projection [S_PAD, D], per-head [S_PAD, HD], scores [S_PAD, S_PAD]
+        L_D: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, D, 16])
+        L_H: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, HD, 16])
+        L_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, S_PAD, 16])
+        A_H: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_H, k_width=2)  # -> [S, HD] products
+        A_D: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_D, k_width=2)  # -> [S, D] products
+        A_S: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_S, k_width=2)  # -> scores
+        KV_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([S_PAD, HD], gl.float16)
+        TILES: gl.constexpr = 4 * NUM_HEADS + 2 * F_CHUNKS
+
+        ring = gl.allocate_shared_memory(gl.float16, [NUM_SLOTS, HD, D], w_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
+        k_s = gl.allocate_shared_memory(gl.float16, [S_PAD, HD], KV_LAYOUT)
+        v_s = gl.allocate_shared_memory(gl.float16, [S_PAD, HD], KV_LAYOUT)
+        for i in gl.static_range(NUM_SLOTS):
+            mbarrier.init(bars.index(i), count=1)
+
+        pid = gl.program_id(0)
+        programs = gl.num_programs(0)
+        tiles_per_forward = num_layers * TILES
+        total = gl.cdiv(batch - pid, programs) * tiles_per_forward  # tiles this program consumes
+        for i in gl.static_range(NUM_SLOTS):  # the ring's first fill
+            if i < total:
+                mbarrier.expect(bars.index(i), w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(w_desc, [(i % tiles_per_forward) * HD, 0], bars.index(i),
+                                                ring.index(i))
+
+        rows = gl.arange(0, S_PAD, layout=gl.SliceLayout(1, L_D))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, L_D))
+        hcols = gl.arange(0, HD, layout=gl.SliceLayout(0, L_H))
+        q_rows = gl.arange(0, S_PAD, layout=gl.SliceLayout(1, L_S))
+        keys = gl.arange(0, S_PAD, layout=gl.SliceLayout(0, L_S))
+        row_in = rows < seq_len
+        key_in = keys < seq_len
+        tile_in = gl.expand_dims(row_in, 1) & gl.expand_dims(cols < D, 0)
+
+        g = 0  # stream tiles consumed
+        for b in range(pid, batch, programs):
+            b64 = b.to(gl.int64)
+            x = gl.load(X + b64 * stride_xb + gl.expand_dims(rows, 1) * stride_xs + gl.expand_dims(cols, 0),
+                        mask=tile_in, other=0.0).to(gl.float32)
+            row_ok = row_in
+            key_ok = key_in
+            if HAS_MASK:
+                row_ok = row_ok & (gl.load(Mask + b64 * stride_mb + rows, mask=row_in, other=0) != 0)
+                key_ok = key_ok & (gl.load(Mask + b64 * stride_mb + keys, mask=key_in, other=0) != 0)
+            visible = gl.expand_dims(key_ok, 0) & gl.expand_dims(q_rows >= 0, 1)
+            if IS_CAUSAL:
+                visible = visible & (gl.expand_dims(keys, 0) <= gl.expand_dims(q_rows, 1))
+            for layer in range(num_layers):
+                h = _layer_norm(x, N1w + layer * D, N1b + layer * D, cols, D, eps).to(gl.float16)
+                h = gl.convert_layout(h, A_H)
+                for head in range(NUM_HEADS):
+                    bq = QKVb + (layer * 3 * NUM_HEADS + head) * HD
+                    slot = _wait_tile(bars, g, NUM_SLOTS)
+                    q = warpgroup_mma(h, ring.index(slot).permute((1, 0)), gl.zeros([S_PAD, HD], gl.float32, L_H),
+                                      use_acc=False)
+                    _refill(w_desc, ring, bars, g, total, tiles_per_forward, HD, NUM_SLOTS)
+                    g += 1
+                    q = q + gl.expand_dims(gl.load(bq + hcols), 0)
+                    slot = _wait_tile(bars, g, NUM_SLOTS)
+                    k = warpgroup_mma(h, ring.index(slot).permute((1, 0)), gl.zeros([S_PAD, HD], gl.float32, L_H),
+                                      use_acc=False)
+                    _refill(w_desc, ring, bars, g, total, tiles_per_forward, HD, NUM_SLOTS)
+                    g += 1
+                    k_s.store((k + gl.expand_dims(gl.load(bq + NUM_HEADS * HD + hcols), 0)).to(gl.float16))
+                    slot = _wait_tile(bars, g, NUM_SLOTS)
+                    v = warpgroup_mma(h, ring.index(slot).permute((1, 0)), gl.zeros([S_PAD, HD], gl.float32, L_H),
+                                      use_acc=False)
+                    _refill(w_desc, ring, bars, g, total, tiles_per_forward, HD, NUM_SLOTS)
+                    g += 1
+                    v_s.store((v + gl.expand_dims(gl.load(bq + 2 * NUM_HEADS * HD + hcols), 0)).to(gl.float16))
+                    fence_async_shared()  # the stores above before the wgmma reads below (async proxy)
+                    gl.thread_barrier()  # every warp's rows of k and v written
+                    s = warpgroup_mma(gl.convert_layout(q.to(gl.float16), A_S), k_s.permute((1, 0)),
+                                      gl.zeros([S_PAD, S_PAD], gl.float32, L_S), use_acc=False)
+                    s = gl.where(visible, s, float("-inf"))
+                    m = gl.max(s, axis=1)
+                    m = gl.where(m == float("-inf"), 0.0, m)  # a row with no visible key: p = 0, output 0
+                    p = gl.exp2((s - gl.expand_dims(m, 1)) * qk_scale)
+                    l_sum = gl.sum(p, axis=1)
+                    o = warpgroup_mma(gl.convert_layout(p.to(gl.float16), A_H), v_s,
+                                      gl.zeros([S_PAD, HD], gl.float32, L_H), use_acc=False)
+                    l_sum = gl.convert_layout(gl.where(l_sum == 0.0, 1.0, l_sum), gl.SliceLayout(1, L_H))
+                    o = o / gl.expand_dims(l_sum, 1)
+                    slot = _wait_tile(bars, g, NUM_SLOTS)
+                    x = warpgroup_mma(gl.convert_layout(o.to(gl.float16), A_D), ring.index(slot), x)
+                    _refill(w_desc, ring, bars, g, total, tiles_per_forward, HD, NUM_SLOTS)  # k_s, v_s free too
+                    g += 1
+                x = x + gl.expand_dims(gl.load(Ob + layer * D + cols), 0)
+                h = _layer_norm(x, N2w + layer * D, N2b + layer * D, cols, D, eps).to(gl.float16)
+                h = gl.convert_layout(h, A_H)
+                for c in range(F_CHUNKS):
+                    slot = _wait_tile(bars, g, NUM_SLOTS)
+                    t = warpgroup_mma(h, ring.index(slot).permute((1, 0)), gl.zeros([S_PAD, HD], gl.float32, L_H),
+                                      use_acc=False)
+                    _refill(w_desc, ring, bars, g, total, tiles_per_forward, HD, NUM_SLOTS)
+                    g += 1
+                    t = t + gl.expand_dims(gl.load(INb + (layer * F_CHUNKS + c) * HD + hcols), 0)
+                    t = 0.5 * t * (1.0 + gl.erf(t * 0.7071067811865476))  # exact GELU
+                    slot = _wait_tile(bars, g, NUM_SLOTS)
+                    x = warpgroup_mma(gl.convert_layout(t.to(gl.float16), A_D), ring.index(slot), x)
+                    _refill(w_desc, ring, bars, g, total, tiles_per_forward, HD, NUM_SLOTS)
+                    g += 1
+                x = x + gl.expand_dims(gl.load(OUTb + layer * D + cols), 0)
+                x = gl.where(gl.expand_dims(row_ok, 1), x, 0.0)
+            y = _layer_norm(x, NFw, NFb, cols, D, eps)
+            y = gl.where(gl.expand_dims(row_ok, 1), y, 0.0)
+            gl.store(Y + b64 * stride_yb + gl.expand_dims(rows, 1) * stride_ys + gl.expand_dims(cols, 0),
+                     y.to(Y.dtype.element_ty), mask=tile_in)
+        for i in gl.static_range(NUM_SLOTS):
+            mbarrier.invalidate(bars.index(i))
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher and public function
+# ----------------------------------------------------------------------------------------------
+def launch_config(seq_len: int, d_model: int, num_heads: int, ffn_dim: int) -> dict:
+    """The kernel's compile-time shape for this model shape: S_PAD, HD, F_CHUNKS, NUM_SLOTS, num_warps."""
+    hd = head_dim_padded(d_model // num_heads)
+    s_pad = _seq_pad(seq_len)
+    return {"S_PAD": s_pad, "HD": hd, "F_CHUNKS": -(-ffn_dim // hd),
+            "NUM_SLOTS": _ring_slots(s_pad, hd, d_model, stream_tiles(num_heads, ffn_dim, hd)),
+            "num_warps": s_pad // 16}
+
+
+def weight_descriptor(stream: torch.Tensor, hd: int):
+    """The TMA descriptor of the weight stream: [HD, d] fp16 blocks in the swizzled layout wgmma reads."""
+    d = stream.shape[1]
+    layout = gl.NVMMASharedLayout.get_default_for([hd, d], gl.float16)
+    return TensorDescriptor(stream, list(stream.shape), list(stream.stride()), [hd, d], layout)
+
+
+def programs_for(batch: int, device) -> int:
+    """Persistent programs of one launch: one per SM (a program takes most of an SM's shared memory)."""
+    return max(1, min(batch, torch.cuda.get_device_properties(device).multi_processor_count))
+
+
+def hopper_forward(x, w, *, num_heads, causal, mask=None, out=None, desc=None, programs=None):
+    """The whole forward over `x [B, S, d]` with `pack_weights`'s weights `w`: [B, S, d] in x's dtype (or into
+    `out`), invalid rows 0. `desc`: the stream's `weight_descriptor` (built here when None)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.stride(-1) != 1:
+        raise ValueError(f"hopper_forward: x must be a [B, S, d] tensor with unit stride along d, got "
+                         f"{tuple(getattr(x, 'shape', ()))}")
+    B, S, d = x.shape
+    L = w["o_b"].shape[0]
+    ffn = w["in_b"].shape[1]  # padded: the same chunks as the real width
+    why = why_unsupported(S, d, num_heads, ffn)
+    if why:
+        raise ValueError(f"hopper_forward: {why}")
+    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] != 9:
+        raise ValueError(f"hopper_forward: needs a Hopper GPU (sm_90), got {x.device}")
+    cfg = launch_config(S, d, num_heads, ffn)
+    stream = w["stream"]
+    if stream.dtype != torch.float16 or stream.shape != (L * stream_tiles(num_heads, ffn, cfg["HD"]) * cfg["HD"], d):
+        raise ValueError(f"hopper_forward: the weight stream must be fp16 [{L} layers * tiles * {cfg['HD']}, {d}] "
+                         f"(pack_weights), got {stream.dtype} {list(stream.shape)}")
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, S) or mask.device != x.device):
+        raise ValueError(f"hopper_forward: mask must be bool [B, S]={B, S} on {x.device}, got {mask.dtype} "
+                         f"{tuple(mask.shape)} on {mask.device}")
+    if out is None:
+        out = torch.empty((B, S, d), device=x.device, dtype=x.dtype)
+    elif tuple(out.shape) != (B, S, d) or out.stride(-1) != 1:
+        raise ValueError(f"hopper_forward: out must be [B, S, d]={B, S, d} with unit stride along d")
+    m = mask.view(torch.int8) if mask is not None else out
+    if mask is not None and m.stride(-1) != 1:
+        m = m.contiguous()
+    desc = desc if desc is not None else weight_descriptor(stream, cfg["HD"])
+    programs = programs or programs_for(B, x.device)
+    _hopper_forward_fwd[(programs,)](
+        x, out, m, desc, w["qkv_b"], w["o_b"], w["in_b"], w["out_b"], w["n1_w"], w["n1_b"], w["n2_w"], w["n2_b"],
+        w["final_w"], w["final_b"], B, S, L, (d // num_heads) ** -0.5 * math.log2(math.e), LAYER_NORM_EPS,
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1), m.stride(0) if mask is not None else 0,
+        S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=num_heads, F_CHUNKS=cfg["F_CHUNKS"],
+        NUM_SLOTS=cfg["NUM_SLOTS"], IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, num_warps=cfg["num_warps"],
+    )
+    return out
+
+
+__all__ = ["forward_from_stream", "hopper_forward", "pack_weights", "why_unsupported"]

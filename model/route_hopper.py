@@ -1,0 +1,78 @@
+"""Route `hopper`: the whole forward in one Gluon kernel on Hopper (kernels/hopper_forward.py), weights as one
+stream of [head_dim, d] fp16 tiles brought in by TMA."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from .routing import RouteUnavailable
+from .weights import layer_weights, per_layer
+
+
+def packed(model, dtype) -> dict:
+    """The kernel's layout (kernels.hopper_forward.pack_weights): the weight stream in `dtype`, vectors fp32."""
+    from shapewise.kernels.hopper_forward import pack_weights
+
+    w = per_layer(model, torch.float32)
+    layers = [layer_weights(w, i) for i in range(model.config.num_layers)]
+    return pack_weights(layers, (w["final_w"], w["final_b"]), model.config.num_heads, operand_dtype=dtype)
+
+
+class HopperForward:
+    uses_weights = True
+
+    def __init__(self, model, route):
+        from shapewise.kernels.hopper_forward import head_dim_padded, hopper_forward, weight_descriptor
+
+        self.hopper_forward = hopper_forward
+        self.route = route
+        self.weights = model._weights.table(model, route.precision, packed)
+        # the stream is refreshed in place (model/weights.py): its descriptor stays valid across weight edits
+        self.desc = weight_descriptor(self.weights["stream"], head_dim_padded(model.config.head_dim))
+
+    @torch.no_grad()
+    def __call__(self, model, x, mask):
+        if x.stride(-1) != 1:  # a view sliced along d_model: the kernel reads rows with unit stride
+            x = x.contiguous()
+        cfg = model.config
+        return self.hopper_forward(x, self.weights, num_heads=cfg.num_heads, causal=cfg.causal, mask=mask,
+                                   desc=self.desc)
+
+
+def runner(model, route):
+    return HopperForward(model, route)
+
+
+def why_unsupported(shape) -> str | None:
+    from shapewise.kernels.hopper_forward import why_unsupported  # the kernel owns its limits
+
+    return why_unsupported(shape.seq_len, shape.d_model, shape.num_heads, shape.ffn_dim)
+
+
+def settle(route, x, disabled):
+    """The Hopper forward needs its switch and fp16 operands (its wgmma tiles are fp16): a forced route without
+    them is refused, an automatic one runs as graph instead."""
+    if "hopper_forward" in disabled:  # select_route picks it unasked only with the switch on
+        raise RouteUnavailable("route 'hopper' was forced, but the hopper_forward optimization is disabled")
+    if route.precision != "fp16":
+        if route.forced:
+            raise RouteUnavailable(f"route 'hopper' needs fp16 operands, not {route.precision}")
+        route = replace(route, name="graph", reason=route.reason + (
+            f"; the Hopper forward needs fp16 operands, not {route.precision}"))
+    return route
+
+
+def switches(route) -> set:
+    return {"hopper_forward"}
+
+
+def working_set(config, dtype, route) -> int:
+    """The weight stream (fp16, head dims and FFN padded to the kernel's tiles) and its fp32 vectors: no
+    activations beside the input and output."""
+    from shapewise.kernels.hopper_forward import head_dim_padded, stream_tiles
+
+    hd = head_dim_padded(config.head_dim)
+    tiles = stream_tiles(config.num_heads, config.ffn_dim, hd)
+    vectors = 4 * (3 * config.d_model + tiles * hd + 6 * config.d_model)
+    return config.num_layers * (tiles * hd * config.d_model * 2 + vectors) + 8 * config.d_model

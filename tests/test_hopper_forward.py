@@ -1,0 +1,188 @@
+"""kernels/hopper_forward.py and route `hopper`: the weight stream's layout (CPU: the forward computed from the packed
+tiles equals an fp64 forward written independently of it, padded heads and FFN chunks included), the kernel's limits,
+its sm_90 build (offline, no GPU), and on an H200 the kernel and the route against fp64 on every mask kind."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from shapewise.kernels import hopper_forward as hf
+from shapewise.model.weights import layer_weights, per_layer
+
+from model_helpers import MASK_KINDS, build_pair, cfg_of, check_official, fp64_forward, make_inputs, make_mask
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA = torch.cuda.is_available()
+
+# (B, S, d, H, ffn, L): head dims 32, 128, 64, 8 (padded to 16), 16; FFN wider, narrower and not a multiple of the
+# head width; S short, odd and at the tile's 128 rows
+SHAPES = [(3, 17, 32, 4, 32, 2), (2, 20, 64, 2, 96, 2), (2, 9, 32, 1, 40, 1), (2, 12, 64, 8, 64, 2),
+          (2, 5, 32, 2, 24, 1)]
+
+
+def _packed(model, cfg):
+    w = per_layer(model, torch.float64)
+    layers = [layer_weights(w, i) for i in range(cfg.num_layers)]
+    return hf.pack_weights(layers, (w["final_w"], w["final_b"]), cfg.num_heads, operand_dtype=torch.float64)
+
+
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_stream_computes_the_reference_forward(shape, causal, mask_kind):
+    cfg = cfg_of(shape, causal)
+    ref, _ = build_pair(cfg)
+    x, mask = make_inputs(cfg, mask_kind)
+    got = hf.forward_from_stream(x.double(), _packed(ref, cfg), num_heads=cfg.num_heads, causal=causal, mask=mask)
+    want = fp64_forward(ref.state_dict(), cfg, x, mask).nan_to_num(0.0)
+    assert (got - want).abs().max().item() < 1e-12
+
+
+def test_padding_is_zero_and_the_stream_is_tile_ordered():
+    cfg = cfg_of((1, 4, 32, 4, 40, 2))  # head_dim 8 -> 16, ffn 40 -> 3 chunks of 16
+    ref, _ = build_pair(cfg)
+    w = _packed(ref, cfg)
+    hd = hf.head_dim_padded(8)
+    tiles = w["stream"].view(2, -1, hd, 32)
+    assert hd == 16 and tiles.shape[1] == hf.stream_tiles(4, 40, hd) == 4 * 4 + 2 * 3
+    assert torch.equal(tiles[:, :16, 8:], torch.zeros_like(tiles[:, :16, 8:]))  # padded head lanes
+    assert torch.equal(tiles[:, -2:, 8:], torch.zeros_like(tiles[:, -2:, 8:]))  # the FFN's last chunk: 8 of 16 real
+    layer1_k_head2 = ref.layers[1].attention.k_proj.weight.double()[16:24]
+    assert torch.equal(tiles[1, 4 * 2 + 1, :8], layer1_k_head2)
+    assert torch.equal(w["qkv_b"][:, :, :].view(2, 3, 4, hd)[..., 8:], torch.zeros(2, 3, 4, 8, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("args, words", [
+    ((129, 128, 4, 128), "seq_len <= 128"),
+    ((64, 96, 4, 96), "d_model in"),
+    ((64, 256, 4, 256), "d_model in"),
+    ((64, 32, 3, 32), "d_model % num_heads"),
+])
+def test_limits_are_named(args, words):
+    why = hf.why_unsupported(*args)
+    assert why is not None and words in why
+
+
+@pytest.mark.parametrize("args", [(128, 128, 4, 128), (128, 128, 1, 128), (32, 128, 16, 128), (128, 32, 4, 32),
+                                  (64, 64, 2, 4096)])
+def test_the_launch_fits_shared_memory(args):
+    assert hf.why_unsupported(*args) is None
+    cfg = hf.launch_config(*args)
+    S, d = cfg["S_PAD"], args[1]
+    ring = cfg["NUM_SLOTS"] * cfg["HD"] * d * 2
+    assert 2 <= cfg["NUM_SLOTS"] <= hf.MAX_SLOTS and ring + 4 * S * cfg["HD"] <= hf.SMEM_BYTES
+    assert cfg["num_warps"] * 16 == S >= args[0]
+
+
+COMPILE = textwrap.dedent('''
+    import torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import mangle_type
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from shapewise.kernels import hopper_forward as hf
+
+    for S, d, H, F, causal, masked in ((128, 128, 4, 128, True, True), (128, 128, 1, 128, True, False),
+                                       (32, 128, 16, 128, False, True), (128, 32, 4, 32, True, True)):
+        cfg = hf.launch_config(S, d, H, F)
+        stream = torch.zeros(hf.stream_tiles(H, F, cfg["HD"]) * cfg["HD"], d, dtype=torch.float16)
+        fn = hf._hopper_forward_fwd
+        consts = dict(S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=H, F_CHUNKS=cfg["F_CHUNKS"],
+                      NUM_SLOTS=cfg["NUM_SLOTS"], IS_CAUSAL=causal, HAS_MASK=masked, num_warps=cfg["num_warps"])
+        sig = {n: "constexpr" if n in consts else mangle_type(hf.weight_descriptor(stream, cfg["HD"]))
+               if n == "w_desc" else "*i8" if n == "Mask" else "fp32" if n in ("qk_scale", "eps")
+               else "*fp32" if n[0].isupper() else "i32" for n in fn.arg_names}
+        src = GluonASTSource(fn=fn, signature=sig,
+                             constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"]))
+        ptx = k.asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, (S, d, H)
+        assert k.metadata.shared <= 227 * 1024, (S, d, H, k.metadata.shared)
+        print("compiled", S, d, H, F, k.metadata.shared)
+''')
+
+
+@pytest.mark.skipif(hf.gluon is None, reason="this Triton has no Gluon")
+def test_the_kernel_builds_for_sm90_with_wgmma_and_tma():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "workflow"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("compiled") == 4
+
+
+# ----------------------------------------------------------------------------------------------
+# On an H200 (sm_90)
+# ----------------------------------------------------------------------------------------------
+ON_HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
+needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+
+GPU_SHAPES = [(3, 128, 128, 4, 128, 2), (2, 100, 128, 1, 128, 2), (2, 128, 128, 2, 128, 1),
+              (2, 128, 128, 16, 128, 1), (3, 32, 128, 4, 128, 2), (2, 128, 32, 4, 32, 2), (2, 64, 64, 2, 256, 1),
+              (2, 7, 64, 4, 100, 1)]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kernel_matches_fp64(shape, causal, mask_kind):
+    cfg = cfg_of(shape, causal)
+    ref, _ = build_pair(cfg)
+    x, mask = make_inputs(cfg, mask_kind)
+    want = fp64_forward(ref.state_dict(), cfg, x, mask).nan_to_num(0.0)
+    w = per_layer(ref, torch.float32)
+    packed = hf.pack_weights([layer_weights(w, i) for i in range(cfg.num_layers)], (w["final_w"], w["final_b"]),
+                             cfg.num_heads)
+    packed = {k: v.cuda() for k, v in packed.items()}
+    xc, mc = x.cuda(), None if mask is None else mask.cuda()
+    out = torch.full_like(xc, float("nan"))  # poisoned: every element must be written
+    got = hf.hopper_forward(xc, packed, num_heads=cfg.num_heads, causal=causal, mask=mc, out=out)
+    check_official(want.float(), got.cpu(), f"hopper_forward {shape} causal={causal} {mask_kind}")
+    rel = ((got.cpu().double() - want).norm() / want.norm()).item()
+    assert rel < 3e-3, rel
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_the_ring_runs_across_sequences_of_one_program():
+    """More sequences than programs: each program's stream of tiles wraps from one forward to the next."""
+    cfg = cfg_of((37, 50, 64, 2, 64, 3))
+    ref, _ = build_pair(cfg)
+    x, _ = make_inputs(cfg, "none")
+    mask = make_mask("holes", 37, 50)
+    want = fp64_forward(ref.state_dict(), cfg, x, mask).nan_to_num(0.0)
+    w = per_layer(ref, torch.float32)
+    packed = {k: v.cuda() for k, v in hf.pack_weights([layer_weights(w, i) for i in range(3)],
+                                                      (w["final_w"], w["final_b"]), 2).items()}
+    for programs in (1, 5, 36):
+        got = hf.hopper_forward(x.cuda(), packed, num_heads=2, causal=True, mask=mask.cuda(), programs=programs)
+        check_official(want.float(), got.cpu(), f"{programs} programs")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_route_serves_the_official_row_shape_and_sees_weight_edits(dtype):
+    cfg = cfg_of((4, 128, 128, 4, 128, 4))
+    ref, opt = build_pair(cfg, "hopper")
+    ref, opt = ref.cuda().to(dtype), opt.cuda().to(dtype)
+    x, mask = make_inputs(cfg, "all_true", dtype)
+    x, mask = x.cuda(), mask.cuda()
+    with torch.inference_mode():
+        y = opt(x, mask)
+    assert opt.last_route.name == "hopper" and y.dtype == dtype
+    check_official(fp64_forward(ref.state_dict(), cfg, x.cpu().float(), mask.cpu()).float(), y.float().cpu(),
+                   f"route hopper {dtype}")
+    with torch.no_grad():
+        opt.layers[2].ffn_in.weight.mul_(1.5)
+        ref.layers[2].ffn_in.weight.mul_(1.5)
+    with torch.inference_mode():
+        y = opt(x, mask)
+    check_official(fp64_forward(ref.state_dict(), cfg, x.cpu().float(), mask.cpu()).float(), y.float().cpu(),
+                   "after a weight edit")
