@@ -26,7 +26,8 @@ from ..model.reference import LAYER_NORM_EPS
 try:  # Gluon ships with Triton >= 3.5; without it (or without a Hopper GPU) `why_unsupported` says so
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
@@ -36,6 +37,7 @@ MAX_SEQ_LEN = 128  # rows of one program's tile: 64 (4 warps) or 128 (8 warps), 
 MIN_HEAD_DIM = 16  # a wgmma k step for fp16: narrower heads are padded to it with zero weights
 SMEM_BYTES = 216 * 1024  # shared memory one program may take (the H200 offers 227 KB per block)
 MAX_SLOTS = 16  # the weight ring's depth at most
+MIN_SLOTS = 4  # and at least: a head's q, k, v tiles are waited for while the previous head's out-projection's is held
 VECTORS = ("qkv_b", "o_b", "in_b", "out_b", "n1_w", "n1_b", "n2_w", "n2_b")  # per-layer fp32 vectors
 
 
@@ -57,8 +59,9 @@ def why_unsupported(seq_len: int, d_model: int, num_heads: int, ffn_dim: int) ->
     hd = head_dim_padded(d_model // num_heads)
     if hd > d_model:
         return f"the Hopper forward pads head_dim to {hd}, wider than d_model={d_model}"
-    if _ring_slots(_seq_pad(seq_len), hd, d_model, stream_tiles(num_heads, ffn_dim, hd)) < 2:
-        return f"the Hopper forward's weight ring holds fewer than 2 tiles of [{hd}, {d_model}] in shared memory"
+    if _ring_slots(_seq_pad(seq_len), hd, d_model, stream_tiles(num_heads, ffn_dim, hd)) < MIN_SLOTS:
+        return (f"the Hopper forward's weight ring holds fewer than {MIN_SLOTS} tiles of [{hd}, {d_model}] in "
+                f"shared memory")
     return None
 
 
@@ -174,15 +177,32 @@ if gluon is not None:
         return slot
 
     @gluon.jit
-    def _refill(w_desc, ring, bars, g, total, tiles_per_forward, HD: gl.constexpr, NUM_SLOTS: gl.constexpr):
-        """Tile g's slot is read by every warp (the barrier): load tile g + NUM_SLOTS into it, if there is one."""
+    def _tile_mma(a, ring, bars, g, acc, TRANSPOSE: gl.constexpr, USE_ACC: gl.constexpr, NUM_SLOTS: gl.constexpr,
+                  OVERLAP: gl.constexpr):
+        """acc (+)= a @ B with B stream tile g (its transpose where TRANSPOSE: tiles of in-projections are stored
+        out features by in features), once the tile has landed. In flight on return where OVERLAP (the caller waits
+        before reading the result), else complete."""
+        b = ring.index(_wait_tile(bars, g, NUM_SLOTS))
+        if TRANSPOSE:
+            b = b.permute((1, 0))
+        acc = warpgroup_mma(a, b, acc, use_acc=USE_ACC, is_async=True)
+        if not OVERLAP:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        return acc
+
+    @gluon.jit
+    def _refill_upto(w_desc, ring, bars, done, upto, total, tiles_per_forward, HD: gl.constexpr,
+                     NUM_SLOTS: gl.constexpr):
+        """Tiles done..upto-1 are consumed (their wgmmas waited for by every warp: the barrier): load tile
+        i + NUM_SLOTS into the slot of each tile i among them, where there is one."""
         gl.thread_barrier()
-        nxt = g + NUM_SLOTS
-        if nxt < total:
-            slot = g % NUM_SLOTS
-            mbarrier.expect(bars.index(slot), w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(w_desc, [(nxt % tiles_per_forward) * HD, 0], bars.index(slot),
-                                            ring.index(slot))
+        for i in range(done, upto):
+            nxt = i + NUM_SLOTS
+            if nxt < total:
+                slot = i % NUM_SLOTS
+                mbarrier.expect(bars.index(slot), w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(w_desc, [(nxt % tiles_per_forward) * HD, 0], bars.index(slot),
+                                                ring.index(slot))
 
     @gluon.jit
     def _hopper_forward_fwd(
@@ -192,7 +212,8 @@ if gluon is not None:
         batch, seq_len, num_layers, qk_scale, eps,  # qk_scale = head_dim**-0.5 * log2(e)
         stride_xb, stride_xs, stride_yb, stride_ys, stride_mb,
         S_PAD: gl.constexpr, D: gl.constexpr, HD: gl.constexpr, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr,
-        NUM_SLOTS: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_MASK: gl.constexpr, num_warps: gl.constexpr,
+        NUM_SLOTS: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_MASK: gl.constexpr, OVERLAP: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         # accumulators: residual/out-projection [S_PAD, D], per-head [S_PAD, HD], scores [S_PAD, S_PAD]
         L_D: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -233,7 +254,10 @@ if gluon is not None:
         key_in = keys < seq_len
         tile_in = gl.expand_dims(row_in, 1) & gl.expand_dims(cols < D, 0)
 
-        g = 0  # stream tiles consumed
+        zeros_h = gl.zeros([S_PAD, HD], gl.float32, L_H)
+        zeros_s = gl.zeros([S_PAD, S_PAD], gl.float32, L_S)
+        g = 0  # stream tiles whose wgmma has been issued
+        done = 0  # stream tiles whose slot has been handed back to TMA
         for b in range(pid, batch, programs):
             b64 = b.to(gl.int64)
             x = gl.load(X + b64 * stride_xb + gl.expand_dims(rows, 1) * stride_xs + gl.expand_dims(cols, 0),
@@ -249,58 +273,55 @@ if gluon is not None:
             for layer in range(num_layers):
                 h = _layer_norm(x, N1w + layer * D, N1b + layer * D, cols, D, eps).to(gl.float16)
                 h = gl.convert_layout(h, A_H)
-                for head in range(NUM_HEADS):
+                for head in gl.static_range(NUM_HEADS):  # unrolled: a wgmma in flight changes a value's type
                     bq = QKVb + (layer * 3 * NUM_HEADS + head) * HD
-                    slot = _wait_tile(bars, g, NUM_SLOTS)
-                    q = warpgroup_mma(h, ring.index(slot).permute((1, 0)), gl.zeros([S_PAD, HD], gl.float32, L_H),
-                                      use_acc=False)
-                    _refill(w_desc, ring, bars, g, total, tiles_per_forward, HD, NUM_SLOTS)
-                    g += 1
-                    q = q + gl.expand_dims(gl.load(bq + hcols), 0)
-                    slot = _wait_tile(bars, g, NUM_SLOTS)
-                    k = warpgroup_mma(h, ring.index(slot).permute((1, 0)), gl.zeros([S_PAD, HD], gl.float32, L_H),
-                                      use_acc=False)
-                    _refill(w_desc, ring, bars, g, total, tiles_per_forward, HD, NUM_SLOTS)
-                    g += 1
+                    q = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                    k = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                    v = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                    q, k, v, x = warpgroup_mma_wait(num_outstanding=0, deps=(q, k, v, x))
+                    g += 3
+                    # every warp is past the previous head's probs @ v and out-projection: k_s, v_s and the
+                    # consumed tiles' slots are free
+                    _refill_upto(w_desc, ring, bars, done, g, total, tiles_per_forward, HD, NUM_SLOTS)
+                    done = g
                     k_s.store((k + gl.expand_dims(gl.load(bq + NUM_HEADS * HD + hcols), 0)).to(gl.float16))
-                    slot = _wait_tile(bars, g, NUM_SLOTS)
-                    v = warpgroup_mma(h, ring.index(slot).permute((1, 0)), gl.zeros([S_PAD, HD], gl.float32, L_H),
-                                      use_acc=False)
-                    _refill(w_desc, ring, bars, g, total, tiles_per_forward, HD, NUM_SLOTS)
-                    g += 1
                     v_s.store((v + gl.expand_dims(gl.load(bq + 2 * NUM_HEADS * HD + hcols), 0)).to(gl.float16))
                     fence_async_shared()  # the stores above before the wgmma reads below (async proxy)
                     gl.thread_barrier()  # every warp's rows of k and v written
-                    s = warpgroup_mma(gl.convert_layout(q.to(gl.float16), A_S), k_s.permute((1, 0)),
-                                      gl.zeros([S_PAD, S_PAD], gl.float32, L_S), use_acc=False)
+                    q = (q + gl.expand_dims(gl.load(bq + hcols), 0)).to(gl.float16)
+                    s = warpgroup_mma(gl.convert_layout(q, A_S), k_s.permute((1, 0)), zeros_s, use_acc=False)
                     s = gl.where(visible, s, float("-inf"))
                     m = gl.max(s, axis=1)
                     m = gl.where(m == float("-inf"), 0.0, m)  # a row with no visible key: p = 0, output 0
                     p = gl.exp2((s - gl.expand_dims(m, 1)) * qk_scale)
                     l_sum = gl.sum(p, axis=1)
-                    o = warpgroup_mma(gl.convert_layout(p.to(gl.float16), A_H), v_s,
-                                      gl.zeros([S_PAD, HD], gl.float32, L_H), use_acc=False)
+                    o = warpgroup_mma(gl.convert_layout(p.to(gl.float16), A_H), v_s, zeros_h, use_acc=False)
                     l_sum = gl.convert_layout(gl.where(l_sum == 0.0, 1.0, l_sum), gl.SliceLayout(1, L_H))
-                    o = o / gl.expand_dims(l_sum, 1)
-                    slot = _wait_tile(bars, g, NUM_SLOTS)
-                    x = warpgroup_mma(gl.convert_layout(o.to(gl.float16), A_D), ring.index(slot), x)
-                    _refill(w_desc, ring, bars, g, total, tiles_per_forward, HD, NUM_SLOTS)  # k_s, v_s free too
+                    o = (o / gl.expand_dims(l_sum, 1)).to(gl.float16)
+                    x = _tile_mma(gl.convert_layout(o, A_D), ring, bars, g, x, False, True, NUM_SLOTS, OVERLAP)
                     g += 1
+                x = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
+                _refill_upto(w_desc, ring, bars, done, g, total, tiles_per_forward, HD, NUM_SLOTS)
+                done = g
                 x = x + gl.expand_dims(gl.load(Ob + layer * D + cols), 0)
                 h = _layer_norm(x, N2w + layer * D, N2b + layer * D, cols, D, eps).to(gl.float16)
                 h = gl.convert_layout(h, A_H)
-                for c in range(F_CHUNKS):
-                    slot = _wait_tile(bars, g, NUM_SLOTS)
-                    t = warpgroup_mma(h, ring.index(slot).permute((1, 0)), gl.zeros([S_PAD, HD], gl.float32, L_H),
-                                      use_acc=False)
-                    _refill(w_desc, ring, bars, g, total, tiles_per_forward, HD, NUM_SLOTS)
-                    g += 1
+                t = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                g += 1
+                for c in gl.static_range(F_CHUNKS):
+                    t, x = warpgroup_mma_wait(num_outstanding=0, deps=(t, x))
+                    _refill_upto(w_desc, ring, bars, done, g, total, tiles_per_forward, HD, NUM_SLOTS)
+                    done = g
                     t = t + gl.expand_dims(gl.load(INb + (layer * F_CHUNKS + c) * HD + hcols), 0)
-                    t = 0.5 * t * (1.0 + gl.erf(t * 0.7071067811865476))  # exact GELU
-                    slot = _wait_tile(bars, g, NUM_SLOTS)
-                    x = warpgroup_mma(gl.convert_layout(t.to(gl.float16), A_D), ring.index(slot), x)
-                    _refill(w_desc, ring, bars, g, total, tiles_per_forward, HD, NUM_SLOTS)
+                    a = (0.5 * t * (1.0 + gl.erf(t * 0.7071067811865476))).to(gl.float16)  # exact GELU
+                    x = _tile_mma(gl.convert_layout(a, A_D), ring, bars, g, x, False, True, NUM_SLOTS, OVERLAP)
                     g += 1
+                    if c + 1 < F_CHUNKS:  # the next chunk's in-projection behind it, no wait between
+                        t = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                        g += 1
+                x = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
+                _refill_upto(w_desc, ring, bars, done, g, total, tiles_per_forward, HD, NUM_SLOTS)
+                done = g
                 x = x + gl.expand_dims(gl.load(OUTb + layer * D + cols), 0)
                 x = gl.where(gl.expand_dims(row_ok, 1), x, 0.0)
             y = _layer_norm(x, NFw, NFb, cols, D, eps)
@@ -335,9 +356,11 @@ def programs_for(batch: int, device) -> int:
     return max(1, min(batch, torch.cuda.get_device_properties(device).multi_processor_count))
 
 
-def hopper_forward(x, w, *, num_heads, causal, mask=None, out=None, desc=None, programs=None):
+def hopper_forward(x, w, *, num_heads, causal, mask=None, out=None, desc=None, programs=None, overlap=True):
     """The whole forward over `x [B, S, d]` with `pack_weights`'s weights `w`: [B, S, d] in x's dtype (or into
-    `out`), invalid rows 0. `desc`: the stream's `weight_descriptor` (built here when None)."""
+    `out`), invalid rows 0. `desc`: the stream's `weight_descriptor` (built here when None); `programs`: persistent
+    programs (default one per SM); `overlap`: a head's q, k, v projections (and an FFN chunk's out-projection with
+    the next chunk's in-projection) issued back to back before one wait, else each waited for alone."""
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.stride(-1) != 1:
         raise ValueError(f"hopper_forward: x must be a [B, S, d] tensor with unit stride along d, got "
                          f"{tuple(getattr(x, 'shape', ()))}")
@@ -371,7 +394,8 @@ def hopper_forward(x, w, *, num_heads, causal, mask=None, out=None, desc=None, p
         w["final_w"], w["final_b"], B, S, L, (d // num_heads) ** -0.5 * math.log2(math.e), LAYER_NORM_EPS,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), m.stride(0) if mask is not None else 0,
         S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=num_heads, F_CHUNKS=cfg["F_CHUNKS"],
-        NUM_SLOTS=cfg["NUM_SLOTS"], IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, num_warps=cfg["num_warps"],
+        NUM_SLOTS=cfg["NUM_SLOTS"], IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, OVERLAP=bool(overlap),
+        num_warps=cfg["num_warps"],
     )
     return out
 

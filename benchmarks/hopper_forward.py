@@ -1,0 +1,87 @@
+"""The Hopper forward kernel alone on the official rows it serves: accuracy and GPU time per call of each variant,
+beside the optimized model as routed without it.
+
+Usage (sm_90 GPU): python -m benchmarks.hopper_forward [OUT.json] [--rows 1,5,6,...] [--reps 100]
+
+Per official row, on the pipeline's weights and first-trial inputs (the official call's all-True mask): the
+reference in fp32 (TF32 off); then `hopper_forward` with each value of `overlap` (a head's q, k, v projections
+issued back to back before one wait, or each waited for alone): its output against the reference at the official
+and strict tolerances, and its median GPU time per call (a CUDA graph of 10 launches replayed `reps` times, each
+replay between its own pair of CUDA events, divided by 10). Then the model called as the official harness calls it,
+with route `hopper` forced and as routed with the hopper_forward switch off: the median of `reps` calls, each
+between its own pair of CUDA events (the timing job's timer), the two alternating over 3 rounds.
+OUT.json is written after every row.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from benchmarks.common import (accuracy, alternating_rounds, device_name, graph_ms, official, parser, pooled_median,
+                               reference_output, row_numbers, setup, write_json)
+from shapewise.jobs.device import time_calls
+from shapewise.kernels import hopper_forward as hf
+from shapewise.model import UserOptimizedTransformer
+from shapewise.model.weights import layer_weights, per_layer
+
+ROWS = "1,5,6,2,9,10,12,11,7,3,4"
+
+
+def row_result(shape_row, reps):
+    cfg, ref, model, x, mask = setup(shape_row, torch.device("cuda"), disable=("hopper_forward",))
+    want = reference_output(ref, x, mask)
+    del ref
+    out = {"row": shape_row["id"], "launch": hf.launch_config(cfg.seq_len, cfg.d_model, cfg.num_heads, cfg.ffn_dim)}
+    w = per_layer(model, torch.float32)
+    packed = hf.pack_weights([layer_weights(w, i) for i in range(cfg.num_layers)], (w["final_w"], w["final_b"]),
+                             cfg.num_heads)
+    desc = hf.weight_descriptor(packed["stream"], out["launch"]["HD"])
+    y = torch.empty_like(x)
+    with torch.inference_mode():
+        for overlap in (True, False):
+            def fn(overlap=overlap):
+                hf.hopper_forward(x, packed, num_heads=cfg.num_heads, causal=cfg.causal, mask=mask, out=y,
+                                  desc=desc, overlap=overlap)
+
+            fn()
+            out[f"overlap={overlap}"] = {"accuracy": accuracy(want, y), "gpu_ms": graph_ms(fn, reps)}
+        hopper = UserOptimizedTransformer(cfg, route="hopper")
+        hopper.load_state_dict(model.state_dict(), strict=True)
+        hopper = hopper.to(x.device).eval()
+        out["model_hopper_accuracy"] = accuracy(want, hopper(x, mask))
+        calls = {"model_hopper": lambda: hopper(x, mask), "model_routed_without": lambda: model(x, mask)}
+        for fn in calls.values():
+            time_calls(fn, x.device, 20)
+        times = alternating_rounds(calls, x.device, 3, reps)
+        for name, rounds in times.items():
+            out[name] = {"median_ms": pooled_median(rounds)}
+        out["model_routed_without"]["route"] = str(model.last_route)
+    return out
+
+
+def main():
+    p = parser(__doc__, "hopper-forward.json")
+    p.add_argument("--rows", default=ROWS, help="official rows, in the order run")
+    p.add_argument("--reps", type=int, default=100)
+    a = p.parse_args()
+    torch.set_float32_matmul_precision("high")
+    results = []
+    for n in row_numbers(a.rows):
+        try:
+            rec = row_result(official(n), a.reps)
+        except Exception as e:  # one row's failure is a result too; the next rows still run
+            rec = {"row": f"official-{n:02d}", "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        results.append(rec)
+        brief = {k: v.get("gpu_ms", v.get("median_ms")) if isinstance(v, dict) and ("gpu_ms" in v or "median_ms" in v)
+                 else v for k, v in rec.items() if k not in ("launch",) and "accuracy" not in k}
+        brief["failed"] = [v["accuracy"]["official"]["failed_elements"] for v in rec.values()
+                           if isinstance(v, dict) and "accuracy" in v]
+        print(json.dumps(brief), flush=True)
+        write_json(a.out, {"device": device_name("cuda"), "torch": torch.__version__, "rows": results})
+        torch.cuda.empty_cache()
+    return 1 if any("error" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
