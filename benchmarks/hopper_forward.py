@@ -60,12 +60,42 @@ def row_result(shape_row, reps):
     return out
 
 
+def sweep(batches, layers, reps):
+    """GPU time per call of the kernel alone at official row 1's width (d 128, 4 heads, ffn 128, S 128, all-True
+    mask) for each batch size and layer count: how its time grows with the sequences per program and the layers."""
+    d, H = 128, 4
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *shape: (torch.randn(*shape, generator=gen) * shape[-1] ** -0.5).cuda()  # noqa: E731
+    out = []
+    for L in layers:
+        lw = [{"qkv_w": rand(3 * d, d), "qkv_b": rand(3 * d) * 0.1, "o_w": rand(d, d), "o_b": rand(d) * 0.1,
+               "in_w": rand(d, d), "in_b": rand(d) * 0.1, "out_w": rand(d, d), "out_b": rand(d) * 0.1,
+               "n1_w": torch.ones(d).cuda(), "n1_b": torch.zeros(d).cuda(), "n2_w": torch.ones(d).cuda(),
+               "n2_b": torch.zeros(d).cuda()} for _ in range(L)]
+        packed = hf.pack_weights(lw, (torch.ones(d).cuda(), torch.zeros(d).cuda()), H)
+        for B in batches:
+            x = torch.randn(B, 128, d, generator=gen).cuda()
+            mask = torch.ones(B, 128, dtype=torch.bool).cuda()
+            ms = graph_ms(lambda: hf.hopper_forward(x, packed, num_heads=H, causal=True, mask=mask), reps)
+            waves = -(-B // torch.cuda.get_device_properties(0).multi_processor_count)
+            out.append({"layers": L, "batch": B, "gpu_ms": ms, "us_per_wave_and_layer": ms * 1e3 / waves / L})
+            print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def main():
     p = parser(__doc__, "hopper-forward.json")
     p.add_argument("--rows", default=ROWS, help="official rows, in the order run")
     p.add_argument("--reps", type=int, default=100)
+    p.add_argument("--sweep", default=None, help="BATCHES/LAYERS, e.g. 1,132,1320/1,4: the kernel alone at row "
+                                                 "1's width instead of the rows")
     a = p.parse_args()
     torch.set_float32_matmul_precision("high")
+    if a.sweep:
+        batches, layers = ([int(v) for v in part.split(",")] for part in a.sweep.split("/"))
+        write_json(a.out, {"device": device_name("cuda"), "torch": torch.__version__,
+                           "sweep": sweep(batches, layers, a.reps)})
+        return 0
     results = []
     for n in row_numbers(a.rows):
         try:
