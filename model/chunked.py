@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TransformerConfig
+from .precision import cublas_fp32
 from .reference import LAYER_NORM_EPS, check_inputs
 
 
@@ -28,9 +29,7 @@ def chunked_reference_forward(
     params = {name: p.detach().to(compute_dtype) for name, p in model.named_parameters()}
     B, S, d = x.shape
     H, D = cfg.num_heads, cfg.head_dim
-    tf32_before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
+    with cublas_fp32(False):
         h = x.to(compute_dtype)
 
         def linear(t, name):
@@ -77,5 +76,3 @@ def chunked_reference_forward(
         if keep is not None:
             h = h.masked_fill(~keep, 0.0)
         return h
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32_before

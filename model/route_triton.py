@@ -2,7 +2,6 @@
 GEMMs, or as the split layer (LayerNorm 1 + QKV, our attention, the layer tail: three kernels)."""
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -11,6 +10,7 @@ import torch.nn.functional as F
 from ..kernels import OPERAND_DTYPES
 from .config import parameter_count
 from .memory import operand_bytes
+from .precision import cublas_fp32
 from .reference import LAYER_NORM_EPS
 from .route_sdpa import sdpa_attention
 from .weights import layer_weights, per_layer, unpacked_per_layer
@@ -18,17 +18,6 @@ from .weights import layer_weights, per_layer, unpacked_per_layer
 # Switches without which the split layer does not run: it reads the packed QKV weight and runs our attention (and
 # it needs fp16/bf16 operands: with reduced_precision off, fp32 inputs keep fp32 operands and the unfused layer).
 SPLIT_NEEDS = ("split_layer", "packed_qkv", "flash_attention")
-
-
-@contextmanager
-def _matmul_precision(precision: str):
-    """cuBLAS fp32 GEMMs in exact fp32 or TF32, restored afterwards."""
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 class KernelForward:
@@ -100,7 +89,7 @@ class KernelForward:
                                             mask_prefix_lengths=prefix, pdl=pdl)
             return sdpa_attention(q, k, v, cfg.causal, sdpa_mask)
 
-        with _matmul_precision(route.precision):
+        with cublas_fp32(route.precision == "tf32"):
             _, h = add_ln(x, None, "0.n1", last=True, first=True)  # normalize only: the input stays the residual
             res = x
             for i in range(cfg.num_layers):
