@@ -187,3 +187,22 @@ def test_route_serves_the_official_row_shape_and_sees_weight_edits(dtype):
         y = opt(x, mask)
     check_official(fp64_forward(ref.state_dict(), cfg, x.cpu().float(), mask.cpu()).float(), y.float().cpu(),
                    "after a weight edit")
+
+
+def test_the_routes_weight_stream_is_refreshed_in_place_after_an_edit():
+    """The route's captured graphs and TMA descriptor keep the stream's address: an edit rewrites it in place."""
+    from shapewise.model import route_hopper
+
+    cfg = cfg_of((2, 9, 32, 2, 48, 2))
+    _, opt = build_pair(cfg)
+    table = opt._weights.table(opt, "fp16", route_hopper.packed)
+    stream, ptr = table["stream"], table["stream"].data_ptr()
+    hd = hf.head_dim_padded(cfg.head_dim)
+    tiles = stream.view(2, -1, hd, 32)
+    with torch.no_grad():
+        opt.layers[1].attention.v_proj.weight.mul_(-2.0)
+    opt._weights.refresh(opt)
+    assert table["stream"].data_ptr() == ptr
+    want = opt.layers[1].attention.v_proj.weight[16:32].to(torch.float16)  # head 1's rows of W_v
+    assert torch.equal(tiles[1, 4 * 1 + 2, :16], want)
+    assert route_hopper.working_set(cfg, torch.float32, None) >= stream.numel() * 2
