@@ -154,6 +154,7 @@ def _all_routes():
 MASKED_CFGS = {
     "S200": (8, 200, 128, 2, 256, 2),  # head_dim 64, S not a multiple of any tile
     "S100": (8, 100, 96, 3, 160, 2),  # head_dim 32, short and narrow (the one-kernel-per-layer range)
+    "S77": (4, 77, 64, 2, 96, 2),  # head_dim 32, one tile of rows (the whole-forward routes' range)
 }
 
 
