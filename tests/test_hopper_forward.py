@@ -13,7 +13,7 @@ import torch
 from shapewise.kernels import hopper_forward as hf
 from shapewise.model.weights import layer_weights, per_layer
 
-from model_helpers import MASK_KINDS, build_pair, cfg_of, check_official, fp64_forward, make_inputs, make_mask
+from model_helpers import MASK_KINDS, build_pair, cfg_of, check_official, fp64_forward, make_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
@@ -24,21 +24,26 @@ SHAPES = [(3, 17, 32, 4, 32, 2), (2, 20, 64, 2, 96, 2), (2, 9, 32, 1, 40, 1), (2
           (2, 5, 32, 2, 24, 1)]
 
 
-def _packed(model, cfg):
-    w = per_layer(model, torch.float64)
+def _packed(model, cfg, operand_dtype=torch.float64):
+    w = per_layer(model, torch.float32 if operand_dtype == torch.float16 else operand_dtype)
     layers = [layer_weights(w, i) for i in range(cfg.num_layers)]
-    return hf.pack_weights(layers, (w["final_w"], w["final_b"]), cfg.num_heads, operand_dtype=torch.float64)
+    return hf.pack_weights(layers, (w["final_w"], w["final_b"]), cfg.num_heads, operand_dtype=operand_dtype)
+
+
+def _case(shape, causal, mask_kind):
+    """(config, reference model, x, mask or None, the fp64 forward's output with invalid rows 0)."""
+    cfg = cfg_of(shape, causal)
+    ref, _ = build_pair(cfg)
+    x, mask = make_inputs(cfg, mask_kind)
+    return cfg, ref, x, mask, fp64_forward(ref.state_dict(), cfg, x, mask).nan_to_num(0.0)
 
 
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_the_stream_computes_the_reference_forward(shape, causal, mask_kind):
-    cfg = cfg_of(shape, causal)
-    ref, _ = build_pair(cfg)
-    x, mask = make_inputs(cfg, mask_kind)
+    cfg, ref, x, mask, want = _case(shape, causal, mask_kind)
     got = hf.forward_from_stream(x.double(), _packed(ref, cfg), num_heads=cfg.num_heads, causal=causal, mask=mask)
-    want = fp64_forward(ref.state_dict(), cfg, x, mask).nan_to_num(0.0)
     assert (got - want).abs().max().item() < 1e-12
 
 
@@ -133,14 +138,8 @@ GPU_SHAPES = [(3, 128, 128, 4, 128, 2), (2, 100, 128, 1, 128, 2), (2, 128, 128, 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_kernel_matches_fp64(shape, causal, mask_kind):
-    cfg = cfg_of(shape, causal)
-    ref, _ = build_pair(cfg)
-    x, mask = make_inputs(cfg, mask_kind)
-    want = fp64_forward(ref.state_dict(), cfg, x, mask).nan_to_num(0.0)
-    w = per_layer(ref, torch.float32)
-    packed = hf.pack_weights([layer_weights(w, i) for i in range(cfg.num_layers)], (w["final_w"], w["final_b"]),
-                             cfg.num_heads)
-    packed = {k: v.cuda() for k, v in packed.items()}
+    cfg, ref, x, mask, want = _case(shape, causal, mask_kind)
+    packed = {k: v.cuda() for k, v in _packed(ref, cfg, torch.float16).items()}
     xc, mc = x.cuda(), None if mask is None else mask.cuda()
     out = torch.full_like(xc, float("nan"))  # poisoned: every element must be written
     got = hf.hopper_forward(xc, packed, num_heads=cfg.num_heads, causal=causal, mask=mc, out=out)
@@ -153,14 +152,8 @@ def test_kernel_matches_fp64(shape, causal, mask_kind):
 @needs_hopper
 def test_the_ring_runs_across_sequences_of_one_program():
     """More sequences than programs: each program's stream of tiles wraps from one forward to the next."""
-    cfg = cfg_of((37, 50, 64, 2, 64, 3))
-    ref, _ = build_pair(cfg)
-    x, _ = make_inputs(cfg, "none")
-    mask = make_mask("holes", 37, 50)
-    want = fp64_forward(ref.state_dict(), cfg, x, mask).nan_to_num(0.0)
-    w = per_layer(ref, torch.float32)
-    packed = {k: v.cuda() for k, v in hf.pack_weights([layer_weights(w, i) for i in range(3)],
-                                                      (w["final_w"], w["final_b"]), 2).items()}
+    cfg, ref, x, mask, want = _case((37, 50, 64, 2, 64, 3), True, "holes")
+    packed = {k: v.cuda() for k, v in _packed(ref, cfg, torch.float16).items()}
     for programs in (1, 5, 36):
         got = hf.hopper_forward(x.cuda(), packed, num_heads=2, causal=True, mask=mask.cuda(), programs=programs)
         check_official(want.float(), got.cpu(), f"{programs} programs")
