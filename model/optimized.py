@@ -157,11 +157,12 @@ class UserOptimizedTransformer(BaselineTransformer):
         the caller's precision and the fp16 screen, then settled by the route's own module."""
         cfg = self.config
         shape = Shape(x.shape[0], x.shape[1], cfg.d_model, cfg.num_heads, cfg.ffn_dim, cfg.num_layers, cfg.causal)
+        capability = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
         route = select_route(shape, x.dtype, x.device, "none" if mask is None else "general", forced=self.route,
                              allow_fused="fused_layer" not in self.disabled,
                              allow_megakernel="megakernel" not in self.disabled,
                              allow_hopper="hopper_forward" not in self.disabled,
-                             capability=torch.cuda.get_device_capability(x.device) if x.is_cuda else None)
+                             capability=capability)
         if not ROUTE_SPECS[route.name].kernels:
             return route
         caller_precision = False
@@ -181,9 +182,9 @@ class UserOptimizedTransformer(BaselineTransformer):
                     f"; bf16 operands: max |{name}| = {peak:.4g} > FP16_SAFE_ABS = {FP16_SAFE_ABS:g} (fp16 range)"))
         settle = getattr(route_module(route.name), "settle", None)
         route = route if settle is None else settle(route, x, self.disabled)
-        if "pdl" in self.disabled or not x.is_cuda:
+        if "pdl" in self.disabled or capability is None:
             return route
-        return with_pdl(route, torch.cuda.get_device_capability(x.device))
+        return with_pdl(route, capability)
 
     def _captured(self, route, x) -> bool:
         """Whether `forward` runs this route as captured CUDA graphs for `x` (memory_plan asks the same)."""

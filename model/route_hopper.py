@@ -72,7 +72,8 @@ def working_set(config, dtype, route) -> int:
     activations beside the input and output."""
     from shapewise.kernels.hopper_forward import head_dim_padded, stream_tiles
 
-    hd = head_dim_padded(config.head_dim)
+    hd, d = head_dim_padded(config.head_dim), config.d_model
     tiles = stream_tiles(config.num_heads, config.ffn_dim, hd)
-    vectors = 4 * (3 * config.d_model + tiles * hd + 6 * config.d_model)
-    return config.num_layers * (tiles * hd * config.d_model * 2 + vectors) + 8 * config.d_model
+    chunks = (tiles - 4 * config.num_heads) // 2
+    vectors = 4 * (3 * config.num_heads * hd + chunks * hd + 6 * d)  # qkv_b, in_b (padded), o_b, out_b, the norms
+    return config.num_layers * (tiles * hd * d * 2 + vectors) + 4 * 2 * d  # and the final norm
