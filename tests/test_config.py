@@ -37,6 +37,18 @@ def test_shipped_config_is_valid():
     jsonschema.validate(config(), schema())
 
 
+def test_the_candidates_configfile_merged_over_the_config_is_valid_and_names_the_shipped_candidates():
+    from snakemake.utils import update_config  # how Snakemake merges a --configfile over the Snakefile's
+
+    merged = config()
+    update_config(merged, yaml.safe_load((ROOT / "config" / "candidates.yaml").read_text()))
+    jsonschema.validate(merged, schema())
+    assert merged["heavy"]["min_gflop"] == config()["heavy"]["min_gflop"]  # merged, not replaced
+    assert sorted(merged["candidates"].values()) == sorted(
+        str(p.relative_to(ROOT)) for p in (ROOT / "candidates").glob("*.py")
+    )
+
+
 @pytest.mark.parametrize("extra", [{"devcie": "cpu"}, {"shape": "smoke"}])
 def test_schema_rejects_an_unknown_key(extra):
     with pytest.raises(jsonschema.ValidationError, match=next(iter(extra))):
