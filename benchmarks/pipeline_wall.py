@@ -4,12 +4,13 @@ Usage: python -m benchmarks.pipeline_wall OUT_DIR [--fresh] [--budget S] [--shap
        [-- SNAKEMAKE ARGS...]
 
 Runs Snakemake once, stopping it cleanly (SIGINT, then SIGKILL 30 s later) when `--budget` seconds have passed, and
-writes to OUT_DIR (at most seven files): pipeline-wall.json (this part and every earlier one: start, end, wall time,
+writes to OUT_DIR (at most eight files): pipeline-wall.json (this part and every earlier one: start, end, wall time,
 exit status, whether the DAG is complete; per step the jobs of the results and the sum of their own `duration_s`;
 the runs behind the results, shapewise.runs.summarize), the part's Snakemake log, `shapewise gpus check --min-gpus 1`
 of the results, and once the report exists its report.md and summary.csv, `shapewise compare` of reports/h200
-against it, and results.tgz (results/ without the profiler traces). The parts are kept in
-results/pipeline-wall.json, so a run in two parts carries them with results/ into the second.
+against it, results.tgz (results/ without the profiler traces) and traces.tgz (the traces: a profile job whose
+trace is missing runs again). The parts are kept in results/pipeline-wall.json, so a run in two parts carries
+them with results/ (both archives unpacked) into the second.
 
 A first part starts from what the checkout holds: `--fresh` removes results/ and .snakemake/ first, so the run
 starts cold (its Triton cache is .snakemake/triton-cache unless TRITON_CACHE_DIR is set). Nothing here installs
@@ -136,6 +137,9 @@ def main():
         shell([sys.executable, "-m", "shapewise", "compare", "reports/h200", "results/report"], out / "compare.txt")
     with tarfile.open(out / "results.tgz", "w:gz") as tar:
         tar.add(results, arcname="results", filter=lambda info: None if info.name.endswith("trace.json") else info)
+    with tarfile.open(out / "traces.tgz", "w:gz") as tar:  # apart: the part after this one needs them carried too
+        for trace in sorted(results.rglob("trace.json")):
+            tar.add(trace, arcname=str(trace.relative_to(ROOT)))
     print(f"part {number}: snakemake exit status {part['exit_status']} after {part['wall_s']} s"
           f"{' (stopped at the budget)' if part['stopped_at_budget'] else ''}; all parts {summary['wall_s_all_parts']} s; "
           f"{'complete' if part['complete'] else 'not complete: run again with results/ carried'}")
