@@ -5,8 +5,11 @@ sequences p, p + P, ...) and keeps its fp32 residual stream [S_PAD, d] in regist
 the first layer to the final LayerNorm: HBM sees each sequence's input once and its output once. Per layer:
   LayerNorm 1 (registers) -> per head: q, k, v projections (wgmma, A from registers); k, v to shared memory;
   scores, causal/key mask, fp32 softmax, probs @ v (wgmma); the head's slice of the out-projection accumulated
-  straight into the residual -> bias -> LayerNorm 2 -> per FFN chunk: in-projection, bias, exact GELU,
-  out-projection accumulated into the residual -> bias -> invalid rows zeroed.
+  straight into the residual -> bias -> LayerNorm 2 -> per FFN chunk: in-projection, bias, GELU (erf to 1.5e-7,
+  `gelu`), out-projection accumulated into the residual -> bias -> invalid rows zeroed.
+Of the q, k, v biases only q's is added: k's adds q . b_k to every score of a query row, which its softmax cancels,
+and v's reaches the output as Wo b_v (the probabilities of a row with a visible key sum to 1; a row with none is
+an invalid query, zeroed), folded into the out-projection's bias by `pack_weights`.
 Every weight operand is one [HD, d] fp16 tile of one stream (`pack_weights`), consumed in order and brought from
 L2 by TMA into a ring of NUM_SLOTS shared-memory slots that runs NUM_SLOTS tiles ahead of the math, across
 layers and sequences. Head dims are padded to HD (>= 16, a wgmma k step) and the FFN to a multiple of HD with zero
@@ -38,7 +41,11 @@ MIN_HEAD_DIM = 16  # a wgmma k step for fp16: narrower heads are padded to it wi
 SMEM_BYTES = 216 * 1024  # shared memory one program may take (the H200 offers 227 KB per block)
 MAX_SLOTS = 16  # the weight ring's depth at most
 MIN_SLOTS = 4  # and at least: a head's q, k, v tiles are waited for while the previous head's out-projection's is held
-VECTORS = ("qkv_b", "o_b", "in_b", "out_b", "n1_w", "n1_b", "n2_w", "n2_b")  # per-layer fp32 vectors
+VECTORS = ("q_b", "o_b", "in_b", "out_b", "n1_w", "n1_b", "n2_w", "n2_b")  # per-layer fp32 vectors
+# erf(z) = 1 - t (a1 + t (a2 + ... + t a5)) exp(-z^2), t = 1 / (1 + p z) for z >= 0, to 1.5e-7 (Abramowitz and
+# Stegun 7.1.26): a fifth of the instructions of libdevice's erff, far below the fp16 rounding of GELU's output
+ERF_P = 0.3275911
+ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
 
 
 def head_dim_padded(head_dim: int) -> int:
@@ -63,6 +70,14 @@ def why_unsupported(seq_len: int, d_model: int, num_heads: int, ffn_dim: int) ->
         return (f"the Hopper forward's weight ring holds fewer than {MIN_SLOTS} tiles of [{hd}, {d_model}] in "
                 f"shared memory")
     return None
+
+
+def gelu(t: torch.Tensor) -> torch.Tensor:
+    """GELU as the kernel computes it, x Phi(x) with `ERF_A`'s erf, in torch (the kernel's `_gelu` in Gluon)."""
+    r = 1.0 / (1.0 + ERF_P * t.abs() * 0.5**0.5)
+    poly = r * (ERF_A[0] + r * (ERF_A[1] + r * (ERF_A[2] + r * (ERF_A[3] + r * ERF_A[4]))))
+    q = 0.5 * poly * torch.exp(-0.5 * t * t)  # 1 - Phi(|x|) = erfc(|x| / sqrt(2)) / 2
+    return torch.where(t >= 0, t - t * q, t * q)
 
 
 def stream_tiles(num_heads: int, ffn_dim: int, hd: int) -> int:
@@ -90,7 +105,8 @@ def pack_weights(layers: list[dict], final: tuple, num_heads: int, operand_dtype
     - `stream` [L * tiles * HD, d] in `operand_dtype`: per layer, per head h the tiles Wq_h, Wk_h, Wv_h
       ([HD, d], out features by in features) and Wo[:, h]ᵀ ([HD, d], in features by out features), then per FFN
       chunk c Win_c ([HD, d]) and Wout[:, c]ᵀ ([HD, d]); head lanes and FFN columns past the real ones are 0;
-    - `qkv_b` [L, 3, H * HD], `in_b` [L, F_PAD] padded alike, `o_b`, `out_b`, the norms [L, d], fp32;
+    - `q_b` [L, H * HD], `in_b` [L, F_PAD] padded alike, `o_b` + Wo b_v (the v bias folded), `out_b`, the norms
+      [L, d], fp32 (no k bias: the softmax cancels it);
     - `final_w`, `final_b` [d] fp32."""
     L, d = len(layers), layers[0]["o_w"].shape[0]
     hd = d // num_heads
@@ -98,7 +114,8 @@ def pack_weights(layers: list[dict], final: tuple, num_heads: int, operand_dtype
     chunks = -(-ffn // hdp)
     dt, dev = operand_dtype, layers[0]["qkv_w"].device
     stream = torch.zeros(L, stream_tiles(num_heads, ffn, hdp), hdp, d, dtype=dt, device=dev)
-    qkv_b = torch.zeros(L, 3, num_heads, hdp, dtype=torch.float32, device=dev)
+    q_b = torch.zeros(L, num_heads, hdp, dtype=torch.float32, device=dev)
+    o_b = torch.zeros(L, d, dtype=torch.float64, device=dev)
     in_b = torch.zeros(L, chunks * hdp, dtype=torch.float32, device=dev)
     for i, w in enumerate(layers):
         qkv = w["qkv_w"].view(3, num_heads, hd, d)
@@ -112,12 +129,14 @@ def pack_weights(layers: list[dict], final: tuple, num_heads: int, operand_dtype
             lo, hi = c * hdp, min(ffn, (c + 1) * hdp)
             stream[i, 4 * num_heads + 2 * c, :hi - lo] = win[lo:hi]
             stream[i, 4 * num_heads + 2 * c + 1, :hi - lo] = wout_t[lo:hi]
-        qkv_b[i, :, :, :hd] = w["qkv_b"].float().view(3, num_heads, hd)
+        q_b[i, :, :hd] = w["qkv_b"][:d].float().view(num_heads, hd)
+        o_b[i] = w["o_b"].double() + w["o_w"].double() @ w["qkv_b"][2 * d:].double()
         in_b[i, :ffn] = w["in_b"].float()
-    out = {"stream": stream.view(-1, d).contiguous(), "qkv_b": qkv_b.view(L, 3, -1).contiguous(),
+    out = {"stream": stream.view(-1, d).contiguous(), "q_b": q_b.view(L, -1).contiguous(),
+           "o_b": o_b.to(torch.float64 if dt == torch.float64 else torch.float32).contiguous(),  # a sum: rounded
            "in_b": in_b.contiguous(), "final_w": final[0].float().contiguous(),
            "final_b": final[1].float().contiguous()}
-    for n in ("o_b", "out_b", "n1_w", "n1_b", "n2_w", "n2_b"):
+    for n in ("out_b", "n1_w", "n1_b", "n2_w", "n2_b"):
         out[n] = torch.stack([w[n].float() for w in layers]).contiguous()
     return out
 
@@ -137,10 +156,11 @@ def forward_from_stream(x, w, *, num_heads, causal, mask=None, eps=LAYER_NORM_EP
     ln = torch.nn.functional.layer_norm
     h = x.double()
     for i in range(L):
-        t, qkv_b = tiles[i], w["qkv_b"][i].double().view(3, num_heads, hdp)
+        t, q_b = tiles[i], w["q_b"][i].double().view(num_heads, hdp)
         n1 = ln(h, (d,), w["n1_w"][i].double(), w["n1_b"][i].double(), eps)
         for head in range(num_heads):
-            q, k, v = (n1 @ t[4 * head + j].t() + qkv_b[j, head] for j in range(3))
+            q, k, v = (n1 @ t[4 * head + j].t() for j in range(3))
+            q = q + q_b[head]
             s = (q @ k.transpose(1, 2) * hd**-0.5).masked_fill(~visible, float("-inf"))
             o = torch.softmax(s, -1).nan_to_num(0.0) @ v
             h = h + o @ t[4 * head + 3]
@@ -148,7 +168,7 @@ def forward_from_stream(x, w, *, num_heads, causal, mask=None, eps=LAYER_NORM_EP
         n2 = ln(h, (d,), w["n2_w"][i].double(), w["n2_b"][i].double(), eps)
         for c in range(chunks):
             f = n2 @ t[4 * num_heads + 2 * c].t() + w["in_b"][i, c * hdp:(c + 1) * hdp].double()
-            h = h + torch.nn.functional.gelu(f) @ t[4 * num_heads + 2 * c + 1]
+            h = h + torch.nn.functional.gelu(f) @ t[4 * num_heads + 2 * c + 1]  # exact: `gelu`'s error is tested
         h = (h + w["out_b"][i].double()).masked_fill(~valid[:, :, None], 0.0)
     y = ln(h, (d,), w["final_w"].double(), w["final_b"].double(), eps)
     return y.masked_fill(~valid[:, :, None], 0.0)
@@ -168,6 +188,19 @@ if gluon is not None:
         w = gl.load(w_ptr + cols)
         b = gl.load(b_ptr + cols)
         return xc * gl.expand_dims(rstd, 1) * gl.expand_dims(w, 0) + gl.expand_dims(b, 0)
+
+    # GELU's constants folded: 1 + p |x| / sqrt(2); the coefficients halved (1 - Phi = erfc / 2); exp(-x^2 / 2)
+    _ERF_PS = gl.constexpr(ERF_P * 0.5**0.5)
+    _H1, _H2, _H3, _H4, _H5 = (gl.constexpr(0.5 * a) for a in ERF_A)
+    _NEG_HALF_LOG2E = gl.constexpr(-0.5 / math.log(2))
+
+    @gluon.jit
+    def _gelu(t):
+        """`gelu`: x Phi(x) from ERF_A's erf, about 15 instructions an element; fp32."""
+        r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + _ERF_PS * gl.abs(t)],
+                                      dtype=gl.float32, is_pure=True, pack=1)  # of [1, inf): one MUFU.RCP
+        q = r * (_H1 + r * (_H2 + r * (_H3 + r * (_H4 + r * _H5)))) * gl.exp2(t * t * _NEG_HALF_LOG2E)  # 1 - Phi(|x|)
+        return gl.where(t >= 0, t - t * q, t * q)
 
     @gluon.jit
     def _wait_tile(bars, g, NUM_SLOTS: gl.constexpr):
@@ -208,7 +241,7 @@ if gluon is not None:
     def _hopper_forward_fwd(
         X, Y, Mask,  # [B, S, d] input (any float dtype), [B, S, d] output, int8 [B, S] valid tokens (HAS_MASK)
         w_desc,  # TMA descriptor of the weight stream [L * tiles * HD, d] fp16, block [HD, d]
-        QKVb, Ob, INb, OUTb, N1w, N1b, N2w, N2b, NFw, NFb,  # fp32 vectors (pack_weights)
+        Qb, Ob, INb, OUTb, N1w, N1b, N2w, N2b, NFw, NFb,  # fp32 vectors (pack_weights)
         batch, seq_len, num_layers, qk_scale, eps,  # qk_scale = head_dim**-0.5 * log2(e)
         stride_xb, stride_xs, stride_yb, stride_ys, stride_mb,
         S_PAD: gl.constexpr, D: gl.constexpr, HD: gl.constexpr, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr,
@@ -274,7 +307,7 @@ if gluon is not None:
                 h = _layer_norm(x, N1w + layer * D, N1b + layer * D, cols, D, eps).to(gl.float16)
                 h = gl.convert_layout(h, A_H)
                 for head in gl.static_range(NUM_HEADS):  # unrolled: a wgmma in flight changes a value's type
-                    bq = QKVb + (layer * 3 * NUM_HEADS + head) * HD
+                    bq = Qb + (layer * NUM_HEADS + head) * HD
                     q = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, OVERLAP)
                     k = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, OVERLAP)
                     v = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, OVERLAP)
@@ -284,8 +317,8 @@ if gluon is not None:
                     # consumed tiles' slots are free
                     _refill_upto(w_desc, ring, bars, done, g, total, tiles_per_forward, HD, NUM_SLOTS)
                     done = g
-                    k_s.store((k + gl.expand_dims(gl.load(bq + NUM_HEADS * HD + hcols), 0)).to(gl.float16))
-                    v_s.store((v + gl.expand_dims(gl.load(bq + 2 * NUM_HEADS * HD + hcols), 0)).to(gl.float16))
+                    k_s.store(k.to(gl.float16))
+                    v_s.store(v.to(gl.float16))
                     fence_async_shared()  # the stores above before the wgmma reads below (async proxy)
                     gl.thread_barrier()  # every warp's rows of k and v written
                     q = (q + gl.expand_dims(gl.load(bq + hcols), 0)).to(gl.float16)
@@ -293,7 +326,7 @@ if gluon is not None:
                     s = gl.where(visible, s, float("-inf"))
                     m = gl.max(s, axis=1)
                     m = gl.where(m == float("-inf"), 0.0, m)  # a row with no visible key: p = 0, output 0
-                    p = gl.exp2((s - gl.expand_dims(m, 1)) * qk_scale)
+                    p = gl.exp2(s * qk_scale - gl.expand_dims(m * qk_scale, 1))  # one FFMA an element
                     l_sum = gl.sum(p, axis=1)
                     o = warpgroup_mma(gl.convert_layout(p.to(gl.float16), A_H), v_s, zeros_h, use_acc=False)
                     l_sum = gl.convert_layout(gl.where(l_sum == 0.0, 1.0, l_sum), gl.SliceLayout(1, L_H))
@@ -313,7 +346,7 @@ if gluon is not None:
                     _refill_upto(w_desc, ring, bars, done, g, total, tiles_per_forward, HD, NUM_SLOTS)
                     done = g
                     t = t + gl.expand_dims(gl.load(INb + (layer * F_CHUNKS + c) * HD + hcols), 0)
-                    a = (0.5 * t * (1.0 + gl.erf(t * 0.7071067811865476))).to(gl.float16)  # exact GELU
+                    a = _gelu(t).to(gl.float16)
                     x = _tile_mma(gl.convert_layout(a, A_D), ring, bars, g, x, False, True, NUM_SLOTS, OVERLAP)
                     g += 1
                     if c + 1 < F_CHUNKS:  # the next chunk's in-projection behind it, no wait between
@@ -390,7 +423,7 @@ def hopper_forward(x, w, *, num_heads, causal, mask=None, out=None, desc=None, p
     desc = desc if desc is not None else weight_descriptor(stream, cfg["HD"])
     programs = programs or programs_for(B, x.device)
     _hopper_forward_fwd[(programs,)](
-        x, out, m, desc, w["qkv_b"], w["o_b"], w["in_b"], w["out_b"], w["n1_w"], w["n1_b"], w["n2_w"], w["n2_b"],
+        x, out, m, desc, w["q_b"], w["o_b"], w["in_b"], w["out_b"], w["n1_w"], w["n1_b"], w["n2_w"], w["n2_b"],
         w["final_w"], w["final_b"], B, S, L, (d // num_heads) ** -0.5 * math.log2(math.e), LAYER_NORM_EPS,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), m.stride(0) if mask is not None else 0,
         S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=num_heads, F_CHUNKS=cfg["F_CHUNKS"],

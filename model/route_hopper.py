@@ -75,5 +75,5 @@ def working_set(config, dtype, route) -> int:
     hd, d = head_dim_padded(config.head_dim), config.d_model
     tiles = stream_tiles(config.num_heads, config.ffn_dim, hd)
     chunks = (tiles - 4 * config.num_heads) // 2
-    vectors = 4 * (3 * config.num_heads * hd + chunks * hd + 6 * d)  # qkv_b, in_b (padded), o_b, out_b, the norms
+    vectors = 4 * (config.num_heads * hd + chunks * hd + 6 * d)  # q_b, in_b (padded), o_b, out_b, the norms
     return config.num_layers * (tiles * hd * d * 2 + vectors) + 4 * 2 * d  # and the final norm

@@ -58,7 +58,14 @@ def test_padding_is_zero_and_the_stream_is_tile_ordered():
     assert torch.equal(tiles[:, -2:, 8:], torch.zeros_like(tiles[:, -2:, 8:]))  # the FFN's last chunk: 8 of 16 real
     layer1_k_head2 = ref.layers[1].attention.k_proj.weight.double()[16:24]
     assert torch.equal(tiles[1, 4 * 2 + 1, :8], layer1_k_head2)
-    assert torch.equal(w["qkv_b"][:, :, :].view(2, 3, 4, hd)[..., 8:], torch.zeros(2, 3, 4, 8, dtype=torch.float32))
+    assert torch.equal(w["q_b"].view(2, 4, hd)[..., 8:], torch.zeros(2, 4, 8, dtype=torch.float32))
+
+
+def test_the_kernels_gelu_is_exact_gelu_to_its_erf():
+    t = torch.linspace(-12, 12, 200001, dtype=torch.float64)
+    err = (hf.gelu(t) - torch.nn.functional.gelu(t)).abs()
+    assert (err <= 1.5e-7 * 0.5 * t.abs() + 1e-15).all(), err.max()  # GELU = x (1 + erf) / 2
+    assert torch.equal(hf.gelu(torch.zeros(3, dtype=torch.float64)), torch.zeros(3, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("args, words", [
@@ -198,4 +205,10 @@ def test_the_routes_weight_stream_is_refreshed_in_place_after_an_edit():
     assert table["stream"].data_ptr() == ptr
     want = opt.layers[1].attention.v_proj.weight[16:32].to(torch.float16)  # head 1's rows of W_v
     assert torch.equal(tiles[1, 4 * 1 + 2, :16], want)
+    with torch.no_grad():  # the v bias lives in the out-projection's bias: an edit of either reaches it
+        opt.layers[1].attention.v_proj.bias.add_(0.5)
+    opt._weights.refresh(opt)
+    att = opt.layers[1].attention
+    folded = (att.out_proj.bias.double() + att.out_proj.weight.double() @ att.v_proj.bias.double()).float()
+    assert torch.allclose(table["o_b"][1], folded, rtol=0, atol=1e-6)
     assert route_hopper.working_set(cfg, torch.float32, None) >= stream.numel() * 2
