@@ -224,12 +224,16 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _refill_upto(w_desc, ring, bars, done, upto, total, tiles_per_forward, HD: gl.constexpr,
+    def _refill_last(w_desc, ring, bars, g, N: gl.constexpr, total, tiles_per_forward, HD: gl.constexpr,
                      NUM_SLOTS: gl.constexpr):
-        """Tiles done..upto-1 are consumed (their wgmmas waited for by every warp: the barrier): load tile
-        i + NUM_SLOTS into the slot of each tile i among them, where there is one."""
+        """The N tiles before stream tile g are consumed (their wgmmas waited for by every warp: the barrier) and
+        their slots not yet handed back: load tile i + NUM_SLOTS into the slot of each tile i among them, where
+        there is one. N is a count of the caller's code, so no tile count is carried from one sequence to the
+        next (Triton 3.6 gave two loop-carried counts that start at the same constant one loop variable, restarting
+        one of them at 0 every sequence)."""
         gl.thread_barrier()
-        for i in range(done, upto):
+        for j in gl.static_range(N):
+            i = g - N + j
             nxt = i + NUM_SLOTS
             if nxt < total:
                 slot = i % NUM_SLOTS
@@ -290,7 +294,6 @@ if gluon is not None:
         zeros_h = gl.zeros([S_PAD, HD], gl.float32, L_H)
         zeros_s = gl.zeros([S_PAD, S_PAD], gl.float32, L_S)
         g = 0  # stream tiles whose wgmma has been issued
-        done = 0  # stream tiles whose slot has been handed back to TMA
         for b in range(pid, batch, programs):
             b64 = b.to(gl.int64)
             x = gl.load(X + b64 * stride_xb + gl.expand_dims(rows, 1) * stride_xs + gl.expand_dims(cols, 0),
@@ -314,9 +317,11 @@ if gluon is not None:
                     q, k, v, x = warpgroup_mma_wait(num_outstanding=0, deps=(q, k, v, x))
                     g += 3
                     # every warp is past the previous head's probs @ v and out-projection: k_s, v_s and the
-                    # consumed tiles' slots are free
-                    _refill_upto(w_desc, ring, bars, done, g, total, tiles_per_forward, HD, NUM_SLOTS)
-                    done = g
+                    # consumed tiles' slots (q, k, v; the previous head's out-projection) are free
+                    if head == 0:
+                        _refill_last(w_desc, ring, bars, g, 3, total, tiles_per_forward, HD, NUM_SLOTS)
+                    else:
+                        _refill_last(w_desc, ring, bars, g, 4, total, tiles_per_forward, HD, NUM_SLOTS)
                     k_s.store(k.to(gl.float16))
                     v_s.store(v.to(gl.float16))
                     fence_async_shared()  # the stores above before the wgmma reads below (async proxy)
@@ -334,8 +339,7 @@ if gluon is not None:
                     x = _tile_mma(gl.convert_layout(o, A_D), ring, bars, g, x, False, True, NUM_SLOTS, OVERLAP)
                     g += 1
                 x = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
-                _refill_upto(w_desc, ring, bars, done, g, total, tiles_per_forward, HD, NUM_SLOTS)
-                done = g
+                _refill_last(w_desc, ring, bars, g, 1, total, tiles_per_forward, HD, NUM_SLOTS)  # out-projection
                 x = x + gl.expand_dims(gl.load(Ob + layer * D + cols), 0)
                 h = _layer_norm(x, N2w + layer * D, N2b + layer * D, cols, D, eps).to(gl.float16)
                 h = gl.convert_layout(h, A_H)
@@ -343,8 +347,10 @@ if gluon is not None:
                 g += 1
                 for c in gl.static_range(F_CHUNKS):
                     t, x = warpgroup_mma_wait(num_outstanding=0, deps=(t, x))
-                    _refill_upto(w_desc, ring, bars, done, g, total, tiles_per_forward, HD, NUM_SLOTS)
-                    done = g
+                    if c == 0:  # the in-projection; then the previous chunk's out-projection too
+                        _refill_last(w_desc, ring, bars, g, 1, total, tiles_per_forward, HD, NUM_SLOTS)
+                    else:
+                        _refill_last(w_desc, ring, bars, g, 2, total, tiles_per_forward, HD, NUM_SLOTS)
                     t = t + gl.expand_dims(gl.load(INb + (layer * F_CHUNKS + c) * HD + hcols), 0)
                     a = _gelu(t).to(gl.float16)
                     x = _tile_mma(gl.convert_layout(a, A_D), ring, bars, g, x, False, True, NUM_SLOTS, OVERLAP)
@@ -353,8 +359,7 @@ if gluon is not None:
                         t = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, OVERLAP)
                         g += 1
                 x = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
-                _refill_upto(w_desc, ring, bars, done, g, total, tiles_per_forward, HD, NUM_SLOTS)
-                done = g
+                _refill_last(w_desc, ring, bars, g, 1, total, tiles_per_forward, HD, NUM_SLOTS)  # out-projection
                 x = x + gl.expand_dims(gl.load(OUTb + layer * D + cols), 0)
                 x = gl.where(gl.expand_dims(row_ok, 1), x, 0.0)
             y = _layer_norm(x, NFw, NFb, cols, D, eps)
