@@ -224,7 +224,7 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _refill_last(w_desc, ring, bars, g, N: gl.constexpr, total, tiles_per_forward, HD: gl.constexpr,
+    def _refill_last(w_desc, ring, bars, g, N: gl.constexpr, first, total, tiles_per_forward, HD: gl.constexpr,
                      NUM_SLOTS: gl.constexpr):
         """The N tiles before stream tile g are consumed (their wgmmas waited for by every warp: the barrier) and
         their slots not yet handed back: load tile i + NUM_SLOTS into the slot of each tile i among them, where
@@ -238,7 +238,9 @@ if gluon is not None:
             if nxt < total:
                 slot = i % NUM_SLOTS
                 mbarrier.expect(bars.index(slot), w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(w_desc, [(nxt % tiles_per_forward) * HD, 0], bars.index(slot),
+                pos = nxt - first
+                pos = gl.where(pos >= tiles_per_forward, pos - tiles_per_forward, pos)
+                tma.async_copy_global_to_shared(w_desc, [pos * HD, 0], bars.index(slot),
                                                 ring.index(slot))
 
     @gluon.jit
@@ -295,6 +297,7 @@ if gluon is not None:
         zeros_s = gl.zeros([S_PAD, S_PAD], gl.float32, L_S)
         g = 0  # stream tiles whose wgmma has been issued
         for b in range(pid, batch, programs):
+            first = g  # this sequence's first tile
             b64 = b.to(gl.int64)
             x = gl.load(X + b64 * stride_xb + gl.expand_dims(rows, 1) * stride_xs + gl.expand_dims(cols, 0),
                         mask=tile_in, other=0.0).to(gl.float32)
@@ -319,9 +322,9 @@ if gluon is not None:
                     # every warp is past the previous head's probs @ v and out-projection: k_s, v_s and the
                     # consumed tiles' slots (q, k, v; the previous head's out-projection) are free
                     if head == 0:
-                        _refill_last(w_desc, ring, bars, g, 3, total, tiles_per_forward, HD, NUM_SLOTS)
+                        _refill_last(w_desc, ring, bars, g, 3, first, total, tiles_per_forward, HD, NUM_SLOTS)
                     else:
-                        _refill_last(w_desc, ring, bars, g, 4, total, tiles_per_forward, HD, NUM_SLOTS)
+                        _refill_last(w_desc, ring, bars, g, 4, first, total, tiles_per_forward, HD, NUM_SLOTS)
                     k_s.store(k.to(gl.float16))
                     v_s.store(v.to(gl.float16))
                     fence_async_shared()  # the stores above before the wgmma reads below (async proxy)
@@ -339,7 +342,7 @@ if gluon is not None:
                     x = _tile_mma(gl.convert_layout(o, A_D), ring, bars, g, x, False, True, NUM_SLOTS, OVERLAP)
                     g += 1
                 x = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
-                _refill_last(w_desc, ring, bars, g, 1, total, tiles_per_forward, HD, NUM_SLOTS)  # out-projection
+                _refill_last(w_desc, ring, bars, g, 1, first, total, tiles_per_forward, HD, NUM_SLOTS)  # out-projection
                 x = x + gl.expand_dims(gl.load(Ob + layer * D + cols), 0)
                 h = _layer_norm(x, N2w + layer * D, N2b + layer * D, cols, D, eps).to(gl.float16)
                 h = gl.convert_layout(h, A_H)
@@ -348,9 +351,9 @@ if gluon is not None:
                 for c in gl.static_range(F_CHUNKS):
                     t, x = warpgroup_mma_wait(num_outstanding=0, deps=(t, x))
                     if c == 0:  # the in-projection; then the previous chunk's out-projection too
-                        _refill_last(w_desc, ring, bars, g, 1, total, tiles_per_forward, HD, NUM_SLOTS)
+                        _refill_last(w_desc, ring, bars, g, 1, first, total, tiles_per_forward, HD, NUM_SLOTS)
                     else:
-                        _refill_last(w_desc, ring, bars, g, 2, total, tiles_per_forward, HD, NUM_SLOTS)
+                        _refill_last(w_desc, ring, bars, g, 2, first, total, tiles_per_forward, HD, NUM_SLOTS)
                     t = t + gl.expand_dims(gl.load(INb + (layer * F_CHUNKS + c) * HD + hcols), 0)
                     a = _gelu(t).to(gl.float16)
                     x = _tile_mma(gl.convert_layout(a, A_D), ring, bars, g, x, False, True, NUM_SLOTS, OVERLAP)
@@ -359,7 +362,7 @@ if gluon is not None:
                         t = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, OVERLAP)
                         g += 1
                 x = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
-                _refill_last(w_desc, ring, bars, g, 1, total, tiles_per_forward, HD, NUM_SLOTS)  # out-projection
+                _refill_last(w_desc, ring, bars, g, 1, first, total, tiles_per_forward, HD, NUM_SLOTS)  # out-projection
                 x = x + gl.expand_dims(gl.load(OUTb + layer * D + cols), 0)
                 x = gl.where(gl.expand_dims(row_ok, 1), x, 0.0)
             y = _layer_norm(x, NFw, NFb, cols, D, eps)
