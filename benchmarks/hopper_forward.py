@@ -18,8 +18,8 @@ import json
 
 import torch
 
-from benchmarks.common import (accuracy, alternating_rounds, device_name, graph_ms, official, parser, pooled_median,
-                               reference_output, row_numbers, setup, write_json)
+from benchmarks.common import (accuracy, alternating_rounds, device_name, graph_ms, kernel_weights, official, parser,
+                               pooled_median, reference_output, row_numbers, setup, write_json)
 from shapewise.jobs.device import time_calls
 from shapewise.kernels import hopper_forward as hf
 from shapewise.model import UserOptimizedTransformer
@@ -65,14 +65,10 @@ def sweep(batches, layers, reps):
     mask) for each batch size and layer count: how its time grows with the sequences per program and the layers."""
     d, H = 128, 4
     gen = torch.Generator().manual_seed(0)
-    rand = lambda *shape: (torch.randn(*shape, generator=gen) * shape[-1] ** -0.5).cuda()  # noqa: E731
+    layer = kernel_weights(d, d, "cuda")[1]  # seeded; every layer the same (the kernel's time does not depend on it)
     out = []
     for L in layers:
-        lw = [{"qkv_w": rand(3 * d, d), "qkv_b": rand(3 * d) * 0.1, "o_w": rand(d, d), "o_b": rand(d) * 0.1,
-               "in_w": rand(d, d), "in_b": rand(d) * 0.1, "out_w": rand(d, d), "out_b": rand(d) * 0.1,
-               "n1_w": torch.ones(d).cuda(), "n1_b": torch.zeros(d).cuda(), "n2_w": torch.ones(d).cuda(),
-               "n2_b": torch.zeros(d).cuda()} for _ in range(L)]
-        packed = hf.pack_weights(lw, (torch.ones(d).cuda(), torch.zeros(d).cuda()), H)
+        packed = hf.pack_weights([layer] * L, (layer["n1_w"], layer["n1_b"]), H)
         for B in batches:
             x = torch.randn(B, 128, d, generator=gen).cuda()
             mask = torch.ones(B, 128, dtype=torch.bool).cuda()

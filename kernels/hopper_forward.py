@@ -41,7 +41,6 @@ MIN_HEAD_DIM = 16  # a wgmma k step for fp16: narrower heads are padded to it wi
 SMEM_BYTES = 216 * 1024  # shared memory one program may take (the H200 offers 227 KB per block)
 MAX_SLOTS = 16  # the weight ring's depth at most
 MIN_SLOTS = 4  # and at least: a head's q, k, v tiles are waited for while the previous head's out-projection's is held
-VECTORS = ("q_b", "o_b", "in_b", "out_b", "n1_w", "n1_b", "n2_w", "n2_b")  # per-layer fp32 vectors
 # erf(z) = 1 - t (a1 + t (a2 + ... + t a5)) exp(-z^2), t = 1 / (1 + p z) for z >= 0, to 1.5e-7 (Abramowitz and
 # Stegun 7.1.26): a fifth of the instructions of libdevice's erff, far below the fp16 rounding of GELU's output
 ERF_P = 0.3275911
@@ -228,9 +227,8 @@ if gluon is not None:
                      NUM_SLOTS: gl.constexpr):
         """The N tiles before stream tile g are consumed (their wgmmas waited for by every warp: the barrier) and
         their slots not yet handed back: load tile i + NUM_SLOTS into the slot of each tile i among them, where
-        there is one. N is a count of the caller's code, so no tile count is carried from one sequence to the
-        next (Triton 3.6 gave two loop-carried counts that start at the same constant one loop variable, restarting
-        one of them at 0 every sequence)."""
+        there is one. N is fixed by the caller's code: no hand-back count is carried across the sequence loop,
+        which Triton 3.6 carried wrongly (docs/decisions.md#hopper-sequences-per-program)."""
         gl.thread_barrier()
         for j in gl.static_range(N):
             i = g - N + j
