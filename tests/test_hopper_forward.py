@@ -91,32 +91,18 @@ def test_the_launch_fits_shared_memory(args):
 
 
 COMPILE = textwrap.dedent('''
-    import torch, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.jit import mangle_type
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from benchmarks.hopper_sass import TMA_LOAD, compile_hopper
     from shapewise.kernels import hopper_forward as hf
 
     for S, d, H, F, causal, masked in ((128, 128, 4, 128, True, True), (128, 128, 1, 128, True, False),
                                        (32, 128, 16, 128, False, True), (128, 32, 4, 32, True, True)):
-        cfg = hf.launch_config(S, d, H, F)
-        stream = torch.zeros(hf.stream_tiles(H, F, cfg["HD"]) * cfg["HD"], d, dtype=torch.float16)
-        fn = hf._hopper_forward_fwd
-        consts = dict(S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=H, F_CHUNKS=cfg["F_CHUNKS"],
-                      NUM_SLOTS=cfg["NUM_SLOTS"], IS_CAUSAL=causal, HAS_MASK=masked, OVERLAP=True,
-                      num_warps=cfg["num_warps"])
-        sig = {n: "constexpr" if n in consts else mangle_type(hf.weight_descriptor(stream, cfg["HD"]))
-               if n == "w_desc" else "*i8" if n == "Mask" else "fp32" if n in ("qk_scale", "eps")
-               else "*fp32" if n[0].isupper() else "i32" for n in fn.arg_names}
-        src = GluonASTSource(fn=fn, signature=sig,
-                             constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"]))
+        k, cfg = compile_hopper(S, d, H, F, causal, masked)
         ptx = k.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, (S, d, H)
         assert k.metadata.shared <= 227 * 1024, (S, d, H, k.metadata.shared)
         # one TMA load per ring slot to start, then one per tile of a layer, each handing back a consumed slot:
         # no refill is a loop over a tile count carried from sequence to sequence
-        loads = k.asm["ttgir"].count("ttng.async_tma_copy_global_to_local")
+        loads = k.asm["ttgir"].count(TMA_LOAD)
         assert loads == cfg["NUM_SLOTS"] + hf.stream_tiles(H, F, cfg["HD"]), (S, d, H, loads)
         print("compiled", S, d, H, F, k.metadata.shared)
 ''')
