@@ -103,7 +103,7 @@ def build_pair(cfg, route="auto", seed=0, **kw):
 
 
 def fp64_forward(state, cfg, x, mask=None):
-    p = {k: v.detach().to(torch.float64) for k, v in state.items()}
+    p = {k: v.detach().to(x.device, torch.float64) for k, v in state.items()}  # a GPU model's state, a CPU x
     x = x.detach().to(torch.float64)
     B, S, d = x.shape
     H = cfg.num_heads
