@@ -41,6 +41,9 @@ MIN_HEAD_DIM = 16  # a wgmma k step for fp16: narrower heads are padded to it wi
 SMEM_BYTES = 216 * 1024  # shared memory one program may take (the H200 offers 227 KB per block)
 MAX_SLOTS = 16  # the weight ring's depth at most
 MIN_SLOTS = 4  # and at least: a head's q, k, v tiles are waited for while the previous head's out-projection's is held
+# A layer's fp32 vectors, one row of `pack_weights`'s `vecs` in this order (the kernel's offsets follow it): read
+# from shared memory, where the next layer's are staged during each layer (an L2 load at each use stalled the math)
+VECTOR_ORDER = ("n1_w", "n1_b", "n2_w", "n2_b", "o_b", "out_b", "q_b", "in_b")
 # erf(z) = 1 - t (a1 + t (a2 + ... + t a5)) exp(-z^2), t = 1 / (1 + p z) for z >= 0, to 1.5e-7 (Abramowitz and
 # Stegun 7.1.26): a fifth of the instructions of libdevice's erff, far below the fp16 rounding of GELU's output
 ERF_P = 0.3275911
@@ -65,7 +68,8 @@ def why_unsupported(seq_len: int, d_model: int, num_heads: int, ffn_dim: int) ->
     hd = head_dim_padded(d_model // num_heads)
     if hd > d_model:
         return f"the Hopper forward pads head_dim to {hd}, wider than d_model={d_model}"
-    if _ring_slots(_seq_pad(seq_len), hd, d_model, stream_tiles(num_heads, ffn_dim, hd)) < MIN_SLOTS:
+    if _ring_slots(_seq_pad(seq_len), hd, d_model, stream_tiles(num_heads, ffn_dim, hd),
+                   _vector_pad(d_model, num_heads, ffn_dim, hd)) < MIN_SLOTS:
         return (f"the Hopper forward's weight ring holds fewer than {MIN_SLOTS} tiles of [{hd}, {d_model}] in "
                 f"shared memory")
     return None
@@ -89,10 +93,17 @@ def _seq_pad(seq_len: int) -> int:
     return 64 if seq_len <= 64 else 128
 
 
-def _ring_slots(s_pad: int, hd: int, d_model: int, tiles_per_layer: int) -> int:
+def _vector_pad(d_model: int, num_heads: int, ffn_dim: int, hd: int) -> int:
+    """Length of a layer's row of `vecs` (VECTOR_ORDER: six of d_model, q_b and in_b padded to hd lanes a head and
+    an FFN chunk), rounded up to a power of two (a block of one load) of at least 256 (8 warps' lanes)."""
+    width = 6 * d_model + hd * (num_heads + -(-ffn_dim // hd))
+    return max(256, 1 << (width - 1).bit_length())
+
+
+def _ring_slots(s_pad: int, hd: int, d_model: int, tiles_per_layer: int, v_pad: int) -> int:
     """Slots of the weight ring: as many [hd, d] fp16 tiles as fit in SMEM_BYTES beside k and v ([s_pad, hd] fp16
-    each), at most MAX_SLOTS and at most a layer's tiles."""
-    return min(MAX_SLOTS, tiles_per_layer, (SMEM_BYTES - 4 * s_pad * hd) // (2 * hd * d_model))
+    each) and two layers' vectors (fp32), at most MAX_SLOTS and at most a layer's tiles."""
+    return min(MAX_SLOTS, tiles_per_layer, (SMEM_BYTES - 4 * s_pad * hd - 8 * v_pad) // (2 * hd * d_model))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -106,7 +117,8 @@ def pack_weights(layers: list[dict], final: tuple, num_heads: int, operand_dtype
       chunk c Win_c ([HD, d]) and Wout[:, c]ᵀ ([HD, d]); head lanes and FFN columns past the real ones are 0;
     - `q_b` [L, H * HD], `in_b` [L, F_PAD] padded alike, `o_b` + Wo b_v (the v bias folded), `out_b`, the norms
       [L, d], fp32 (no k bias: the softmax cancels it);
-    - `final_w`, `final_b` [d] fp32."""
+    - `final_w`, `final_b` [d] fp32;
+    - `vecs` [L, V_PAD] fp32: each layer's vectors above in VECTOR_ORDER, zero past them (what the kernel reads)."""
     L, d = len(layers), layers[0]["o_w"].shape[0]
     hd = d // num_heads
     hdp, ffn = head_dim_padded(hd), layers[0]["in_w"].shape[0]
@@ -137,6 +149,9 @@ def pack_weights(layers: list[dict], final: tuple, num_heads: int, operand_dtype
            "final_b": final[1].float().contiguous()}
     for n in ("out_b", "n1_w", "n1_b", "n2_w", "n2_b"):
         out[n] = torch.stack([w[n].float() for w in layers]).contiguous()
+    row = torch.cat([out[n].float() for n in VECTOR_ORDER], dim=1)
+    out["vecs"] = torch.zeros(L, _vector_pad(d, num_heads, ffn, hdp), dtype=torch.float32, device=dev)
+    out["vecs"][:, :row.shape[1]] = row
     return out
 
 
@@ -179,14 +194,17 @@ def forward_from_stream(x, w, *, num_heads, causal, mask=None, eps=LAYER_NORM_EP
 if gluon is not None:
 
     @gluon.jit
-    def _layer_norm(x, w_ptr, b_ptr, cols, D: gl.constexpr, eps):
-        """LayerNorm of each row of the fp32 tile x (every column real), weights at w_ptr, b_ptr."""
+    def _layer_norm(x, w, b, D: gl.constexpr, eps):
+        """LayerNorm of each row of the fp32 tile x (every column real) with the column vectors w, b."""
         mean = gl.sum(x, axis=1) / D
         xc = x - gl.expand_dims(mean, 1)
         rstd = gl.rsqrt(gl.sum(xc * xc, axis=1) / D + eps)
-        w = gl.load(w_ptr + cols)
-        b = gl.load(b_ptr + cols)
         return xc * gl.expand_dims(rstd, 1) * gl.expand_dims(w, 0) + gl.expand_dims(b, 0)
+
+    @gluon.jit
+    def _vec(vecs, OFFSET: gl.constexpr, N: gl.constexpr, layout: gl.constexpr):
+        """N floats of a layer's staged vectors from OFFSET (VECTOR_ORDER), as a column vector in `layout`."""
+        return vecs.slice(OFFSET, N).load(layout)
 
     # GELU's constants folded: 1 + p |x| / sqrt(2); the coefficients halved (1 - Phi = erfc / 2); exp(-x^2 / 2)
     _ERF_PS = gl.constexpr(ERF_P * 0.5**0.5)
@@ -245,12 +263,12 @@ if gluon is not None:
     def _hopper_forward_fwd(
         X, Y, Mask,  # [B, S, d] input (any float dtype), [B, S, d] output, int8 [B, S] valid tokens (HAS_MASK)
         w_desc,  # TMA descriptor of the weight stream [L * tiles * HD, d] fp16, block [HD, d]
-        Qb, Ob, INb, OUTb, N1w, N1b, N2w, N2b, NFw, NFb,  # fp32 vectors (pack_weights)
+        VEC, NFw, NFb,  # fp32: [L, V_PAD] layer vectors (pack_weights' vecs), the final norm's weight and bias
         batch, seq_len, num_layers, qk_scale, eps,  # qk_scale = head_dim**-0.5 * log2(e)
         stride_xb, stride_xs, stride_yb, stride_ys, stride_mb,
         S_PAD: gl.constexpr, D: gl.constexpr, HD: gl.constexpr, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr,
-        NUM_SLOTS: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_MASK: gl.constexpr, OVERLAP: gl.constexpr,
-        num_warps: gl.constexpr,
+        NUM_SLOTS: gl.constexpr, V_PAD: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_MASK: gl.constexpr,
+        OVERLAP: gl.constexpr, num_warps: gl.constexpr,
     ):
         # accumulators: residual/out-projection [S_PAD, D], per-head [S_PAD, HD], scores [S_PAD, S_PAD]
         L_D: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -264,11 +282,24 @@ if gluon is not None:
         A_S: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_S, k_width=2)  # -> scores
         KV_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([S_PAD, HD], gl.float16)
         TILES: gl.constexpr = 4 * NUM_HEADS + 2 * F_CHUNKS
+        # VECTOR_ORDER's offsets in a layer's row of VEC
+        N1W: gl.constexpr = 0
+        N1B: gl.constexpr = D
+        N2W: gl.constexpr = 2 * D
+        N2B: gl.constexpr = 3 * D
+        OB: gl.constexpr = 4 * D
+        OUTB: gl.constexpr = 5 * D
+        QB: gl.constexpr = 6 * D
+        INB: gl.constexpr = 6 * D + NUM_HEADS * HD
+        L_V: gl.constexpr = gl.BlockedLayout([V_PAD // (32 * num_warps)], [32], [num_warps], [0])
+        L_COL: gl.constexpr = gl.SliceLayout(0, L_D)
+        H_COL: gl.constexpr = gl.SliceLayout(0, L_H)
 
         ring = gl.allocate_shared_memory(gl.float16, [NUM_SLOTS, HD, D], w_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
         k_s = gl.allocate_shared_memory(gl.float16, [S_PAD, HD], KV_LAYOUT)
         v_s = gl.allocate_shared_memory(gl.float16, [S_PAD, HD], KV_LAYOUT)
+        vec_s = gl.allocate_shared_memory(gl.float32, [2, V_PAD], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(NUM_SLOTS):
             mbarrier.init(bars.index(i), count=1)
 
@@ -282,9 +313,12 @@ if gluon is not None:
                 tma.async_copy_global_to_shared(w_desc, [(i % tiles_per_forward) * HD, 0], bars.index(i),
                                                 ring.index(i))
 
+        v_offs = gl.arange(0, V_PAD, layout=L_V)
+        vec_s.index(0).store(gl.load(VEC + v_offs))  # layer 0's vectors; each layer stages the next one's
+        gl.thread_barrier()
+
         rows = gl.arange(0, S_PAD, layout=gl.SliceLayout(1, L_D))
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, L_D))
-        hcols = gl.arange(0, HD, layout=gl.SliceLayout(0, L_H))
+        cols = gl.arange(0, D, layout=L_COL)
         q_rows = gl.arange(0, S_PAD, layout=gl.SliceLayout(1, L_S))
         keys = gl.arange(0, S_PAD, layout=gl.SliceLayout(0, L_S))
         row_in = rows < seq_len
@@ -308,26 +342,47 @@ if gluon is not None:
             if IS_CAUSAL:
                 visible = visible & (gl.expand_dims(keys, 0) <= gl.expand_dims(q_rows, 1))
             for layer in range(num_layers):
-                h = _layer_norm(x, N1w + layer * D, N1b + layer * D, cols, D, eps).to(gl.float16)
+                # the vectors of the layer after this one (the next sequence's first after the last), loaded now
+                # and staged in the other buffer at the layer's end; the buffer: the parity of layers run so far
+                upcoming = gl.load(VEC + gl.where(layer + 1 < num_layers, layer + 1, 0) * V_PAD + v_offs)
+                parity = (g // TILES) % 2
+                vecs = vec_s.index(parity)
+                h = _layer_norm(x, _vec(vecs, N1W, D, L_COL), _vec(vecs, N1B, D, L_COL), D, eps).to(gl.float16)
                 h = gl.convert_layout(h, A_H)
                 for head in gl.static_range(NUM_HEADS):  # unrolled: a wgmma in flight changes a value's type
-                    bq = Qb + (layer * NUM_HEADS + head) * HD
-                    q = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, OVERLAP)
-                    k = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, OVERLAP)
-                    v = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, OVERLAP)
-                    q, k, v, x = warpgroup_mma_wait(num_outstanding=0, deps=(q, k, v, x))
-                    g += 3
-                    # every warp is past the previous head's probs @ v and out-projection: k_s, v_s and the
-                    # consumed tiles' slots (q, k, v; the previous head's out-projection) are free
-                    if head == 0:
-                        _refill_last(w_desc, ring, bars, g, 3, first, total, tiles_per_forward, HD, NUM_SLOTS)
+                    if HD >= 128:  # q, k, v accumulators at once (192 registers) beside the residual would spill
+                        k = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                        v = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                        k, v, x = warpgroup_mma_wait(num_outstanding=0, deps=(k, v, x))
+                        gl.thread_barrier()  # every warp is past the previous head's reads of k_s and v_s
+                        k_s.store(k.to(gl.float16))
+                        v_s.store(v.to(gl.float16))
+                        fence_async_shared()  # the stores above before the wgmma reads below (async proxy)
+                        q = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, False)
+                        g += 3
+                        # q's tile read too: the slots of q, k, v and the previous head's out-projection are
+                        # free; the refill's barrier also orders every warp's k and v stores before the scores
+                        if head == 0:
+                            _refill_last(w_desc, ring, bars, g, 3, first, total, tiles_per_forward, HD, NUM_SLOTS)
+                        else:
+                            _refill_last(w_desc, ring, bars, g, 4, first, total, tiles_per_forward, HD, NUM_SLOTS)
                     else:
-                        _refill_last(w_desc, ring, bars, g, 4, first, total, tiles_per_forward, HD, NUM_SLOTS)
-                    k_s.store(k.to(gl.float16))
-                    v_s.store(v.to(gl.float16))
-                    fence_async_shared()  # the stores above before the wgmma reads below (async proxy)
-                    gl.thread_barrier()  # every warp's rows of k and v written
-                    q = (q + gl.expand_dims(gl.load(bq + hcols), 0)).to(gl.float16)
+                        q = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                        k = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                        v = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                        q, k, v, x = warpgroup_mma_wait(num_outstanding=0, deps=(q, k, v, x))
+                        g += 3
+                        # every warp is past the previous head's probs @ v and out-projection: k_s, v_s and the
+                        # consumed tiles' slots (q, k, v; the previous head's out-projection) are free
+                        if head == 0:
+                            _refill_last(w_desc, ring, bars, g, 3, first, total, tiles_per_forward, HD, NUM_SLOTS)
+                        else:
+                            _refill_last(w_desc, ring, bars, g, 4, first, total, tiles_per_forward, HD, NUM_SLOTS)
+                        k_s.store(k.to(gl.float16))
+                        v_s.store(v.to(gl.float16))
+                        fence_async_shared()  # the stores above before the wgmma reads below (async proxy)
+                        gl.thread_barrier()  # every warp's rows of k and v written
+                    q = (q + gl.expand_dims(_vec(vecs, QB + head * HD, HD, H_COL), 0)).to(gl.float16)
                     s = warpgroup_mma(gl.convert_layout(q, A_S), k_s.permute((1, 0)), zeros_s, use_acc=False)
                     s = gl.where(visible, s, float("-inf"))
                     m = gl.max(s, axis=1)
@@ -341,8 +396,8 @@ if gluon is not None:
                     g += 1
                 x = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
                 _refill_last(w_desc, ring, bars, g, 1, first, total, tiles_per_forward, HD, NUM_SLOTS)  # out-projection
-                x = x + gl.expand_dims(gl.load(Ob + layer * D + cols), 0)
-                h = _layer_norm(x, N2w + layer * D, N2b + layer * D, cols, D, eps).to(gl.float16)
+                x = x + gl.expand_dims(_vec(vecs, OB, D, L_COL), 0)
+                h = _layer_norm(x, _vec(vecs, N2W, D, L_COL), _vec(vecs, N2B, D, L_COL), D, eps).to(gl.float16)
                 h = gl.convert_layout(h, A_H)
                 t = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, OVERLAP)
                 g += 1
@@ -352,7 +407,7 @@ if gluon is not None:
                         _refill_last(w_desc, ring, bars, g, 1, first, total, tiles_per_forward, HD, NUM_SLOTS)
                     else:
                         _refill_last(w_desc, ring, bars, g, 2, first, total, tiles_per_forward, HD, NUM_SLOTS)
-                    t = t + gl.expand_dims(gl.load(INb + (layer * F_CHUNKS + c) * HD + hcols), 0)
+                    t = t + gl.expand_dims(_vec(vecs, INB + c * HD, HD, H_COL), 0)
                     a = _gelu(t).to(gl.float16)
                     x = _tile_mma(gl.convert_layout(a, A_D), ring, bars, g, x, False, True, NUM_SLOTS, OVERLAP)
                     g += 1
@@ -361,9 +416,12 @@ if gluon is not None:
                         g += 1
                 x = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
                 _refill_last(w_desc, ring, bars, g, 1, first, total, tiles_per_forward, HD, NUM_SLOTS)  # out-projection
-                x = x + gl.expand_dims(gl.load(OUTb + layer * D + cols), 0)
+                x = x + gl.expand_dims(_vec(vecs, OUTB, D, L_COL), 0)
                 x = gl.where(gl.expand_dims(row_ok, 1), x, 0.0)
-            y = _layer_norm(x, NFw, NFb, cols, D, eps)
+                # every warp is past this layer's last read of the other buffer (the refill's barrier above)
+                vec_s.index(1 - parity).store(upcoming)
+                gl.thread_barrier()
+            y = _layer_norm(x, gl.load(NFw + cols), gl.load(NFb + cols), D, eps)
             y = gl.where(gl.expand_dims(row_ok, 1), y, 0.0)
             gl.store(Y + b64 * stride_yb + gl.expand_dims(rows, 1) * stride_ys + gl.expand_dims(cols, 0),
                      y.to(Y.dtype.element_ty), mask=tile_in)
@@ -378,9 +436,10 @@ def launch_config(seq_len: int, d_model: int, num_heads: int, ffn_dim: int) -> d
     """The kernel's compile-time shape for this model shape: S_PAD, HD, F_CHUNKS, NUM_SLOTS, num_warps."""
     hd = head_dim_padded(d_model // num_heads)
     s_pad = _seq_pad(seq_len)
+    v_pad = _vector_pad(d_model, num_heads, ffn_dim, hd)
     return {"S_PAD": s_pad, "HD": hd, "F_CHUNKS": -(-ffn_dim // hd),
-            "NUM_SLOTS": _ring_slots(s_pad, hd, d_model, stream_tiles(num_heads, ffn_dim, hd)),
-            "num_warps": s_pad // 16}
+            "NUM_SLOTS": _ring_slots(s_pad, hd, d_model, stream_tiles(num_heads, ffn_dim, hd), v_pad),
+            "V_PAD": v_pad, "num_warps": s_pad // 16}
 
 
 def weight_descriptor(stream: torch.Tensor, hd: int):
@@ -416,6 +475,9 @@ def hopper_forward(x, w, *, num_heads, causal, mask=None, out=None, desc=None, p
     if stream.dtype != torch.float16 or stream.shape != (L * stream_tiles(num_heads, ffn, cfg["HD"]) * cfg["HD"], d):
         raise ValueError(f"hopper_forward: the weight stream must be fp16 [{L} layers * tiles * {cfg['HD']}, {d}] "
                          f"(pack_weights), got {stream.dtype} {list(stream.shape)}")
+    if w["vecs"].dtype != torch.float32 or tuple(w["vecs"].shape) != (L, cfg["V_PAD"]):
+        raise ValueError(f"hopper_forward: the vectors must be fp32 [{L}, {cfg['V_PAD']}] (pack_weights), got "
+                         f"{w['vecs'].dtype} {list(w['vecs'].shape)}")
     if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, S) or mask.device != x.device):
         raise ValueError(f"hopper_forward: mask must be bool [B, S]={B, S} on {x.device}, got {mask.dtype} "
                          f"{tuple(mask.shape)} on {mask.device}")
@@ -429,12 +491,12 @@ def hopper_forward(x, w, *, num_heads, causal, mask=None, out=None, desc=None, p
     desc = desc if desc is not None else weight_descriptor(stream, cfg["HD"])
     programs = programs or programs_for(B, x.device)
     _hopper_forward_fwd[(programs,)](
-        x, out, m, desc, w["q_b"], w["o_b"], w["in_b"], w["out_b"], w["n1_w"], w["n1_b"], w["n2_w"], w["n2_b"],
-        w["final_w"], w["final_b"], B, S, L, (d // num_heads) ** -0.5 * math.log2(math.e), LAYER_NORM_EPS,
+        x, out, m, desc, w["vecs"], w["final_w"], w["final_b"], B, S, L,
+        (d // num_heads) ** -0.5 * math.log2(math.e), LAYER_NORM_EPS,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), m.stride(0) if mask is not None else 0,
         S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=num_heads, F_CHUNKS=cfg["F_CHUNKS"],
-        NUM_SLOTS=cfg["NUM_SLOTS"], IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, OVERLAP=bool(overlap),
-        num_warps=cfg["num_warps"],
+        NUM_SLOTS=cfg["NUM_SLOTS"], V_PAD=cfg["V_PAD"], IS_CAUSAL=bool(causal), HAS_MASK=mask is not None,
+        OVERLAP=bool(overlap), num_warps=cfg["num_warps"],
     )
     return out
 

@@ -59,6 +59,13 @@ def test_padding_is_zero_and_the_stream_is_tile_ordered():
     layer1_k_head2 = ref.layers[1].attention.k_proj.weight.double()[16:24]
     assert torch.equal(tiles[1, 4 * 2 + 1, :8], layer1_k_head2)
     assert torch.equal(w["q_b"].view(2, 4, hd)[..., 8:], torch.zeros(2, 4, 8, dtype=torch.float32))
+    # the kernel's vectors: each layer's in VECTOR_ORDER at the offsets the kernel reads (6 of d, then q_b, in_b)
+    width = 6 * 32 + 4 * hd + 3 * hd
+    assert w["vecs"].shape == (2, hf.launch_config(4, 32, 4, 40)["V_PAD"]) and w["vecs"].shape[1] >= width
+    assert torch.equal(w["vecs"][:, 4 * 32:5 * 32], w["o_b"].float())
+    assert torch.equal(w["vecs"][:, 6 * 32:6 * 32 + 4 * hd], w["q_b"])
+    assert torch.equal(w["vecs"][:, 6 * 32 + 4 * hd:width], w["in_b"])
+    assert not w["vecs"][:, width:].any()
 
 
 def test_the_kernels_gelu_is_exact_gelu_to_its_erf():
@@ -86,7 +93,7 @@ def test_the_launch_fits_shared_memory(args):
     cfg = hf.launch_config(*args)
     S, d = cfg["S_PAD"], args[1]
     ring = cfg["NUM_SLOTS"] * cfg["HD"] * d * 2
-    assert 2 <= cfg["NUM_SLOTS"] <= hf.MAX_SLOTS and ring + 4 * S * cfg["HD"] <= hf.SMEM_BYTES
+    assert 2 <= cfg["NUM_SLOTS"] <= hf.MAX_SLOTS and ring + 4 * S * cfg["HD"] + 8 * cfg["V_PAD"] <= hf.SMEM_BYTES
     assert cfg["num_warps"] * 16 == S >= args[0]
 
 
