@@ -241,17 +241,17 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _refill_last(w_desc, ring, bars, g, N: gl.constexpr, first, total, tiles_per_forward, HD: gl.constexpr,
-                     NUM_SLOTS: gl.constexpr):
-        """The N tiles before stream tile g are consumed (their wgmmas waited for by every warp: the barrier) and
-        their slots not yet handed back: load tile i + NUM_SLOTS into the slot of each tile i among them, where
-        there is one. N is fixed by the caller's code: no hand-back count is carried across the sequence loop,
-        which Triton 3.6 carried wrongly (docs/decisions.md#hopper-sequences-per-program)."""
+    def _refill_last(w_desc, ring, bars, g, N: gl.constexpr, lo, first, total, tiles_per_forward,
+                     HD: gl.constexpr, NUM_SLOTS: gl.constexpr):
+        """The N tiles before stream tile g, those from tile `lo` on, are consumed (their wgmmas waited for by every
+        warp: the barrier) and their slots not yet handed back: load tile i + NUM_SLOTS into the slot of each tile i
+        among them, where there is one. N is fixed by the caller's code: no hand-back count is carried across the
+        sequence loop, which Triton 3.6 carried wrongly (docs/decisions.md#hopper-sequences-per-program)."""
         gl.thread_barrier()
         for j in gl.static_range(N):
             i = g - N + j
             nxt = i + NUM_SLOTS
-            if nxt < total:
+            if (nxt < total) & (i >= lo):
                 slot = i % NUM_SLOTS
                 mbarrier.expect(bars.index(slot), w_desc.block_type.nbytes)
                 pos = nxt - first
@@ -319,6 +319,7 @@ if gluon is not None:
 
         rows = gl.arange(0, S_PAD, layout=gl.SliceLayout(1, L_D))
         cols = gl.arange(0, D, layout=L_COL)
+        hcols = gl.arange(0, HD, layout=H_COL)
         q_rows = gl.arange(0, S_PAD, layout=gl.SliceLayout(1, L_S))
         keys = gl.arange(0, S_PAD, layout=gl.SliceLayout(0, L_S))
         row_in = rows < seq_len
@@ -349,11 +350,14 @@ if gluon is not None:
                 vecs = vec_s.index(parity)
                 h = _layer_norm(x, _vec(vecs, N1W, D, L_COL), _vec(vecs, N1B, D, L_COL), D, eps).to(gl.float16)
                 h = gl.convert_layout(h, A_H)
-                for head in gl.static_range(NUM_HEADS):  # unrolled: a wgmma in flight changes a value's type
-                    if HD >= 128:  # q, k, v accumulators at once (192 registers) beside the residual would spill
-                        k = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, OVERLAP)
-                        v = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, OVERLAP)
-                        k, v, x = warpgroup_mma_wait(num_outstanding=0, deps=(k, v, x))
+                # a runtime loop: one copy of a head's code (four unrolled copies stalled on instruction fetch)
+                for head in range(NUM_HEADS):
+                    b_q = gl.load(VEC + layer * V_PAD + QB + head * HD + hcols)  # arrives under the projections
+                    lo = gl.where(head > 0, g - 1, g)  # the previous head's out-projection's tile, where there is one
+                    if HD >= 128:  # q, k, v accumulators at once (192 registers) beside the residual spill:
+                        # k, v, then q, each waited for alone
+                        k = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, False)
+                        v = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, False)
                         gl.thread_barrier()  # every warp is past the previous head's reads of k_s and v_s
                         k_s.store(k.to(gl.float16))
                         v_s.store(v.to(gl.float16))
@@ -362,27 +366,21 @@ if gluon is not None:
                         g += 3
                         # q's tile read too: the slots of q, k, v and the previous head's out-projection are
                         # free; the refill's barrier also orders every warp's k and v stores before the scores
-                        if head == 0:
-                            _refill_last(w_desc, ring, bars, g, 3, first, total, tiles_per_forward, HD, NUM_SLOTS)
-                        else:
-                            _refill_last(w_desc, ring, bars, g, 4, first, total, tiles_per_forward, HD, NUM_SLOTS)
+                        _refill_last(w_desc, ring, bars, g, 4, lo, first, total, tiles_per_forward, HD, NUM_SLOTS)
                     else:
                         q = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, OVERLAP)
                         k = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, OVERLAP)
                         v = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, OVERLAP)
-                        q, k, v, x = warpgroup_mma_wait(num_outstanding=0, deps=(q, k, v, x))
+                        q, k, v = warpgroup_mma_wait(num_outstanding=0, deps=(q, k, v))
                         g += 3
                         # every warp is past the previous head's probs @ v and out-projection: k_s, v_s and the
                         # consumed tiles' slots (q, k, v; the previous head's out-projection) are free
-                        if head == 0:
-                            _refill_last(w_desc, ring, bars, g, 3, first, total, tiles_per_forward, HD, NUM_SLOTS)
-                        else:
-                            _refill_last(w_desc, ring, bars, g, 4, first, total, tiles_per_forward, HD, NUM_SLOTS)
+                        _refill_last(w_desc, ring, bars, g, 4, lo, first, total, tiles_per_forward, HD, NUM_SLOTS)
                         k_s.store(k.to(gl.float16))
                         v_s.store(v.to(gl.float16))
                         fence_async_shared()  # the stores above before the wgmma reads below (async proxy)
                         gl.thread_barrier()  # every warp's rows of k and v written
-                    q = (q + gl.expand_dims(_vec(vecs, QB + head * HD, HD, H_COL), 0)).to(gl.float16)
+                    q = (q + gl.expand_dims(b_q, 0)).to(gl.float16)
                     s = warpgroup_mma(gl.convert_layout(q, A_S), k_s.permute((1, 0)), zeros_s, use_acc=False)
                     s = gl.where(visible, s, float("-inf"))
                     m = gl.max(s, axis=1)
@@ -392,10 +390,10 @@ if gluon is not None:
                     o = warpgroup_mma(gl.convert_layout(p.to(gl.float16), A_H), v_s, zeros_h, use_acc=False)
                     l_sum = gl.convert_layout(gl.where(l_sum == 0.0, 1.0, l_sum), gl.SliceLayout(1, L_H))
                     o = (o / gl.expand_dims(l_sum, 1)).to(gl.float16)
-                    x = _tile_mma(gl.convert_layout(o, A_D), ring, bars, g, x, False, True, NUM_SLOTS, OVERLAP)
+                    # complete: the loop carries x as a tensor, not as a wgmma in flight
+                    x = _tile_mma(gl.convert_layout(o, A_D), ring, bars, g, x, False, True, NUM_SLOTS, False)
                     g += 1
-                x = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
-                _refill_last(w_desc, ring, bars, g, 1, first, total, tiles_per_forward, HD, NUM_SLOTS)  # out-projection
+                _refill_last(w_desc, ring, bars, g, 1, 0, first, total, tiles_per_forward, HD, NUM_SLOTS)  # out-projection
                 x = x + gl.expand_dims(_vec(vecs, OB, D, L_COL), 0)
                 h = _layer_norm(x, _vec(vecs, N2W, D, L_COL), _vec(vecs, N2B, D, L_COL), D, eps).to(gl.float16)
                 h = gl.convert_layout(h, A_H)
@@ -404,9 +402,9 @@ if gluon is not None:
                 for c in gl.static_range(F_CHUNKS):
                     t, x = warpgroup_mma_wait(num_outstanding=0, deps=(t, x))
                     if c == 0:  # the in-projection; then the previous chunk's out-projection too
-                        _refill_last(w_desc, ring, bars, g, 1, first, total, tiles_per_forward, HD, NUM_SLOTS)
+                        _refill_last(w_desc, ring, bars, g, 1, 0, first, total, tiles_per_forward, HD, NUM_SLOTS)
                     else:
-                        _refill_last(w_desc, ring, bars, g, 2, first, total, tiles_per_forward, HD, NUM_SLOTS)
+                        _refill_last(w_desc, ring, bars, g, 2, 0, first, total, tiles_per_forward, HD, NUM_SLOTS)
                     t = t + gl.expand_dims(_vec(vecs, INB + c * HD, HD, H_COL), 0)
                     a = _gelu(t).to(gl.float16)
                     x = _tile_mma(gl.convert_layout(a, A_D), ring, bars, g, x, False, True, NUM_SLOTS, OVERLAP)
@@ -415,7 +413,7 @@ if gluon is not None:
                         t = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, OVERLAP)
                         g += 1
                 x = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
-                _refill_last(w_desc, ring, bars, g, 1, first, total, tiles_per_forward, HD, NUM_SLOTS)  # out-projection
+                _refill_last(w_desc, ring, bars, g, 1, 0, first, total, tiles_per_forward, HD, NUM_SLOTS)  # out-projection
                 x = x + gl.expand_dims(_vec(vecs, OUTB, D, L_COL), 0)
                 x = gl.where(gl.expand_dims(row_ok, 1), x, 0.0)
                 # every warp is past this layer's last read of the other buffer (the refill's barrier above)

@@ -13,7 +13,7 @@ Routes (ROUTE_SPECS: each route's module, which runs it, and what it needs):
   in a CUDA graph on CUDA.
 - `hopper`: the whole forward in one Gluon kernel (kernels/hopper_forward.py: wgmma, a TMA weight ring, the
   residual stream in registers), one program per sequence, on sm_90 only, where the policy's `hopper` entry covers
-  the shape (`max_seq_len`, `min_tokens`, `max_heads`; `max_seq_len` null: never unasked), fp16 operands; captured
+  the shape (`max_seq_len`, `min_batch`, `max_heads`; `max_seq_len` null: never unasked), fp16 operands; captured
   in a CUDA graph.
 
 Operand precision (`Route.precision`; accumulation is fp32 always, and the kernel routes keep an fp32 residual
@@ -209,11 +209,12 @@ def _megakernel_pays(shape: Shape) -> bool:
 
 def _hopper_pays(shape: Shape) -> bool:
     """Whether the policy expects the Hopper forward to beat the per-layer routes here: seq_len up to
-    `hopper.max_seq_len` (null: never), batch_size*seq_len at least `hopper.min_tokens` and num_heads up to
+    `hopper.max_seq_len` (null: never), batch_size at least `hopper.min_batch` (a program runs a sequence's layers
+    in a fixed time: a batch that leaves most SMs idle is faster split over kernels) and num_heads up to
     `hopper.max_heads` (each null or absent: no bound)."""
     hopper = POLICY["hopper"]
-    most, fewest, heads = hopper["max_seq_len"], hopper.get("min_tokens") or 1, hopper.get("max_heads")
-    return (most is not None and shape.seq_len <= most and shape.tokens >= fewest
+    most, fewest, heads = hopper["max_seq_len"], hopper.get("min_batch") or 1, hopper.get("max_heads")
+    return (most is not None and shape.seq_len <= most and shape.batch_size >= fewest
             and (heads is None or shape.num_heads <= heads))
 
 

@@ -375,8 +375,8 @@ def test_split_layer_has_a_token_floor(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 # hopper: built for sm_90 alone, picked unasked only where the policy's hopper entry covers the shape
 # ----------------------------------------------------------------------------------------------
-def _hopper_policy(monkeypatch, max_seq_len=128, min_tokens=None, max_heads=None):
-    monkeypatch.setitem(routing.POLICY, "hopper", {"max_seq_len": max_seq_len, "min_tokens": min_tokens,
+def _hopper_policy(monkeypatch, max_seq_len=128, min_batch=None, max_heads=None):
+    monkeypatch.setitem(routing.POLICY, "hopper", {"max_seq_len": max_seq_len, "min_batch": min_batch,
                                                    "max_heads": max_heads})
 
 
@@ -392,8 +392,10 @@ def test_hopper_is_picked_only_on_sm90_where_the_policy_covers(monkeypatch, capa
 def test_hopper_keeps_to_the_policy(monkeypatch):
     _hopper_policy(monkeypatch, max_seq_len=64)
     assert select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0)).name != "hopper"  # seq_len 128
-    _hopper_policy(monkeypatch, max_seq_len=128, min_tokens=8192 + 1)
-    assert select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0)).name != "hopper"  # 8192 tokens
+    _hopper_policy(monkeypatch, max_seq_len=128, min_batch=65)
+    assert select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0)).name != "hopper"  # batch 64
+    _hopper_policy(monkeypatch, max_seq_len=128, min_batch=64)
+    assert select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0)).name == "hopper"
     _hopper_policy(monkeypatch, max_heads=2)
     assert select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0)).name != "hopper"  # 4 heads
     _hopper_policy(monkeypatch, max_heads=4)
