@@ -431,7 +431,7 @@ if gluon is not None:
 # Launcher and public function
 # ----------------------------------------------------------------------------------------------
 def launch_config(seq_len: int, d_model: int, num_heads: int, ffn_dim: int) -> dict:
-    """The kernel's compile-time shape for this model shape: S_PAD, HD, F_CHUNKS, NUM_SLOTS, num_warps."""
+    """The kernel's compile-time shape for this model shape: S_PAD, HD, F_CHUNKS, NUM_SLOTS, V_PAD, num_warps."""
     hd = head_dim_padded(d_model // num_heads)
     s_pad = _seq_pad(seq_len)
     v_pad = _vector_pad(d_model, num_heads, ffn_dim, hd)
