@@ -4,10 +4,10 @@ beside the optimized model as routed without it.
 Usage (sm_90 GPU): python -m benchmarks.hopper_forward [OUT.json] [--rows 1,5,6,...] [--reps 100]
 
 Per official row, on the pipeline's weights and first-trial inputs (the official call's all-True mask): the
-reference in fp32 (TF32 off); then `hopper_forward` with each value of `overlap` (a head's q, k, v projections
-issued back to back before one wait, or each waited for alone): its output against the reference at the official
-and strict tolerances, and its median GPU time per call (a CUDA graph of 10 launches replayed `reps` times, each
-replay between its own pair of CUDA events, divided by 10). Then the model called as the official harness calls it,
+reference in fp32 (TF32 off); then `hopper_forward` in each of VARIANTS (`overlap`: a head's q, k, v projections
+issued back to back before one wait, or each waited for alone; `pipeline`: issued under the previous head's
+softmax): its output against the reference at the official and strict tolerances, and its median GPU time per call
+(a CUDA graph of 10 launches replayed `reps` times, each replay between its own pair of CUDA events, divided by 10). Then the model called as the official harness calls it,
 with route `hopper` forced and as routed with the hopper_forward switch off: the median of `reps` calls, each
 between its own pair of CUDA events (the timing job's timer), the two alternating over 3 rounds.
 OUT.json is written after every row.
@@ -26,6 +26,8 @@ from shapewise.model import UserOptimizedTransformer
 from shapewise.model.weights import layer_weights, per_layer
 
 ROWS = "1,5,6,2,9,10,12,11,7,3,4"
+# the kernel's variants timed alone: hopper_forward's keyword arguments (the route runs its defaults)
+VARIANTS = {"overlap=True": {"overlap": True}, "overlap=False": {"overlap": False}, "pipeline=True": {"pipeline": True}}
 
 
 def row_result(shape_row, reps):
@@ -39,13 +41,13 @@ def row_result(shape_row, reps):
     desc = hf.weight_descriptor(packed["stream"], out["launch"]["HD"])
     y = torch.empty_like(x)
     with torch.inference_mode():
-        for overlap in (True, False):
-            def fn(overlap=overlap):
+        for name, variant in VARIANTS.items():
+            def fn(variant=variant):
                 hf.hopper_forward(x, packed, num_heads=cfg.num_heads, causal=cfg.causal, mask=mask, out=y,
-                                  desc=desc, overlap=overlap)
+                                  desc=desc, **variant)
 
             fn()
-            out[f"overlap={overlap}"] = {"accuracy": accuracy(want, y), "gpu_ms": graph_ms(fn, reps)}
+            out[name] = {"accuracy": accuracy(want, y), "gpu_ms": graph_ms(fn, reps)}
         hopper = UserOptimizedTransformer(cfg, route="hopper")
         hopper.load_state_dict(model.state_dict(), strict=True)
         hopper = hopper.to(x.device).eval()

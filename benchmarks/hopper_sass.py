@@ -30,7 +30,7 @@ TMA_LOAD = "ttng.async_tma_copy_global_to_local"
 SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
-def compile_hopper(S, d, H, F, causal=True, masked=True):
+def compile_hopper(S, d, H, F, causal=True, masked=True, pipeline=False):
     """The kernel compiled for sm_90 at this shape, and its launch_config."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -40,7 +40,7 @@ def compile_hopper(S, d, H, F, causal=True, masked=True):
     fn = hf._hopper_forward_fwd
     consts = dict(S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=H, F_CHUNKS=cfg["F_CHUNKS"],
                   NUM_SLOTS=cfg["NUM_SLOTS"], V_PAD=cfg["V_PAD"], IS_CAUSAL=causal, HAS_MASK=masked, OVERLAP=True,
-                  num_warps=cfg["num_warps"])
+                  PIPELINE=pipeline, num_warps=cfg["num_warps"])
     sig = {n: "constexpr" if n in consts else mangle_type(hf.weight_descriptor(stream, cfg["HD"]))
            if n == "w_desc" else "*i8" if n == "Mask" else "fp32" if n in ("qk_scale", "eps")
            else "*fp32" if n[0].isupper() else "i32" for n in fn.arg_names}
@@ -62,6 +62,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("out", nargs="?", help="JSON file to write (default: print only)")
     p.add_argument("--rows", default="1,12,7", help="official rows")
+    p.add_argument("--pipeline", action="store_true", help="the kernel with `pipeline` on (hopper_forward's argument)")
     args = p.parse_args()
     out = []
     for n in row_numbers(args.rows):
@@ -69,9 +70,9 @@ def main():
         S, d, H, F = r["seq_len"], r["d_model"], r["num_heads"], r["ffn_dim"]
         if hf.why_unsupported(S, d, H, F):
             continue
-        kernel, cfg = compile_hopper(S, d, H, F, causal=r.get("causal", True))
+        kernel, cfg = compile_hopper(S, d, H, F, causal=r.get("causal", True), pipeline=args.pipeline)
         ops = sass_opcodes(kernel)
-        rec = {"row": r["id"], "launch": cfg, **usage(kernel, cfg["num_warps"]),
+        rec = {"row": r["id"], "launch": cfg, "pipeline": args.pipeline, **usage(kernel, cfg["num_warps"]),
                "sass_instructions": sum(ops.values()), "sass_by_opcode": dict(ops.most_common(20)),
                "tma_loads_in_ir": kernel.asm["ttgir"].count(TMA_LOAD)}
         out.append(rec)

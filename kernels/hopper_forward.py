@@ -30,7 +30,7 @@ try:  # Gluon ships with Triton >= 3.5; without it (or without a Hopper GPU) `wh
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
+                                                                  warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
@@ -268,7 +268,7 @@ if gluon is not None:
         stride_xb, stride_xs, stride_yb, stride_ys, stride_mb,
         S_PAD: gl.constexpr, D: gl.constexpr, HD: gl.constexpr, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr,
         NUM_SLOTS: gl.constexpr, V_PAD: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_MASK: gl.constexpr,
-        OVERLAP: gl.constexpr, num_warps: gl.constexpr,
+        OVERLAP: gl.constexpr, PIPELINE: gl.constexpr, num_warps: gl.constexpr,
     ):
         # accumulators: residual/out-projection [S_PAD, D], per-head [S_PAD, HD], scores [S_PAD, S_PAD]
         L_D: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -282,6 +282,8 @@ if gluon is not None:
         A_S: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_S, k_width=2)  # -> scores
         KV_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([S_PAD, HD], gl.float16)
         TILES: gl.constexpr = 4 * NUM_HEADS + 2 * F_CHUNKS
+        # heads up to 32 wide: the next head's q, k, v accumulators (48 registers) fit beside this head's scores
+        PIPE_HEADS: gl.constexpr = PIPELINE and HD <= 32
         # VECTOR_ORDER's offsets in a layer's row of VEC
         N1W: gl.constexpr = 0
         N1B: gl.constexpr = D
@@ -350,6 +352,10 @@ if gluon is not None:
                 vecs = vec_s.index(parity)
                 h = _layer_norm(x, _vec(vecs, N1W, D, L_COL), _vec(vecs, N1B, D, L_COL), D, eps).to(gl.float16)
                 h = gl.convert_layout(h, A_H)
+                if PIPE_HEADS:  # the first head's projections; each head issues the next one's
+                    qn = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, True)
+                    kn = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, True)
+                    vn = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, True)
                 # a runtime loop: one copy of a head's code (four unrolled copies stalled on instruction fetch)
                 for head in range(NUM_HEADS):
                     b_q = gl.load(VEC + layer * V_PAD + QB + head * HD + hcols)  # arrives under the projections
@@ -367,6 +373,14 @@ if gluon is not None:
                         # q's tile read too: the slots of q, k, v and the previous head's out-projection are
                         # free; the refill's barrier also orders every warp's k and v stores before the scores
                         _refill_last(w_desc, ring, bars, g, 4, lo, first, total, tiles_per_forward, HD, NUM_SLOTS)
+                    elif PIPE_HEADS:  # this head's projections were issued under the previous head's softmax
+                        q, k, v = warpgroup_mma_wait(num_outstanding=0, deps=(qn, kn, vn))
+                        g += 3
+                        _refill_last(w_desc, ring, bars, g, 4, lo, first, total, tiles_per_forward, HD, NUM_SLOTS)
+                        k_s.store(k.to(gl.float16))
+                        v_s.store(v.to(gl.float16))
+                        fence_async_shared()  # the stores above before the wgmma reads below (async proxy)
+                        gl.thread_barrier()  # every warp's rows of k and v written
                     else:
                         q = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, OVERLAP)
                         k = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, OVERLAP)
@@ -382,6 +396,17 @@ if gluon is not None:
                         gl.thread_barrier()  # every warp's rows of k and v written
                     q = (q + gl.expand_dims(b_q, 0)).to(gl.float16)
                     s = warpgroup_mma(gl.convert_layout(q, A_S), k_s.permute((1, 0)), zeros_s, use_acc=False)
+                    if PIPE_HEADS:
+                        # the next head's projections (stream tiles after this head's out-projection, g) run on the
+                        # tensor cores under this head's softmax; after the last head, placeholders of their type
+                        if head + 1 < NUM_HEADS:
+                            qn = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, True)
+                            kn = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, True)
+                            vn = _tile_mma(h, ring, bars, g + 3, zeros_h, True, False, NUM_SLOTS, True)
+                        else:
+                            qn = warpgroup_mma_init(zeros_h)
+                            kn = warpgroup_mma_init(zeros_h)
+                            vn = warpgroup_mma_init(zeros_h)
                     s = gl.where(visible, s, float("-inf"))
                     m = gl.max(s, axis=1)
                     m = gl.where(m == float("-inf"), 0.0, m)  # a row with no visible key: p = 0, output 0
@@ -452,11 +477,14 @@ def programs_for(batch: int, device) -> int:
     return max(1, min(batch, torch.cuda.get_device_properties(device).multi_processor_count))
 
 
-def hopper_forward(x, w, *, num_heads, causal, mask=None, out=None, desc=None, programs=None, overlap=True):
+def hopper_forward(x, w, *, num_heads, causal, mask=None, out=None, desc=None, programs=None, overlap=True,
+                   pipeline=False):
     """The whole forward over `x [B, S, d]` with `pack_weights`'s weights `w`: [B, S, d] in x's dtype (or into
     `out`), invalid rows 0. `desc`: the stream's `weight_descriptor` (built here when None); `programs`: persistent
     programs (default one per SM); `overlap`: a head's q, k, v projections (and an FFN chunk's out-projection with
-    the next chunk's in-projection) issued back to back before one wait, else each waited for alone."""
+    the next chunk's in-projection) issued back to back before one wait, else each waited for alone; `pipeline`: a
+    head's q, k, v projections issued under the previous head's softmax (heads up to 32 wide; measured before it
+    becomes the default: docs/decisions.md#hopper-head-pipeline)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.stride(-1) != 1:
         raise ValueError(f"hopper_forward: x must be a [B, S, d] tensor with unit stride along d, got "
                          f"{tuple(getattr(x, 'shape', ()))}")
@@ -494,7 +522,7 @@ def hopper_forward(x, w, *, num_heads, causal, mask=None, out=None, desc=None, p
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), m.stride(0) if mask is not None else 0,
         S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=num_heads, F_CHUNKS=cfg["F_CHUNKS"],
         NUM_SLOTS=cfg["NUM_SLOTS"], V_PAD=cfg["V_PAD"], IS_CAUSAL=bool(causal), HAS_MASK=mask is not None,
-        OVERLAP=bool(overlap), num_warps=cfg["num_warps"],
+        OVERLAP=bool(overlap), PIPELINE=bool(pipeline), num_warps=cfg["num_warps"],
     )
     return out
 
