@@ -373,19 +373,14 @@ if gluon is not None:
                         # q's tile read too: the slots of q, k, v and the previous head's out-projection are
                         # free; the refill's barrier also orders every warp's k and v stores before the scores
                         _refill_last(w_desc, ring, bars, g, 4, lo, first, total, tiles_per_forward, HD, NUM_SLOTS)
-                    elif PIPE_HEADS:  # this head's projections were issued under the previous head's softmax
-                        q, k, v = warpgroup_mma_wait(num_outstanding=0, deps=(qn, kn, vn))
-                        g += 3
-                        _refill_last(w_desc, ring, bars, g, 4, lo, first, total, tiles_per_forward, HD, NUM_SLOTS)
-                        k_s.store(k.to(gl.float16))
-                        v_s.store(v.to(gl.float16))
-                        fence_async_shared()  # the stores above before the wgmma reads below (async proxy)
-                        gl.thread_barrier()  # every warp's rows of k and v written
                     else:
-                        q = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, OVERLAP)
-                        k = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, OVERLAP)
-                        v = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, OVERLAP)
-                        q, k, v = warpgroup_mma_wait(num_outstanding=0, deps=(q, k, v))
+                        if PIPE_HEADS:  # this head's projections were issued under the previous head's softmax
+                            q, k, v = warpgroup_mma_wait(num_outstanding=0, deps=(qn, kn, vn))
+                        else:
+                            q = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                            k = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                            v = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                            q, k, v = warpgroup_mma_wait(num_outstanding=0, deps=(q, k, v))
                         g += 3
                         # every warp is past the previous head's probs @ v and out-projection: k_s, v_s and the
                         # consumed tiles' slots (q, k, v; the previous head's out-projection) are free
