@@ -7,9 +7,10 @@ Per official row, on the pipeline's weights and first-trial inputs (the official
 reference in fp32 (TF32 off); then `hopper_forward` in each of VARIANTS (`overlap`: a head's q, k, v projections
 issued back to back before one wait, or each waited for alone; `pipeline`: issued under the previous head's
 softmax): its output against the reference at the official and strict tolerances, and its median GPU time per call
-(a CUDA graph of 10 launches replayed `reps` times, each replay between its own pair of CUDA events, divided by 10). Then the model called as the official harness calls it,
-with route `hopper` forced and as routed with the hopper_forward switch off: the median of `reps` calls, each
-between its own pair of CUDA events (the timing job's timer), the two alternating over 3 rounds.
+(a CUDA graph of 10 launches replayed `reps` times, each replay between its own pair of CUDA events, divided by 10).
+Then the model called as the official harness calls it, with route `hopper` forced and as routed with the
+hopper_forward switch off: the median of `reps` calls, each between its own pair of CUDA events (the timing job's
+timer), the two alternating over 3 rounds.
 OUT.json is written after every row.
 """
 from __future__ import annotations
@@ -62,15 +63,21 @@ def row_result(shape_row, reps):
     return out
 
 
+def seeded_weights(d, ffn, num_heads, num_layers):
+    """`pack_weights` of `num_layers` copies of one seeded layer (benchmarks.common.kernel_weights; the final norm
+    its LayerNorm 1): for timing the kernel, whose time does not depend on the values."""
+    layer = kernel_weights(d, ffn, "cuda")[1]
+    return hf.pack_weights([layer] * num_layers, (layer["n1_w"], layer["n1_b"]), num_heads)
+
+
 def sweep(batches, layers, reps):
     """GPU time per call of the kernel alone at official row 1's width (d 128, 4 heads, ffn 128, S 128, all-True
     mask) for each batch size and layer count: how its time grows with the sequences per program and the layers."""
     d, H = 128, 4
     gen = torch.Generator().manual_seed(0)
-    layer = kernel_weights(d, d, "cuda")[1]  # seeded; every layer the same (the kernel's time does not depend on it)
     out = []
     for L in layers:
-        packed = hf.pack_weights([layer] * L, (layer["n1_w"], layer["n1_b"]), H)
+        packed = seeded_weights(d, d, H, L)
         for B in batches:
             x = torch.randn(B, 128, d, generator=gen).cuda()
             mask = torch.ones(B, 128, dtype=torch.bool).cuda()

@@ -1,6 +1,6 @@
 """The Hopper forward kernel built for sm_90 offline (no GPU): registers, spills, shared memory, SASS instructions.
 
-Usage: python -m benchmarks.hopper_sass [OUT.json] [--rows 1,12,7]
+Usage: python -m benchmarks.hopper_sass [OUT.json] [--rows 1,12,7] [--pipeline]
 
 Per official row it serves, `_hopper_forward_fwd` compiled as the route launches it (fp32 input, the row's causal
 flag, a mask, `overlap` on) through the ptxas that ships with Triton: ptxas's registers and spills

@@ -40,13 +40,13 @@ def launch(row: int, batch: int | None) -> None:
     """The profiled process: the row's kernel launched SKIP + 1 times."""
     import torch
 
-    from benchmarks.common import kernel_weights, official
+    from benchmarks.common import official
+    from benchmarks.hopper_forward import seeded_weights
     from shapewise.kernels import hopper_forward as hf
 
     r = official(row)
-    B, S, d, H, L = (batch or r["batch_size"]), r["seq_len"], r["d_model"], r["num_heads"], r["num_layers"]
-    layer = kernel_weights(d, r["ffn_dim"], "cuda")[1]  # seeded; the kernel's time does not depend on the values
-    packed = hf.pack_weights([layer] * L, (layer["n1_w"], layer["n1_b"]), H)
+    B, S, d, H = (batch or r["batch_size"]), r["seq_len"], r["d_model"], r["num_heads"]
+    packed = seeded_weights(d, r["ffn_dim"], H, r["num_layers"])
     x = torch.randn(B, S, d, generator=torch.Generator().manual_seed(1)).cuda()
     mask = torch.ones(B, S, dtype=torch.bool, device="cuda")
     out = torch.empty_like(x)
