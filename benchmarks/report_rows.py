@@ -28,7 +28,8 @@ def main():
     p.add_argument("report_dir", nargs="?", default="reports/h200")
     report = Path(p.parse_args().report_dir)
     with open(report / "summary.csv", newline="") as f:
-        summary = {r["id"]: r for r in csv.DictReader(f)}
+        # shapewise's own rows (a report with candidates has theirs too, summary.csv's `candidate` column)
+        summary = {r["id"]: r for r in csv.DictReader(f) if r.get("candidate", "shapewise") == "shapewise"}
     print("| row | route | median | target | floor | median / floor | GPU time per forward (profile) "
           f"| top kernels per forward | rounds > {SLOW_ROUND}× the fastest (fastest) |")
     print("|---|---|---|---|---|---|---|---|---|")

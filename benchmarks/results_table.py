@@ -8,6 +8,10 @@ official script and call (BEST_PUBLIC). A mask cost above the timing job's limit
 data/timing/<id>.json) is bold. Rows without a reference median (the reference does not fit in memory) show "does
 not fit" and the mask cost of their single round. Lists on stderr
 the rows whose median is above the best public one.
+
+A report with candidates (summary.csv's `candidate` column) gets a second table: per row, each model's median with
+its interval, its speedup over the reference timed in its own rounds, and its accuracy; the fastest passing model
+of the row in bold.
 """
 from __future__ import annotations
 
@@ -66,12 +70,48 @@ def row_line(r, best, limit):
             f"| {r['strict_failed_elements']} |")
 
 
+SHAPEWISE = "shapewise"  # the `candidate` of shapewise's own rows (shapewise.candidates.SHAPEWISE)
+
+
+def model_cell(r):
+    """`0.0813 [0.081, 0.082]` ms, `20.7×` speedup, `pass` or `fail 3431 / 5242880`, or why it was not timed."""
+    if not r["optimized_median_ms"]:
+        return "not timed", "—", r["status"]
+    ci = (f" [{sig(float(r['optimized_ci_low_ms']))}, {sig(float(r['optimized_ci_high_ms']))}]"
+          if r["optimized_ci_low_ms"] else "")
+    speed = f"{float(r['speedup']):.3g}×" if r["speedup"] else "—"
+    accuracy = "pass" if r["status"] == "pass" else f"fail {r['failed_elements']} / {r['total_elements']}"
+    return f"{sig(float(r['optimized_median_ms']))}{ci}", speed, accuracy
+
+
+def candidates_table(rows):
+    """Lines of the side-by-side table, or [] without candidates."""
+    names = list(dict.fromkeys(r.get("candidate") or SHAPEWISE for r in rows))
+    if names == [SHAPEWISE]:
+        return []
+    by = {(r["id"], r.get("candidate") or SHAPEWISE): r for r in rows}
+    ids = list(dict.fromkeys(r["id"] for r in rows))
+    lines = ["| row | " + " | ".join(f"{n} ms [95 % interval] | {n} speedup | {n} accuracy" for n in names) + " |",
+             "|---|" + "---|---|---|" * len(names)]
+    for row_id in ids:
+        timed = [by[(row_id, n)] for n in names if (row_id, n) in by and by[(row_id, n)]["status"] == "pass"
+                 and by[(row_id, n)]["optimized_median_ms"]]
+        fastest = min(timed, key=lambda r: float(r["optimized_median_ms"]))["candidate"] if timed else None
+        cells = []
+        for n in names:
+            median, speed, accuracy = model_cell(by[(row_id, n)]) if (row_id, n) in by else ("—", "—", "—")
+            cells += [f"**{median}**" if n == fastest else median, speed, accuracy]
+        lines.append(f"| {row_number({'id': row_id})} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("report_dir", nargs="?", default="reports/h200")
     args = p.parse_args()
     with open(Path(args.report_dir) / "summary.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
+        every = list(csv.DictReader(f))
+    rows = [r for r in every if (r.get("candidate") or SHAPEWISE) == SHAPEWISE]
     best = best_public_ms()
     print("| row | route | optimized ms | best public ms | target ms | reference ms | speedup [95 % interval] | "
           "mask cost [95 % interval] | failed / compared (official) | strict failed |")
@@ -80,6 +120,10 @@ def main():
         print(row_line(r, best, mask_cost_limit(args.report_dir, r["id"])))
     behind = [row_number(r) for r in rows if float(r["optimized_median_ms"]) > best[row_number(r)]]
     print(f"\nrows above the best public median: {behind or 'none'}", file=sys.stderr)
+    side_by_side = candidates_table(every)
+    if side_by_side:
+        print()
+        print("\n".join(side_by_side))
 
 
 if __name__ == "__main__":

@@ -112,6 +112,31 @@ def test_another_machine_is_never_compared(tmp_path):
     assert "rows added" not in text
 
 
+def test_same_gpu_compares_across_software_and_names_both_machines(tmp_path, capsys):
+    newer = "NVIDIA H200 | software cccc"
+    old = report(tmp_path / "old", [row("a", 1.0), row("b", 1.0, machine="NVIDIA A100 | software aaaa")])
+    new = report(tmp_path / "new", [row("a", 1.5, machine=newer), row("b", 1.0, machine="NVIDIA A100 | software dd")])
+    assert cli_main(["compare", str(old), str(new)]) == 2  # by machine: nothing in common
+    assert cli_main(["compare", "--same-gpu", str(old), str(new)]) == 1  # by GPU: a slower beyond noise
+    out = capsys.readouterr().out
+    assert f"machines of {old}: NVIDIA A100 | software aaaa, {H200}; of {new}: NVIDIA A100 | software dd, {newer}" in out
+    assert "REGRESSION: optimized model slower beyond noise on 1 row(s): a" in out
+    assert "machine NVIDIA A100" in out and "machine NVIDIA H200" in out  # b still only against the A100's b
+
+
+def test_the_projects_own_install_is_not_software(monkeypatch):
+    # installing shapewise itself (pip install -e .) must not make two runs' machines differ
+    from shapewise import inventory
+
+    class Dist:
+        def __init__(self, name, version):
+            self.metadata, self.version = {"Name": name}, version
+
+    dists = [Dist("torch", "2.11.0"), Dist("Shapewise", "0.1.0")]
+    monkeypatch.setattr(inventory.importlib.metadata, "distributions", lambda: dists)
+    assert inventory.installed_packages() == ["torch==2.11.0"]
+
+
 def test_route_change_is_listed(tmp_path):
     result = run(tmp_path, [row("a", 1.0), row("b", 1.0)], [row("a", 1.0, route="graph"), row("b", 1.0)])
     assert by_id(result, "a")["route_changed"] and not by_id(result, "b")["route_changed"]

@@ -643,6 +643,21 @@ def test_a_holder_that_shared_its_gpu_from_some_time_on_is_alone_only_until_then
     assert len(summary["shared"]) == 1 and "profile" in summary["shared"][0] and "accuracy" in summary["shared"][0]
 
 
+def test_a_result_under_the_lock_without_its_mode_held_the_gpu_as_its_step_does(tmp_path, capsys):
+    # candidate results written before their child process recorded the job's lock
+    _result(tmp_path / "candidates" / "c" / "accuracy" / "a.json", "0", "00:00", "01:00")
+    _result(tmp_path / "candidates" / "c" / "timing" / "a.json", "0", "02:00", "03:00")
+    for name, step in (("accuracy", "candidate-accuracy"), ("timing", "candidate-timing")):
+        path = tmp_path / "candidates" / "c" / name / "a.json"
+        path.write_text(json.dumps(dict(json.loads(path.read_text()), step=step)))
+    _held(tmp_path / "accuracy" / "a.json", "00:30", "01:30", mode=gpuslots.SHARED)
+    assert gpuslots.check_main(tmp_path, min_gpus=1) == 0
+    assert "2 results under the lock record no lock mode" in capsys.readouterr().out
+    _held(tmp_path / "profile" / "a.json", "02:30", "02:40", mode=gpuslots.SHARED)  # beside a timing job
+    assert gpuslots.check_main(tmp_path, min_gpus=1) == 1
+    assert "timing/a.json" in capsys.readouterr().out
+
+
 def test_a_job_is_on_its_gpu_from_its_lock_acquisition_not_its_whole_second_start(tmp_path):
     """A profile alone until 00:14.314, then shared; a warm-up whose result says it started at 00:14 (whole
     seconds) but took its shared lock at 00:14.386: no overlap with the profile's time alone (the H200 run of
@@ -672,6 +687,36 @@ def test_a_result_records_its_lock_as_held_when_written(tmp_path, monkeypatch):
     assert json.loads(out.read_text())["gpu"]["lock"]["shared_since"] == "2026-11-30T10:00:20.000+00:00"
     io.write_result(out, {"step": "accuracy", "gpu": None})  # a CPU job: nothing to record
     assert json.loads(out.read_text())["gpu"] is None
+
+
+CHILD_OF_A_JOB = textwrap.dedent("""
+    import json, sys
+    from shapewise import gpuslots
+    gpuslots.take_over(json.loads(sys.stdin.read()))
+    slot = gpuslots.held()
+    print(json.dumps({"record": slot.record(), "others": [n["job"] for n in slot.others_now()]}))
+""")
+
+
+def test_a_child_of_a_job_records_the_jobs_lock_and_sees_the_other_holders_not_its_parent(tmp_path):
+    # a candidate's child does the job's GPU work: its result must say how the job holds the GPU
+    h = Holders(tmp_path)
+    other = h.start(gpuslots.SHARED, 3.0)
+    h.wait_held(other)
+    slot = gpuslots.acquire(gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"}), tmp_path / "locks", label="parent job",
+                            mode=gpuslots.SHARED)
+    handed = gpuslots.hand_over()
+    assert handed["pid"] == os.getpid() and handed["record"]["mode"] == gpuslots.SHARED
+    done = subprocess.run([sys.executable, "-c", CHILD_OF_A_JOB], input=json.dumps(handed), env=_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["record"] == slot.record()
+    assert seen["others"] == [str(tmp_path / "holder0.json")]  # the other sharer; the parent is not "another job"
+    slot.release()
+    h.results()
+    gpuslots.take_over(None)  # a job without a slot hands over nothing: the child holds nothing either
+    assert gpuslots.held() is None
 
 
 def test_on_slot_runs_with_the_slot_set_and_before_auto_is_resolved(tmp_path):

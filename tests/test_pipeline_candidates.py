@@ -91,6 +91,12 @@ def test_the_report_shows_every_candidate_beside_shapewise(workdir):
     html = (workdir / "results" / "report" / "report.html").read_text()
     assert html.count("(fastest passing)") == 1 and 'class="candidates"' in html
     assert "Candidates (config `candidates`)" in md
+    # the candidates' jobs are jobs of the run that made them, recorded as their job process's
+    assert f"{len(CANDIDATES)} candidate-accuracy, {len(CANDIDATES)} candidate-profile" in md
+    result = json.loads((workdir / "results" / "candidates" / "ref" / "accuracy" / "tiny-cand.json").read_text())
+    process = result["environment"]["job_process"]
+    assert process["child"]["started_as"] == "child process of the job process"
+    assert process["started_as"] in ("fork of the job server", "fresh process")
 
 
 def test_provenance_records_each_candidate_and_verify_passes(workdir):

@@ -74,6 +74,9 @@ def build_parser():
     compare.add_argument("--reference-floor", type=float, default=None, metavar="FRACTION",
                          help="smallest change of the reference's median that counts "
                               f"(default {DEFAULT_FLOORS['reference']})")
+    compare.add_argument("--same-gpu", action="store_true",
+                         help="match rows by GPU model alone, also across software (torch, Triton, driver, "
+                              "packages); the header names both runs' machines")
     validate = sub.add_parser("validate", help="validate shape manifests")
     validate.add_argument("files", nargs="+")
     targets = sub.add_parser("targets", help="per-shape result files of the given row ids")
@@ -107,7 +110,8 @@ def main(argv=None, server_mode=None):
 
         floors = {m: f for m, f in (("optimized", args.optimized_floor), ("reference", args.reference_floor))
                   if f is not None}
-        return compare_main(args.old, args.new, floors, err=lambda line: print(line, file=sys.stderr))
+        return compare_main(args.old, args.new, floors, err=lambda line: print(line, file=sys.stderr),
+                            same_gpu=args.same_gpu)
     if args.command == "validate":
         from shapewise.manifest import ManifestError, load_manifests
 

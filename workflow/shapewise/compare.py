@@ -39,6 +39,7 @@ import re
 from pathlib import Path
 
 from shapewise.candidates import SHAPEWISE
+from shapewise.inventory import SOFTWARE_SEPARATOR
 
 SUMMARY = "summary.csv"
 MODELS = ("optimized", "reference")
@@ -245,15 +246,24 @@ def label(row):
     return row["id"] if candidate == SHAPEWISE else f"{row['id']} ({candidate})"
 
 
-def compare_rows(old_rows, new_rows, floors=None) -> dict:
+def gpu_of(machine):
+    """The GPU model of a machine key (`NVIDIA H200 | software 5af37da32336` -> `NVIDIA H200`)."""
+    return machine.split(SOFTWARE_SEPARATOR, 1)[0]
+
+
+def compare_rows(old_rows, new_rows, floors=None, same_gpu=False) -> dict:
     """Match rows by (machine, id, candidate) and give each model's change and verdict (see the module docstring).
+    same_gpu: match by the GPU model alone (`--same-gpu`), the machines' software keys kept in `software`.
 
     floors: {"optimized": fraction, "reference": fraction}, default DEFAULT_FLOORS. Returns {"rows": [...],
     "regressions": [labels], "not_comparable": [{"id" (a label), "old_machines", "new_machines"}], "floors":
     {...}}; a row's label is `label(row)`."""
     floors = {**DEFAULT_FLOORS, **(floors or {})}
-    old_by = {(r.get("machine") or UNKNOWN_MACHINE, label(r)): r for r in old_rows}
-    new_by = {(r.get("machine") or UNKNOWN_MACHINE, label(r)): r for r in new_rows}
+    key = gpu_of if same_gpu else (lambda machine: machine)
+    software = {"old": sorted({r.get("machine") or UNKNOWN_MACHINE for r in old_rows}),
+                "new": sorted({r.get("machine") or UNKNOWN_MACHINE for r in new_rows})} if same_gpu else None
+    old_by = {(key(r.get("machine") or UNKNOWN_MACHINE), label(r)): r for r in old_rows}
+    new_by = {(key(r.get("machine") or UNKNOWN_MACHINE), label(r)): r for r in new_rows}
     keys = list(old_by) + [k for k in new_by if k not in old_by]
     rows, regressions = [], []
     for machine, row_id in keys:
@@ -276,7 +286,8 @@ def compare_rows(old_rows, new_rows, floors=None) -> dict:
         new_machines.setdefault(row_id, []).append(machine)
     not_comparable = [{"id": i, "old_machines": old_machines[i], "new_machines": new_machines[i]}
                       for i in old_machines if i in new_machines and not set(old_machines[i]) & set(new_machines[i])]
-    return {"rows": rows, "regressions": regressions, "not_comparable": not_comparable, "floors": floors}
+    return {"rows": rows, "regressions": regressions, "not_comparable": not_comparable, "floors": floors,
+            "software": software}
 
 
 def nothing_in_common(result, old_name="OLD", new_name="NEW"):
@@ -325,6 +336,9 @@ def format_comparison(result, old_name="OLD", new_name="NEW") -> list[str]:
     floors = result["floors"]
     lines = [f"compare: {old_name} -> {new_name} (noise floors: optimized {floors['optimized']:.0%}, "
              f"reference {floors['reference']:.0%}; beyond noise = intervals apart and change above the floor)"]
+    if result.get("software"):
+        lines.append(f"matched by GPU model alone (--same-gpu); machines of {old_name}: "
+                     f"{', '.join(result['software']['old'])}; of {new_name}: {', '.join(result['software']['new'])}")
     elsewhere = {n["id"] for n in result["not_comparable"]}
     groups = list(dict.fromkeys((r["machine"], r["candidate"]) for r in result["rows"]))
     with_candidates = any(candidate != SHAPEWISE for _, candidate in groups)
@@ -372,11 +386,11 @@ def format_comparison(result, old_name="OLD", new_name="NEW") -> list[str]:
     return lines
 
 
-def main(old_dir, new_dir, floors=None, out=print, err=print) -> int:
+def main(old_dir, new_dir, floors=None, out=print, err=print, same_gpu=False) -> int:
     """Print the comparison of two report directories; 1 on a regression, 0 without, 2 on unreadable input."""
     try:
         check_floors(floors)
-        result = compare_rows(load_rows(old_dir), load_rows(new_dir), floors)
+        result = compare_rows(load_rows(old_dir), load_rows(new_dir), floors, same_gpu)
         empty = nothing_in_common(result, str(old_dir), str(new_dir))
         if empty:
             raise CompareError(empty)

@@ -344,8 +344,42 @@ class Slot:
 
 
 def held():
-    """The slot this process holds, or None."""
+    """The slot this process holds (or holds through its parent, `take_over`), or None."""
     return _HELD[0] if _HELD else None
+
+
+class Inherited:
+    """The slot of the job process that started this one (a candidate job's child, which does the job's GPU work
+    while its parent holds the lock): what the job's result records of the lock, and the run's other jobs on the
+    GPU, as the parent would see them."""
+
+    def __init__(self, handed):
+        self.gpu, self.directory, self.holder_pid = handed["gpu"], Path(handed["directory"]), handed["pid"]
+        self.mode, self._record = handed["record"]["mode"], dict(handed["record"])
+
+    def record(self):
+        return dict(self._record)
+
+    def others_now(self):
+        return holders(self.directory, self.gpu, exclude_pid=self.holder_pid)
+
+    def release(self):  # the lock is the parent's: nothing to let go here
+        if self in _HELD:
+            _HELD.remove(self)
+
+
+def hand_over():
+    """What a job process passes to the child that does its GPU work (take_over there), or None without a slot."""
+    slot = held()
+    if slot is None:
+        return None
+    return {"record": slot.record(), "directory": str(slot.directory), "gpu": slot.gpu, "pid": os.getpid()}
+
+
+def take_over(handed):
+    """In that child: hold the parent's slot as Inherited, so results and contention checks see the job's lock."""
+    if handed is not None and not _HELD:
+        _HELD.append(Inherited(handed))
 
 
 def _try_exclusive(directory, pool, pending):
@@ -560,8 +594,11 @@ def job_intervals(results_dir):
         # on the GPU from the lock's acquisition (milliseconds; `started` may be whole seconds, which would put the
         # start of a job that took its lock just after another's `shared_since` before that moment)
         start = _parse_time(lock["acquired"]) if lock.get("acquired") else _parse_time(data["started"])
+        # a job under the lock whose result does not say how it held it (a candidate's, before its child process
+        # recorded its job's lock) held it as every job of its step does
+        mode = lock.get("mode") or (GPU_USE.get(data.get("step"), EXCLUSIVE) if source == "lock" else EXCLUSIVE)
         record = {"file": str(path), "host": env.get("host"), "gpu": str(gpu), "source": source,
-                  "mode": lock.get("mode", EXCLUSIVE), "step": data.get("step"),
+                  "mode": mode, "mode_from": "lock" if lock.get("mode") else "step", "step": data.get("step"),
                   "start": start, "end": max(start, _parse_time(data["finished"]))}
         since = _parse_time(lock["shared_since"]) if lock.get("shared_since") else None
         if since is not None and record["start"] < since < record["end"]:
@@ -621,12 +658,17 @@ def check_main(results_dir, min_gpus=2):
         print(f"gpus check: {results_dir} {what}; give the results directory of a run (default: results)",
               file=sys.stderr)
         return 2
-    summary = check_intervals(job_intervals(results_dir), min_gpus)
+    records = job_intervals(results_dir)
+    summary = check_intervals(records, min_gpus)
     print(f"{summary['jobs']} GPU job results under {results_dir}")
     for gpu, count in summary["gpus"].items():
         print(f"  GPU {gpu}: {count} jobs")
     print(f"pairs of jobs running at the same time on different GPUs: {summary['concurrent_pairs']}")
     print(f"pairs of jobs that time nothing sharing a GPU at the same time: {summary['sharing_pairs']}")
+    unrecorded = [r for r in records if r["source"] == "lock" and r["mode_from"] == "step"]
+    if unrecorded:
+        print(f"{len(unrecorded)} results under the lock record no lock mode: each held its GPU as its step's jobs "
+              f"do ({', '.join(sorted({r['step'] or '?' for r in unrecorded}))})")
     for problem in summary["problems"]:
         print(f"FAIL: {problem}")
     if not summary["problems"]:

@@ -94,11 +94,15 @@ def cpu_model():
     return platform.processor() or platform.machine()
 
 
+SOFTWARE_SEPARATOR = " | software "  # between the GPU model and the software digest in a machine key
+PROJECT = "shapewise"  # its own code is the implementation digest's: installed or not, the software is the same
+
+
 def installed_packages():
     names = set()
     for dist in importlib.metadata.distributions():
         name = dist.metadata["Name"]
-        if name:
+        if name and name.lower() != PROJECT:
             names.add(f"{name.lower()}=={dist.version}")
     return sorted(names)
 
@@ -186,7 +190,7 @@ def machine_key(env):
     """What must match for timings to be comparable: the device model and the software."""
     hardware = env.get("gpu_name") or f"CPU {env.get('cpu')}"
     software = digest_of({k: env.get(k) for k in ("torch", "triton", "python", "driver", "packages_sha256")})
-    return f"{hardware} | software {software[:12]}"
+    return f"{hardware}{SOFTWARE_SEPARATOR}{software[:12]}"
 
 
 def write_if_changed(path, text: str) -> bool:

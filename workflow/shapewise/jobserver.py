@@ -334,6 +334,14 @@ def process_record():
     return dict(_RECORD)
 
 
+def adopt_process_record(record):
+    """In a child process a job started (shapewise.jobs.candidate): the job's record is its job process's, with
+    this child's pid beside it."""
+    if record is not None:
+        _RECORD.clear()
+        _RECORD.update(record, child={"pid": os.getpid(), "started_as": "child process of the job process"})
+
+
 # ---- the server --------------------------------------------------------------------------------------
 
 def preload(mode):

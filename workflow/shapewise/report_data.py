@@ -491,12 +491,15 @@ def write_summary(frame, path, candidate_frame=None):
 def how_made(loaded, report_run=None, report_started=None):
     """Lines saying which pipeline runs made the report's results (shapewise.runs): per run its start, jobs, wall
     time, GPUs, how the jobs held them, how their processes started and whether the Triton cache was empty at its
-    start. The rows' warm-ups (not read by the report otherwise) count as jobs of the run that made them."""
+    start. The rows' warm-ups (not read by the report otherwise) and the candidates' jobs count as jobs of the run
+    that made them."""
     from shapewise import runs
 
     results = [loaded["environment_fingerprint"], loaded["microbench"]]  # the implementation's digest names no run
     for item in loaded["rows"]:
         results += [d for d in item["data"].values() if isinstance(d, dict)]
+        for cand in (item.get("candidates") or {}).values():  # the candidates' jobs are the run's jobs too
+            results += [d for d in cand["data"].values() if isinstance(d, dict)]
         warmup = Path(paths.result(paths.WARMUP_STEP, item["id"]))
         if warmup.is_file():
             try:

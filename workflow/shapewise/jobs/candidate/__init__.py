@@ -266,9 +266,10 @@ def supervise(args, outputs_on_failure=None):
     progress = Path(progress_path(args.out))
     progress.unlink(missing_ok=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    from shapewise import cpus
+    from shapewise import cpus, gpuslots, jobserver
 
-    payload = dict(vars(args), job_start=cpus.job_start())
+    payload = dict(vars(args), job_start=cpus.job_start(), gpu_slot=gpuslots.hand_over(),
+                   job_process=jobserver.process_record())
     outcome = candidates.run_isolated([sys.executable, "-m", "shapewise.jobs.candidate"], limit,
                                       stdin_text=json.dumps(payload), log=log)
     if outcome["returncode"] == 0 and not outcome["timed_out"] and Path(args.out).is_file():

@@ -6,12 +6,14 @@ import importlib
 import json
 import sys
 
-from shapewise import cpus
+from shapewise import cpus, gpuslots, jobserver
 
 
 def main():
     payload = json.loads(sys.stdin.read())
     cpus.adopt_job_start(payload.pop("job_start"))  # the job process pinned this process's cores already
+    gpuslots.take_over(payload.pop("gpu_slot", None))  # and holds the GPU's lock for this process's work
+    jobserver.adopt_process_record(payload.pop("job_process", None))
     args = argparse.Namespace(**payload)
     step = importlib.import_module(f"shapewise.jobs.candidate.{args.step.replace('-', '_')}")
     return step.child(args)
