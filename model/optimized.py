@@ -66,7 +66,7 @@ def switches_used(route, input_dtype, device_type: str) -> tuple:
     used = set(route_module(route.name).switches(route))
     if input_dtype == torch.float32:
         used.add("reduced_precision")
-    if spec.captured and (spec.cuda_only or device_type == "cuda"):
+    if spec.captured and not route.eager and (spec.cuda_only or device_type == "cuda"):
         used.update(("cuda_graph", "direct_input"))
     if route.pdl:
         used.add("pdl")
@@ -188,7 +188,8 @@ class UserOptimizedTransformer(BaselineTransformer):
 
     def _captured(self, route, x) -> bool:
         """Whether `forward` runs this route as captured CUDA graphs for `x` (memory_plan asks the same)."""
-        return ROUTE_SPECS[route.name].captured and x.is_cuda and "cuda_graph" not in self.disabled
+        return (ROUTE_SPECS[route.name].captured and not route.eager and x.is_cuda
+                and "cuda_graph" not in self.disabled)
 
     def _drop_routes(self) -> None:
         """Forget every signature's route, runner and captured graphs: each selects its route again."""

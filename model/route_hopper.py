@@ -58,7 +58,7 @@ def settle(route, x, disabled):
     if route.precision != "fp16":
         if route.forced:
             raise RouteUnavailable(f"route 'hopper' needs fp16 operands, not {route.precision}")
-        route = replace(route, name="graph", reason=route.reason + (
+        route = replace(route, name="graph", eager=False, reason=route.reason + (
             f"; the Hopper forward needs fp16 operands, not {route.precision}"))
     return route
 

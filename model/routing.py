@@ -110,6 +110,7 @@ class Route:
     pdl: bool = False  # kernels after the forward's first launch with programmatic dependent launch (`with_pdl`)
     fold_qkv: bool = False  # split layer: each tail but the last also computes the next layer's LN1 + QKV (policy)
     persistent_tail: bool = False  # split layer: tails that do not fold run persistent, weights loaded once (policy)
+    eager: bool = False  # a captured route launched eagerly here: beyond `graph.max_tokens_x_d_model` (`_hopper_route`)
 
     def __str__(self) -> str:
         how = "forced" if self.forced else "auto"
@@ -120,7 +121,8 @@ class Route:
         split = " split-layer" if self.split_layer else ""
         split += (" fold-qkv" if self.fold_qkv else "") + (" persistent-tail" if self.persistent_tail else "")
         pdl = " pdl" if self.pdl else ""
-        return f"{self.name}/{self.precision}{attn}{launch}{kv}{blocks}{split}{pdl} ({how}: {self.reason})"
+        eager = " eager" if self.eager else ""
+        return f"{self.name}/{self.precision}{attn}{launch}{kv}{blocks}{split}{pdl}{eager} ({how}: {self.reason})"
 
     def as_dict(self) -> dict:  # JSON-ready: the launch tuple as a list
         return {**asdict(self), "launch": list(self.launch)}
@@ -218,6 +220,18 @@ def _hopper_pays(shape: Shape) -> bool:
             and (heads is None or shape.num_heads <= heads))
 
 
+def _hopper_route(precision: str, reason: str, shape: Shape, forced: bool = False) -> Route:
+    """Route `hopper`, captured in a CUDA graph up to the policy's `graph.max_tokens_x_d_model`, launched eagerly
+    beyond: its one launch is then a small part of the forward, and the graph's copy of its output out of the
+    graph's buffer a large one (row 6: 308 µs of 5.55 ms)."""
+    most = POLICY["graph"]["max_tokens_x_d_model"]
+    size = shape.tokens * shape.d_model
+    if size <= most:
+        return Route("hopper", precision, reason, forced=forced)
+    return Route("hopper", precision, f"{reason}; launched eagerly (tokens*d = {size} > {most}: no graph, no output "
+                                      f"copy)", forced=forced, eager=True)
+
+
 def _with_split_layer(route: Route, shape: Shape) -> Route:
     """The triton/graph `route` with the split layer where the policy's `split_layer.max_d_model` (null: never)
     covers d_model, batch_size*seq_len is at least `split_layer.min_tokens` (null or absent: any), the operands
@@ -312,6 +326,8 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
             return _fused_route("fused", _precision_for(forced, dt, shape), "forced by the caller", shape, forced=True)
         if forced == "megakernel":
             return _megakernel_route(_precision_for(forced, dt, shape), "forced by the caller", forced=True)
+        if forced == "hopper":
+            return _hopper_route(_precision_for(forced, dt, shape), "forced by the caller", shape, forced=True)
         return _with_split_layer(Route(forced, _precision_for(forced, dt, shape), "forced by the caller", forced=True),
                                  shape)
 
@@ -324,8 +340,8 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
     if (allow_hopper and capability is not None and _hopper_pays(shape)
             and _precision_for("hopper", dt, shape) == "fp16"
             and not why_unavailable("hopper", shape, dtype, device, interpret, capability)):
-        return Route("hopper", "fp16", f"one sequence's residual stream in registers: the whole forward in one "
-                                       f"Gluon kernel (seq_len {shape.seq_len} <= {POLICY['hopper']['max_seq_len']})")
+        return _hopper_route("fp16", f"one sequence's residual stream in registers: the whole forward in one Gluon "
+                                     f"kernel (seq_len {shape.seq_len} <= {POLICY['hopper']['max_seq_len']})", shape)
     if allow_megakernel and _megakernel_pays(shape) and not why_unavailable("megakernel", shape, dtype, device,
                                                                             interpret):
         return _megakernel_route(_precision_for("megakernel", dt, shape),

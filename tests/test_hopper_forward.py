@@ -208,6 +208,27 @@ def test_route_serves_the_official_row_shape_and_sees_weight_edits(dtype):
                    "after a weight edit")
 
 
+@pytest.mark.gpu
+@needs_hopper
+def test_route_launches_eagerly_beyond_the_graph_bound():
+    """1040 sequences of 128 x 128 (tokens*d above graph.max_tokens_x_d_model): no graph, a fresh output per call."""
+    from shapewise.model import routing
+
+    cfg = cfg_of((1040, 128, 128, 4, 128, 4))
+    assert cfg.batch_size * cfg.seq_len * cfg.d_model > routing.POLICY["graph"]["max_tokens_x_d_model"]
+    ref, opt = build_pair(cfg, "hopper")
+    ref, opt = ref.cuda(), opt.cuda()
+    x, mask = make_inputs(cfg, "all_true", torch.float32)
+    x, mask = x.cuda(), mask.cuda()
+    with torch.inference_mode():
+        y, again = opt(x, mask), opt(x, mask)
+    assert opt.last_route.name == "hopper" and opt.last_route.eager and opt._graphs.holders == []
+    assert y.data_ptr() != again.data_ptr() and torch.equal(y, again)
+    head = cfg_of((4, 128, 128, 4, 128, 4))  # sequences are independent: the first four against fp64
+    check_official(fp64_forward(ref.state_dict(), head, x[:4].cpu(), mask[:4].cpu()).float(), y[:4].cpu(),
+                   "route hopper, eager")
+
+
 def test_the_routes_weight_stream_is_refreshed_in_place_after_an_edit():
     """The route's captured graphs and TMA descriptor keep the stream's address: an edit rewrites it in place."""
     from shapewise.model import route_hopper

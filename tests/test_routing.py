@@ -408,6 +408,27 @@ def test_hopper_keeps_to_the_policy(monkeypatch):
     assert select_route(SHAPES[5], torch.float32, "cuda", capability=(9, 0)).name != "hopper"
 
 
+def test_hopper_runs_eagerly_beyond_the_graph_bound(monkeypatch):
+    # beyond graph.max_tokens_x_d_model the graph's output copy costs more than the one launch it saves
+    from shapewise.model import route_hopper
+    from shapewise.model.optimized import switches_used
+
+    _hopper_policy(monkeypatch)
+    row1 = select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0))
+    row6 = select_route(SHAPES[3], torch.float32, "cuda", capability=(9, 0))
+    assert row1.name == row6.name == "hopper" and not row1.eager and row6.eager
+    assert " eager (" in str(row6) and "launched eagerly" in row6.reason and row6.as_dict()["eager"] is True
+    assert "cuda_graph" in switches_used(row1, torch.float32, "cuda")
+    assert not {"cuda_graph", "direct_input"} & set(switches_used(row6, torch.float32, "cuda"))
+    forced = select_route(SHAPES[3], torch.float32, "cuda", forced="hopper", capability=(9, 0))
+    assert forced.forced and forced.eager
+    # an automatic hopper route without fp16 operands falls back to the graph route, captured
+    fallback = route_hopper.settle(dataclasses.replace(row6, precision="fp32"), None, set())
+    assert fallback.name == "graph" and not fallback.eager
+    monkeypatch.setitem(routing.POLICY, "graph", {"max_tokens_x_d_model": 200_000_000})
+    assert not select_route(SHAPES[3], torch.float32, "cuda", capability=(9, 0)).eager
+
+
 @pytest.mark.parametrize("capability", [(8, 0), (10, 0)])
 def test_forced_hopper_is_refused_off_sm90_naming_the_capability(capability):
     with pytest.raises(RouteUnavailable, match=r"'hopper'.*9\.x.*got " + f"{capability[0]}.{capability[1]}"):
