@@ -15,6 +15,9 @@ import csv
 import json
 from pathlib import Path
 
+from shapewise.candidates import SHAPEWISE
+from shapewise.compare import candidate_of
+
 HOST_ROWS = ("aten::", "Activity Buffer", "cudaDeviceSynchronize")
 SLOW_ROUND = 1.2
 
@@ -29,7 +32,7 @@ def main():
     report = Path(p.parse_args().report_dir)
     with open(report / "summary.csv", newline="") as f:
         # shapewise's own rows (a report with candidates has theirs too, summary.csv's `candidate` column)
-        summary = {r["id"]: r for r in csv.DictReader(f) if r.get("candidate", "shapewise") == "shapewise"}
+        summary = {r["id"]: r for r in csv.DictReader(f) if candidate_of(r) == SHAPEWISE}
     print("| row | route | median | target | floor | median / floor | GPU time per forward (profile) "
           f"| top kernels per forward | rounds > {SLOW_ROUND}× the fastest (fastest) |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 
 from benchmarks.common import ROOT
+from shapewise.candidates import SHAPEWISE
+from shapewise.compare import candidate_of
 
 BEST_PUBLIC = ROOT / "benchmarks" / "data" / "best-public-2026-11-29.json"
 
@@ -70,9 +72,6 @@ def row_line(r, best, limit):
             f"| {r['strict_failed_elements']} |")
 
 
-SHAPEWISE = "shapewise"  # the `candidate` of shapewise's own rows (shapewise.candidates.SHAPEWISE)
-
-
 def model_cell(r):
     """`0.0813 [0.081, 0.082]` ms, `20.7×` speedup, `pass` or `fail 3431 / 5242880`, or why it was not timed."""
     if not r["optimized_median_ms"]:
@@ -86,17 +85,17 @@ def model_cell(r):
 
 def candidates_table(rows):
     """Lines of the side-by-side table, or [] without candidates."""
-    names = list(dict.fromkeys(r.get("candidate") or SHAPEWISE for r in rows))
+    names = list(dict.fromkeys(candidate_of(r) for r in rows))
     if names == [SHAPEWISE]:
         return []
-    by = {(r["id"], r.get("candidate") or SHAPEWISE): r for r in rows}
+    by = {(r["id"], candidate_of(r)): r for r in rows}
     ids = list(dict.fromkeys(r["id"] for r in rows))
     lines = ["| row | " + " | ".join(f"{n} ms [95 % interval] | {n} speedup | {n} accuracy" for n in names) + " |",
              "|---|" + "---|---|---|" * len(names)]
     for row_id in ids:
         timed = [by[(row_id, n)] for n in names if (row_id, n) in by and by[(row_id, n)]["status"] == "pass"
                  and by[(row_id, n)]["optimized_median_ms"]]
-        fastest = min(timed, key=lambda r: float(r["optimized_median_ms"]))["candidate"] if timed else None
+        fastest = candidate_of(min(timed, key=lambda r: float(r["optimized_median_ms"]))) if timed else None
         cells = []
         for n in names:
             median, speed, accuracy = model_cell(by[(row_id, n)]) if (row_id, n) in by else ("—", "—", "—")
@@ -111,7 +110,7 @@ def main():
     args = p.parse_args()
     with open(Path(args.report_dir) / "summary.csv", newline="") as f:
         every = list(csv.DictReader(f))
-    rows = [r for r in every if (r.get("candidate") or SHAPEWISE) == SHAPEWISE]
+    rows = [r for r in every if candidate_of(r) == SHAPEWISE]
     best = best_public_ms()
     print("| row | route | optimized ms | best public ms | target ms | reference ms | speedup [95 % interval] | "
           "mask cost [95 % interval] | failed / compared (official) | strict failed |")

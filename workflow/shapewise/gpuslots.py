@@ -594,11 +594,14 @@ def job_intervals(results_dir):
         # on the GPU from the lock's acquisition (milliseconds; `started` may be whole seconds, which would put the
         # start of a job that took its lock just after another's `shared_since` before that moment)
         start = _parse_time(lock["acquired"]) if lock.get("acquired") else _parse_time(data["started"])
-        # a job under the lock whose result does not say how it held it (a candidate's, before its child process
-        # recorded its job's lock) held it as every job of its step does
-        mode = lock.get("mode") or (GPU_USE.get(data.get("step"), EXCLUSIVE) if source == "lock" else EXCLUSIVE)
+        if lock.get("mode"):
+            mode, mode_from = lock["mode"], "lock"
+        elif source == "lock":  # under the lock, but its result does not say how (a candidate's, before its child
+            mode, mode_from = GPU_USE.get(data.get("step"), EXCLUSIVE), "step"  # recorded it): as its step's jobs do
+        else:  # no lock (SLURM, a GPU chosen by hand): counted as alone, the strict reading
+            mode, mode_from = EXCLUSIVE, "none"
         record = {"file": str(path), "host": env.get("host"), "gpu": str(gpu), "source": source,
-                  "mode": mode, "mode_from": "lock" if lock.get("mode") else "step", "step": data.get("step"),
+                  "mode": mode, "mode_from": mode_from, "step": data.get("step"),
                   "start": start, "end": max(start, _parse_time(data["finished"]))}
         since = _parse_time(lock["shared_since"]) if lock.get("shared_since") else None
         if since is not None and record["start"] < since < record["end"]:
@@ -665,7 +668,7 @@ def check_main(results_dir, min_gpus=2):
         print(f"  GPU {gpu}: {count} jobs")
     print(f"pairs of jobs running at the same time on different GPUs: {summary['concurrent_pairs']}")
     print(f"pairs of jobs that time nothing sharing a GPU at the same time: {summary['sharing_pairs']}")
-    unrecorded = [r for r in records if r["source"] == "lock" and r["mode_from"] == "step"]
+    unrecorded = [r for r in records if r["mode_from"] == "step"]
     if unrecorded:
         print(f"{len(unrecorded)} results under the lock record no lock mode: each held its GPU as its step's jobs "
               f"do ({', '.join(sorted({r['step'] or '?' for r in unrecorded}))})")
