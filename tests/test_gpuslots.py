@@ -394,6 +394,62 @@ def test_cli_job_takes_its_slot_before_torch(tmp_path):
         held.release()
 
 
+def _preflight(path, **models):
+    path.write_text(json.dumps({"device": "cuda", "total_bytes": 150e9, "models": models}))
+    return path
+
+
+@pytest.mark.parametrize("models, alone", [
+    ({"optimized": {"fits": True, "estimate_bytes": 1.3e9}, "reference": {"fits": True, "estimate_bytes": 19.7e9}},
+     None),
+    ({"optimized": {"fits": True, "estimate_bytes": 28.7e9}}, "optimized model may take 28.7 GB"),
+    ({"optimized": {"fits": True, "estimate_bytes": 1e9}, "reference": {"fits": False, "estimate_bytes": 1e14}},
+     "reference model does not fit in one pass"),
+])
+def test_a_row_whose_memory_would_crowd_its_sharers_holds_the_gpu_alone(tmp_path, models, alone):
+    why = gpuslots.memory_alone(_preflight(tmp_path / "preflight.json", **models))
+    assert (why is None) if alone is None else (alone in why and "preflight.json" in why)
+
+
+def test_no_memory_verdict_without_a_cuda_preflight(tmp_path):
+    assert gpuslots.memory_alone(None) is None
+    assert gpuslots.memory_alone(tmp_path / "missing.json") is None
+    (tmp_path / "cpu.json").write_text(json.dumps({"device": "cpu", "total_bytes": 1e9,
+                                                   "models": {"reference": {"fits": False}}}))
+    assert gpuslots.memory_alone(tmp_path / "cpu.json") is None
+
+
+def test_a_sharing_job_of_a_heavy_row_takes_its_gpu_alone_and_says_why(tmp_path):
+    """`shapewise job accuracy` whose row's preflight leaves too little memory for sharers: on a fake 1-GPU pool
+    that another job shares, it asks for the GPU alone (and waits for the sharer), before importing torch."""
+    pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
+    preflight = _preflight(tmp_path / "preflight.json", reference={"fits": False, "estimate_bytes": 1e14})
+    sharer = gpuslots.acquire(pool, gpuslots.lock_dir(), mode=gpuslots.SHARED)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "shapewise", "job", "accuracy", "--device", "cuda",
+                                 "--row", "{}", "--preflight", str(preflight), "--chunked", "{}",
+                                 "--out", str(tmp_path / "acc.json")],
+                                env=_env(**{gpuslots.FAKE_VAR: "1", gpuslots.POOL_VAR: "0"}),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+        try:
+            first, second = proc.stdout.readline(), proc.stdout.readline()
+            assert "holds its GPU alone" in first and "does not fit in one pass" in first, first
+            assert "waiting for a free GPU (exclusive)" in second, second
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+    finally:
+        sharer.release()
+
+
+def test_the_lock_records_why_a_job_of_a_sharing_step_holds_it_alone(tmp_path):
+    pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
+    slot = gpuslots.acquire(pool, tmp_path, mode=gpuslots.EXCLUSIVE, why="its row's memory")
+    assert slot.record()["alone_because"] == "its row's memory"
+    slot.release()
+    assert "alone_because" not in gpuslots.acquire(pool, tmp_path, mode=gpuslots.EXCLUSIVE).record()
+
+
 # ---- Snakemake: the gpu resource is the pool's size ----------------------------------------------------
 
 def _snakemake(*args, env=None, cwd=ROOT, timeout=300):

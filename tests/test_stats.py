@@ -90,3 +90,25 @@ def test_paired_round_ratio_is_the_median_of_round_ratios_and_needs_paired_round
         stats.paired_round_ratio(num, den[:2])
     with pytest.raises(ValueError, match="without timed calls"):
         stats.paired_round_ratio([[1.0], []], [[1.0], [1.0]])
+
+
+@pytest.mark.parametrize("rounds", [2, 3, 7, 30])
+@pytest.mark.parametrize("calls", [1, 2, 7, 50])
+@pytest.mark.parametrize("kind", ["normal", "ties", "drift"])
+def test_resampled_medians_are_numpys_medians_of_the_pooled_rounds_bit_for_bit(rounds, calls, kind):
+    rng = np.random.default_rng(rounds * 100 + calls)
+    if kind == "normal":
+        table = rng.normal(1.0, 0.3, (rounds, calls))
+    elif kind == "ties":
+        table = rng.integers(0, 4, (rounds, calls)).astype(float)
+    else:  # each round slower than the one before, heavy tails
+        table = np.exp(rng.normal(0.0, 1.0, (rounds, calls))) * (1.0 + np.arange(rounds)[:, None])
+    draws = stats._draws(rounds)
+    pooled = np.median(table[draws].reshape(draws.shape[0], -1), axis=1)
+    assert np.array_equal(stats._resampled_medians(table.tolist(), draws), pooled)
+
+
+def test_resampled_medians_keep_numpys_nan():
+    table = [[1.0, float("nan")], [2.0, 3.0]]
+    draws = stats._draws(2)
+    assert np.isnan(stats._resampled_medians(table, draws)).any()

@@ -213,13 +213,16 @@ def run_job_here(args, argv, server_mode=None):
             mode = gpuslots.job_mode(args.step)
         except gpuslots.GpuError as exc:
             raise SystemExit(f"{args.step} job: {exc}") from None
+        why = None
         if mode == gpuslots.SHARED and args.device != "cpu" and os.environ.get(gpuslots.POOL_VAR):
-            why = gpushare.unavailable()
-            if why:  # nothing would keep it from choosing kernels by timing beside other jobs
+            # nothing would keep it from choosing kernels by timing beside other jobs, or its row's memory would
+            # leave too little for them
+            why = gpushare.unavailable() or gpuslots.memory_alone(getattr(args, "preflight", None))
+            if why:
                 print(f"job process: holds its GPU alone: {why}", file=sys.stderr, flush=True)
                 mode = gpuslots.EXCLUSIVE
         args.device = gpuslots.enter_job(args.device, needs_gpu=needs_gpu, label=f"{args.step} {args.out}",
-                                         on_slot=pin, mode=mode)
+                                         on_slot=pin, mode=mode, why=why)
     if server_mode is not None and args.device != server_mode:
         from shapewise.jobserver import RunFresh
 

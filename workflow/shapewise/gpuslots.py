@@ -9,7 +9,8 @@ A job (shapewise.cli.run_job, before anything imports torch) takes a slot of one
 locked with flock, in the mode of its step (GPU_USE): exclusive for the steps that time (timing, ablation,
 microbench), shared for the others (preflight, warm-up, accuracy, profile, the environment fingerprint), at
 most SHARED_PER_GPU at once and never beside an exclusive holder; an exclusive job waiting for a GPU's sharers
-to finish keeps new ones out (see the lock layout above `Slot`). The kernel releases the locks when the process
+to finish keeps new ones out (see the lock layout above `Slot`). A job of a sharing step whose row needs more than
+a sharer's part of the GPU's memory holds it alone (`memory_alone`). The kernel releases the locks when the process
 ends, crashes or is killed, so a lock file left behind never blocks anything. When no slot can be had the job
 waits, with a log line. The job then runs with CUDA_VISIBLE_DEVICES set to its GPU (the user's own token for
 it when the user set CUDA_VISIBLE_DEVICES, else the GPU's UUID, which names it whatever CUDA_DEVICE_ORDER
@@ -273,8 +274,10 @@ def holders(directory, gpu, exclude_pid=None):
 class Slot:
     """One GPU held by this process, shared or alone, through flocks on its lock files."""
 
-    def __init__(self, gpu, directory, mode, fd, gate=None, share=None, share_index=None, label="", waited_s=0.0):
+    def __init__(self, gpu, directory, mode, fd, gate=None, share=None, share_index=None, label="", waited_s=0.0,
+                 why=None):
         self.gpu, self.directory, self.mode, self.fd = gpu, Path(directory), mode, fd
+        self.why = why  # why a job of a sharing step holds its GPU alone (None: its step's mode)
         self.path = _lock_file(directory, gpu)
         self.gate, self.share, self.share_index, self.label = gate, share, share_index, label
         self.waited_s = waited_s
@@ -325,6 +328,8 @@ class Slot:
             out["share_slot"] = self.share_index
         if self.note.get("shared_since"):
             out["shared_since"] = self.note["shared_since"]
+        if self.why:
+            out["alone_because"] = self.why
         return out
 
     def others_now(self):
@@ -433,11 +438,12 @@ def _try_shared(directory, pool):
     return None
 
 
-def acquire(pool, directory=None, label="", poll_s=0.1, log_every_s=60.0, log=_log, mode=None):
+def acquire(pool, directory=None, label="", poll_s=0.1, log_every_s=60.0, log=_log, mode=None, why=None):
     """Lock a GPU of `pool` and return its Slot; wait while none can be had. `mode` EXCLUSIVE (the default): the
     first GPU of the pool that nobody holds, else the first that only sharers hold, once they are done; SHARED:
     a GPU no exclusive job holds or waits for, with fewer than SHARED_PER_GPU sharers. The lock lives as long as
-    the returned Slot's files are open (at most as long as the process)."""
+    the returned Slot's files are open (at most as long as the process). `why`: the reason a job of a sharing step
+    takes it EXCLUSIVE, recorded with the lock."""
     mode = mode or EXCLUSIVE
     if mode not in MODES:
         raise GpuError(f"GPU lock mode {mode!r}: expected one of {MODES}")
@@ -452,7 +458,8 @@ def acquire(pool, directory=None, label="", poll_s=0.1, log_every_s=60.0, log=_l
         if got is not None:
             if mode == EXCLUSIVE:
                 gpu, fd, gate = got
-                slot = Slot(gpu, directory, mode, fd, gate=gate, label=label, waited_s=time.monotonic() - t0)
+                slot = Slot(gpu, directory, mode, fd, gate=gate, label=label, waited_s=time.monotonic() - t0,
+                            why=why)
             else:
                 gpu, fd, share, k = got
                 slot = Slot(gpu, directory, mode, fd, share=share, share_index=k, label=label,
@@ -482,6 +489,31 @@ def _describe_holders(directory, pool, pending):
     return f"all {len(pool)} of the pool are held ({'; '.join(parts)})"
 
 
+def memory_alone(preflight_path):
+    """Why a job that times nothing holds its GPU alone for the memory its row takes, or None: its row's preflight
+    (a result file) has a model that does not fit in one pass, or one whose estimated peak is above a sharer's part
+    of the GPU (its memory / SHARED_PER_GPU): its memory plan takes what the GPU has free, and a job beside it would
+    run out. None where the preflight is not a CUDA one or cannot be read (the job itself then says so)."""
+    try:
+        preflight = json.loads(Path(preflight_path).read_text())
+    except (OSError, TypeError, ValueError):
+        return None
+    total = preflight.get("total_bytes") if isinstance(preflight, dict) else None
+    if preflight.get("device") != "cuda" or not isinstance(total, (int, float)) or total <= 0:
+        return None
+    part = total / SHARED_PER_GPU
+    for name, model in sorted((preflight.get("models") or {}).items()):
+        if not isinstance(model, dict):
+            continue
+        if model.get("fits") is False:
+            return f"its row's {name} model does not fit in one pass (preflight {preflight_path})"
+        estimate = model.get("estimate_bytes")
+        if isinstance(estimate, (int, float)) and estimate > part:
+            return (f"its row's {name} model may take {estimate / 1e9:.1f} GB, above a sharer's part of the GPU "
+                    f"({total / 1e9:.1f} GB / {SHARED_PER_GPU}; preflight {preflight_path})")
+    return None
+
+
 def _cuda_available():
     import torch
 
@@ -503,11 +535,12 @@ def job_mode(step, environ=None):
 
 
 def enter_job(device, needs_gpu=True, environ=None, cuda_available=None, directory=None, label="",
-              on_slot=None, mode=None):
+              on_slot=None, mode=None, why=None):
     """Give this job process its GPU before anything imports torch; return the device it runs on
     (`auto` resolved). Sets CUDA_VISIBLE_DEVICES, SHAPEWISE_PIPELINE_GPU_SLOT and ..._SLOT_SOURCE in
     `environ` (os.environ). `needs_gpu` False: a job that declares no GPU (gpu=0) takes no slot. `mode`: the
-    lock's mode (EXCLUSIVE, the default, or SHARED; see job_mode).
+    lock's mode (EXCLUSIVE, the default, or SHARED; see job_mode); `why`: why a job of a sharing step takes it
+    EXCLUSIVE (recorded with the lock).
     `on_slot()` runs once those are set and before `auto` is resolved (which imports torch): the place to pin
     the job's CPU cores (shapewise.cpus.pin_job)."""
     env = os.environ if environ is None else environ
@@ -520,13 +553,13 @@ def enter_job(device, needs_gpu=True, environ=None, cuda_available=None, directo
         elif POOL_VAR in env:  # a pipeline run on this machine published its pool
             pool = resolve_pool(env[POOL_VAR].split(","), env) if env[POOL_VAR] else []
             if pool:
-                slot, source = acquire(pool, directory, label, mode=mode), "lock"
+                slot, source = acquire(pool, directory, label, mode=mode, why=why), "lock"
         elif env.get("CUDA_VISIBLE_DEVICES"):  # a job run by hand on the GPU(s) the user chose
             source = "user"
         else:  # a job run by hand: take a slot of every GPU here
             pool = resolve_pool("all", env)
             if pool:
-                slot, source = acquire(pool, directory, label, mode=mode), "lock"
+                slot, source = acquire(pool, directory, label, mode=mode, why=why), "lock"
     if slot is not None:
         env["CUDA_VISIBLE_DEVICES"] = slot.gpu["token"]
         env[SLOT_VAR] = slot.gpu["index"]

@@ -48,9 +48,37 @@ def _resampled_medians(rounds, draws):
     lengths = {len(r) for r in rounds}
     if len(lengths) == 1:
         table = np.asarray(rounds, dtype=float)  # (rounds, calls)
-        return np.median(table[draws].reshape(draws.shape[0], -1), axis=1)
+        if np.isnan(table).any():
+            return np.median(table[draws].reshape(draws.shape[0], -1), axis=1)
+        return _pooled_medians(table, draws)
     arrays = [np.asarray(r, dtype=float) for r in rounds]
     return np.array([np.median(np.concatenate([arrays[i] for i in row])) for row in draws])
+
+
+def _pooled_medians(table, draws):
+    """np.median of each resample's pooled calls (table[draws[i]] flattened), bit for bit, without building them.
+
+    A resample's median lies between the lowest lower-middle and the highest upper-middle call of the rounds
+    (each drawn round has more than half its calls on either side of its own middle): only calls in that window
+    are ranked, each weighted by how often its round was drawn, the calls below it counted per round. The
+    stopping rule asks this after every round: np.median of the pooled copies took ~4x the time."""
+    n_rounds, calls = table.shape
+    resamples, drawn = draws.shape
+    pooled = drawn * calls
+    middle = ((pooled - 1) // 2, pooled // 2)
+    ranked = np.sort(table, axis=1)
+    low, high = ranked[:, (calls - 1) // 2].min(), ranked[:, calls // 2].max()
+    counts = np.bincount((draws + n_rounds * np.arange(resamples)[:, None]).ravel(),
+                         minlength=resamples * n_rounds).reshape(resamples, n_rounds)
+    below = counts @ (table < low).sum(axis=1)  # each resample's calls under the window
+    rows, cols = np.nonzero((table >= low) & (table <= high))
+    order = np.argsort(table[rows, cols], kind="stable")
+    values, rounds_of = table[rows, cols][order], rows[order]
+    ranks = below[:, None] + np.cumsum(counts[:, rounds_of], axis=1)  # calls up to each window value
+    picked = [values[(ranks <= k).sum(axis=1)] for k in middle]
+    if middle[0] == middle[1]:
+        return picked[0]
+    return np.mean(np.stack(picked, axis=1), axis=1)  # as np.median takes the mean of the middle two
 
 
 def _interval(samples):
