@@ -591,3 +591,23 @@ def test_core_pick_is_checked_and_needs_a_gpu():
         timing.run_rounds(calls, torch.device("cpu"), "stable", dict(stable, core_pick="fastest-launch"))
     schema = yaml.safe_load(Path(paths.CONFIG_SCHEMA).read_text())
     assert tuple(schema["definitions"]["stable_protocol"]["properties"]["core_pick"]["enum"]) == jobs_device.CORE_PICKS
+
+
+@pytest.mark.parametrize("gc_off", [True, False])
+def test_stable_rounds_run_with_the_collector_off_and_the_jobs_objects_frozen(gc_off):
+    """gc_off: each round runs with the collector disabled and what the job held before the first round frozen (a
+    collection walks only what came since); afterwards the collector is on and nothing stays frozen."""
+    import gc
+
+    from shapewise.jobs import timing
+
+    seen = []
+
+    def call():
+        seen.append((gc.isenabled(), gc.get_freeze_count() > 0))
+
+    stable = {"warmup": 0, "calls": 2, "min_rounds": 2, "max_rounds": 3, "ci_half_width": 0.5, "gc_off": gc_off,
+              "cpus": "inherit"}
+    timing.run_rounds({"optimized": call}, torch.device("cpu"), "stable", stable)
+    assert seen and set(seen) == ({(False, True)} if gc_off else {(True, False)})
+    assert gc.isenabled() and gc.get_freeze_count() == 0

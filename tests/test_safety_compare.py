@@ -127,7 +127,7 @@ def test_cli_compare_exit_codes(tmp_path, capsys):
 
 def test_committed_reports_compare_with_themselves():
     root = Path(__file__).resolve().parent.parent / "reports"
-    for name in ("h200", "h200-contract"):
+    for name in ("h200", "h200-contract", "h200-candidates"):
         assert run_compare(root / name, root / name)[0] == 0
 
 

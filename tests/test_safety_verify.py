@@ -135,7 +135,7 @@ def test_writing_a_record_refuses_paths_outside(report_dir, tmp_path):
         provenance.write(report_dir, ["shapes/s.yaml"], [str(report_dir / "summary.csv")], root=tmp_path)
 
 
-@pytest.mark.parametrize("name", ["h200", "h200-contract"])
+@pytest.mark.parametrize("name", ["h200", "h200-contract", "h200-candidates"])
 def test_committed_reports_still_verify(name):
     """provenance.json's SHA-256 covers every result; a result that carries a content digest (those that do not
     predate it) carries the right one."""
