@@ -1,0 +1,106 @@
+"""Where the host's time per call of a captured route goes: the forward's own checks, the weight check, the replay of
+the CUDA graph and the copy of its output, each timed alone.
+
+Usage (CUDA machine): python -m benchmarks.host_parts [OUT.json] [--rows 1,9,12] [--calls 50] [--repeats 20]
+
+Per official row whose route is captured (graph, fused, hopper), after 20 calls that compile and capture (the caller's
+x and mask at fixed addresses, so the graph that reads them in place is the one replayed, as in the timing job):
+`repeats` batches of `calls` back-to-back calls of each part, each batch started right after a synchronize (the
+launch queue never fills), the host's wall time per call, median over batches:
+- `call`: model(x, mask), the whole call;
+- `before_runner`: model(x, mask) with the route's runner replaced by one that returns x (input checks, the memory
+  plan's lookup, the weight check, the route's lookup);
+- `weight_check`: the weight check alone (DerivedWeights.refresh: every parameter's address and version);
+- `runner`: the captured runner alone (the addresses check, the replay, the output's copy);
+- `replay`: CUDAGraph.replay() of the graph that reads the inputs in place;
+- `copy_out`: the clone of the graph's output buffer.
+`gpu_us`: the GPU's time per call of the whole call in the same batches (CUDA events), as benchmarks.host_path
+measures it.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from benchmarks.common import CUDA, device_name, official, parser, require_cuda, row_numbers, setup, write_json
+
+
+def host_us(fn, calls, repeats, gpu=None):
+    """Median over batches of the host's µs per call of `fn` (and the GPU's, into `gpu`, when a list is given)."""
+    host = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        end.record()
+        torch.cuda.synchronize()
+        host.append((t1 - t0) / calls * 1e6)
+        if gpu is not None:
+            gpu.append(start.elapsed_time(end) / calls * 1e3)
+    return round(statistics.median(host), 2)
+
+
+class _ReturnsInput:
+    """A runner that does no work: what remains of a call is the forward's own path before the runner."""
+
+    uses_weights = True
+
+    def __init__(self, route):
+        self.route = route
+
+    def __call__(self, model, x, mask):
+        return x
+
+
+def parts(shape_row, calls, repeats):
+    _, _, model, x, mask = setup(shape_row, CUDA, reference=False)
+    out = {"row": shape_row["id"], "calls": calls, "repeats": repeats}
+    with torch.inference_mode():
+        for _ in range(20):
+            model(x, mask)
+        out["route"] = str(model.last_route)
+        key = (x.shape, x.dtype, x.device, mask is None)
+        runner = model._paths[key]
+        direct = getattr(runner, "direct", None)
+        gpu = []
+        out["call"] = host_us(lambda: model(x, mask), calls, repeats, gpu)
+        out["gpu_us"] = round(statistics.median(gpu), 2)
+        model._paths[key] = _ReturnsInput(runner.route)
+        try:
+            out["before_runner"] = host_us(lambda: model(x, mask), calls, repeats)
+        finally:
+            model._paths[key] = runner
+        out["weight_check"] = host_us(lambda: model._weights.refresh(model), calls, repeats)
+        out["runner"] = host_us(lambda: runner(model, x, mask), calls, repeats)
+        if direct is not None:
+            graph, _, static_out = direct
+            out["replay"] = host_us(graph.replay, calls, repeats)
+            out["copy_out"] = host_us(static_out.clone, calls, repeats)
+    return out
+
+
+def main():
+    p = parser(__doc__, "host-parts.json")
+    p.add_argument("--rows", default="1,9,12", help="official rows (captured routes)")
+    p.add_argument("--calls", type=int, default=50, help="calls per batch")
+    p.add_argument("--repeats", type=int, default=20, help="batches per part")
+    args = p.parse_args()
+    require_cuda()
+    result = {"device": device_name(CUDA), "torch": torch.__version__, "rows": {}}
+    for n in row_numbers(args.rows):
+        rec = parts(official(n), args.calls, args.repeats)
+        result["rows"][n] = rec
+        print(f"official row {n}: " + ", ".join(f"{k} {rec[k]} us" for k in
+                                                ("call", "gpu_us", "before_runner", "weight_check", "runner",
+                                                 "replay", "copy_out") if k in rec) + f"; {rec['route']}", flush=True)
+        write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
