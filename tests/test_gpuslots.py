@@ -417,6 +417,8 @@ def test_no_memory_verdict_without_a_cuda_preflight(tmp_path):
     (tmp_path / "cpu.json").write_text(json.dumps({"device": "cpu", "total_bytes": 1e9,
                                                    "models": {"reference": {"fits": False}}}))
     assert gpuslots.memory_alone(tmp_path / "cpu.json") is None
+    (tmp_path / "list.json").write_text("[1, 2]")
+    assert gpuslots.memory_alone(tmp_path / "list.json") is None
 
 
 def test_a_sharing_job_of_a_heavy_row_takes_its_gpu_alone_and_says_why(tmp_path):

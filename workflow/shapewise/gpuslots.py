@@ -498,7 +498,9 @@ def memory_alone(preflight_path):
         preflight = json.loads(Path(preflight_path).read_text())
     except (OSError, TypeError, ValueError):
         return None
-    total = preflight.get("total_bytes") if isinstance(preflight, dict) else None
+    if not isinstance(preflight, dict):
+        return None
+    total = preflight.get("total_bytes")
     if preflight.get("device") != "cuda" or not isinstance(total, (int, float)) or total <= 0:
         return None
     part = total / SHARED_PER_GPU

@@ -8,8 +8,8 @@ by its own pair of CUDA events (so p90 is a per-call figure); on a CPU by time.p
 
 - "official": exactly `rounds` rounds, nothing else touched (the official harness's protocol).
 - "stable": Python's garbage collector collected before each round and disabled during it (what the job held
-  before the first round frozen, gc.freeze, so that each collection walks only the objects made since); the job optionally
-  pinned to CPU cores (`cpus`); rounds continue from `min_rounds` until the bootstrap interval of the speedup
+  before the first round frozen, gc.freeze, so that each collection walks only the objects made since); the job
+  optionally pinned to CPU cores (`cpus`); rounds continue from `min_rounds` until the bootstrap interval of the speedup
   (or, with one model, of each model's median) is within +-`ci_half_width`, at most `max_rounds`. With
   `core_pick: fastest-launch` (GPU only) the launching thread is pinned before every round to the core of its
   allowed set on which a tiny kernel launch costs least at that moment (shapewise.jobs.device.pick_core): on a
