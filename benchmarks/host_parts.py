@@ -19,31 +19,15 @@ measures it.
 """
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 from benchmarks.common import CUDA, device_name, official, parser, require_cuda, row_numbers, setup, write_json
+from benchmarks.host_path import per_call_us
 
 
-def host_us(fn, calls, repeats, gpu=None):
-    """Median over batches of the host's µs per call of `fn` (and the GPU's, into `gpu`, when a list is given)."""
-    host = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start.record()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t1 = time.perf_counter()
-        end.record()
-        torch.cuda.synchronize()
-        host.append((t1 - t0) / calls * 1e6)
-        if gpu is not None:
-            gpu.append(start.elapsed_time(end) / calls * 1e3)
-    return round(statistics.median(host), 2)
+def host_us(fn, calls, repeats):
+    """The host's µs per call of `fn` (benchmarks.host_path.per_call_us), rounded."""
+    return round(per_call_us(fn, calls, repeats)[0], 2)
 
 
 class _ReturnsInput:
@@ -68,9 +52,8 @@ def parts(shape_row, calls, repeats):
         key = (x.shape, x.dtype, x.device, mask is None)
         runner = model._paths[key]
         direct = getattr(runner, "direct", None)
-        gpu = []
-        out["call"] = host_us(lambda: model(x, mask), calls, repeats, gpu)
-        out["gpu_us"] = round(statistics.median(gpu), 2)
+        call, gpu = per_call_us(lambda: model(x, mask), calls, repeats)
+        out["call"], out["gpu_us"] = round(call, 2), round(gpu, 2)
         model._paths[key] = _ReturnsInput(runner.route)
         try:
             out["before_runner"] = host_us(lambda: model(x, mask), calls, repeats)

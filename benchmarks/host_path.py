@@ -20,27 +20,34 @@ import torch
 from benchmarks.common import CUDA, device_name, official, parser, require_cuda, row_numbers, setup, write_json
 
 
+def per_call_us(fn, calls, repeats):
+    """(host µs, GPU µs) per call of `fn`, medians over `repeats` batches of `calls` back-to-back calls, each batch
+    started right after a synchronize: the host's wall time until the last call returns, the GPU's between a CUDA
+    event pair around the same calls."""
+    host, gpu = [], []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        end.record()
+        torch.cuda.synchronize()
+        host.append((t1 - t0) / calls * 1e6)
+        gpu.append(start.elapsed_time(end) / calls * 1e3)
+    return statistics.median(host), statistics.median(gpu)
+
+
 def host_and_gpu_us(shape_row, calls, repeats):
     _, _, model, x, mask = setup(shape_row, CUDA, reference=False)
     out = {"row": shape_row["id"], "calls": calls, "repeats": repeats}
-    host, gpu = [], []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.inference_mode():
         for _ in range(20):
             model(x, mask)
         out["route"] = str(model.last_route)
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            start.record()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                model(x, mask)
-            t1 = time.perf_counter()
-            end.record()
-            torch.cuda.synchronize()
-            host.append((t1 - t0) / calls * 1e6)
-            gpu.append(start.elapsed_time(end) / calls * 1e3)
-    out.update(host_us=statistics.median(host), gpu_us=statistics.median(gpu))
+        out["host_us"], out["gpu_us"] = per_call_us(lambda: model(x, mask), calls, repeats)
     out["host_bound"] = out["host_us"] > out["gpu_us"]
     return out
 

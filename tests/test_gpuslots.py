@@ -373,17 +373,21 @@ def test_cpu_jobs_take_no_slot(tmp_path):
     assert device == "cuda" and not gpuslots._HELD
 
 
+def _job_on_one_fake_gpu(tmp_path, step, *args):
+    """`shapewise job STEP --device cuda ARGS` started on a fake 1-GPU pipeline pool, its output read line by line."""
+    return subprocess.Popen([sys.executable, "-m", "shapewise", "job", step, "--device", "cuda", *args],
+                            env=_env(**{gpuslots.FAKE_VAR: "1", gpuslots.POOL_VAR: "0"}),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+
+
 def test_cli_job_takes_its_slot_before_torch(tmp_path):
     """`shapewise job` on a fake 1-GPU pool whose GPU is held: the job waits, before importing torch."""
     pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
     lock_dir = gpuslots.lock_dir()
     held = gpuslots.acquire(pool, lock_dir)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "shapewise", "job", "fingerprint", "--kind", "environment",
-                                 "--device", "cuda", "--dag-digest", "x", "--root", str(ROOT),
-                                 "--out", str(tmp_path / "fp.json")],
-                                env=_env(**{gpuslots.FAKE_VAR: "1", gpuslots.POOL_VAR: "0"}),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+        proc = _job_on_one_fake_gpu(tmp_path, "fingerprint", "--kind", "environment", "--dag-digest", "x",
+                                    "--root", str(ROOT), "--out", str(tmp_path / "fp.json"))
         try:
             line = proc.stdout.readline()
             assert "waiting for a free GPU" in line, line
@@ -428,11 +432,8 @@ def test_a_sharing_job_of_a_heavy_row_takes_its_gpu_alone_and_says_why(tmp_path)
     preflight = _preflight(tmp_path / "preflight.json", reference={"fits": False, "estimate_bytes": 1e14})
     sharer = gpuslots.acquire(pool, gpuslots.lock_dir(), mode=gpuslots.SHARED)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "shapewise", "job", "accuracy", "--device", "cuda",
-                                 "--row", "{}", "--preflight", str(preflight), "--chunked", "{}",
-                                 "--out", str(tmp_path / "acc.json")],
-                                env=_env(**{gpuslots.FAKE_VAR: "1", gpuslots.POOL_VAR: "0"}),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+        proc = _job_on_one_fake_gpu(tmp_path, "accuracy", "--row", "{}", "--preflight", str(preflight),
+                                    "--chunked", "{}", "--out", str(tmp_path / "acc.json"))
         try:
             first, second = proc.stdout.readline(), proc.stdout.readline()
             assert "holds its GPU alone" in first and "does not fit in one pass" in first, first

@@ -121,14 +121,14 @@ def run_rounds(calls, device, name, protocol, tag=""):
                          f"job runs on {device.type}")
     cores = sorted(os.sched_getaffinity(0)) if picking else None  # the thread's cores, given back after the rounds
     picks = []
-    freeze = stable and protocol["gc_off"]
-    if freeze:  # what the job holds now (modules, models, inputs) is never garbage: each round's collection
+    gc_off = stable and protocol["gc_off"]
+    if gc_off:  # what the job holds now (modules, models, inputs) is never garbage: each round's collection
         gc.collect()  # then walks only what came since, not the ~200 k objects of torch and Triton (~75 ms)
         gc.freeze()
     for r in range(limit):
         if picking:
             picks.append(pick_core(cores, lambda core: launch_cost_us(device)))
-        if stable and protocol["gc_off"]:
+        if gc_off:
             gc.collect()
             gc.disable()
         try:
@@ -139,7 +139,7 @@ def run_rounds(calls, device, name, protocol, tag=""):
                 if peak is not None:
                     peaks_seen[which] = max(peaks_seen[which] or 0, peak)
         finally:
-            if stable and protocol["gc_off"]:
+            if gc_off:
                 gc.enable()
         if stable and r + 1 >= protocol["min_rounds"]:
             width = stats.settled_width(rounds)
@@ -153,7 +153,7 @@ def run_rounds(calls, device, name, protocol, tag=""):
     else:
         if stable:
             reason = "cap"
-    if freeze:
+    if gc_off:
         gc.unfreeze()
     if picking:
         os.sched_setaffinity(0, cores)
