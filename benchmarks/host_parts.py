@@ -21,25 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.common import CUDA, device_name, official, parser, require_cuda, row_numbers, setup, write_json
+from benchmarks.common import (CUDA, ReturnsInput, device_name, official, parser, require_cuda, row_numbers, setup,
+                               write_json)
 from benchmarks.host_path import per_call_us
 
 
 def host_us(fn, calls, repeats):
     """The host's µs per call of `fn` (benchmarks.host_path.per_call_us), rounded."""
     return round(per_call_us(fn, calls, repeats)[0], 2)
-
-
-class _ReturnsInput:
-    """A runner that does no work: what remains of a call is the forward's own path before the runner."""
-
-    uses_weights = True
-
-    def __init__(self, route):
-        self.route = route
-
-    def __call__(self, model, x, mask):
-        return x
 
 
 def parts(shape_row, calls, repeats):
@@ -54,7 +43,7 @@ def parts(shape_row, calls, repeats):
         direct = getattr(runner, "direct", None)
         call, gpu = per_call_us(lambda: model(x, mask), calls, repeats)
         out["call"], out["gpu_us"] = round(call, 2), round(gpu, 2)
-        model._paths[key] = _ReturnsInput(runner.route)
+        model._paths[key] = ReturnsInput(runner.route)
         try:
             out["before_runner"] = host_us(lambda: model(x, mask), calls, repeats)
         finally:

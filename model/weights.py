@@ -1,12 +1,13 @@
 """The optimized model's derived weights: operand-precision copies of its parameters, in each route's layout.
 
 A table (one per operand precision and layout) is built on a route's first use, held as plain tensors (never
-registered) and refreshed in place when a parameter's version counter or storage address moves, so that captured
-CUDA graphs keep reading the same buffers. Seen: in-place edits (`p.copy_`, `p.mul_` under no_grad), `p.data = t`,
-writes through `p.data` (`p.data.copy_(t)`: see WatchedParameter), `load_state_dict` (also with assign=True) and
-`.to()`. Not seen, and so `refresh_weights()` after them: a write through a `p.data` tensor taken before the
-previous forward, and in-place edits of parameters that are inference tensors (created under
-torch.inference_mode: they carry no version counter).
+registered) and refreshed in place when a parameter's version counter moves (or, for a parameter that is not
+watched, its storage address), so that captured CUDA graphs keep reading the same buffers. Seen: in-place edits
+(`p.copy_`, `p.mul_` under no_grad), `p.data = t`, writes through `p.data` (`p.data.copy_(t)`: see
+WatchedParameter), `load_state_dict` (also with assign=True) and `.to()`. Not seen, and so `refresh_weights()`
+after them: a write through a `p.data` tensor taken before the previous forward, `torch.utils.swap_tensors` on a
+parameter, and in-place edits of parameters that are inference tensors (created under torch.inference_mode: they
+carry no version counter).
 
 The fp16 screen: for inputs that are not float16, a route's fp16 operands rest on every parameter lying within
 FP16_SAFE_ABS; `DerivedWeights.fp16_offender` measures that once per weight version.
@@ -35,13 +36,14 @@ _tensor_data = torch._C.TensorBase.data  # the descriptor WatchedParameter wraps
 
 
 class WatchedParameter(nn.Parameter):
-    """A parameter whose `.data`, once handed out, counts as written. PyTorch gives `p.data` a version counter of its
-    own, so a write through it (`p.data.copy_(w)`) leaves `p._version` where it was, and derived weights keyed on it
-    would stay stale; reading `.data` bumps `p._version` instead (torch.autograd.graph.increment_version, PyTorch's
-    way to report a write it cannot see). Costs: a read that writes nothing rebuilds the derived weights once at the
-    next forward, and, as after any in-place write, a backward pass through a graph that saved `p` before the read
-    refuses to run. Nothing else differs from nn.Parameter; the forward's per-call path reads no more than before.
-    The model's parameters take this class once it derives weights from them (DerivedWeights.table)."""
+    """A parameter whose `.data`, once handed out or replaced, counts as written. PyTorch gives `p.data` a version
+    counter of its own, so a write through it (`p.data.copy_(w)`) leaves `p._version` where it was, and derived
+    weights keyed on it would stay stale; reading `.data` bumps `p._version` instead
+    (torch.autograd.graph.increment_version, PyTorch's way to report a write it cannot see), and so does `p.data = t`
+    (it swaps the storage and keeps the counter), so that the version counter alone tells every seen edit. Costs: a
+    read that writes nothing rebuilds the derived weights once at the next forward, and, as after any in-place write,
+    a backward pass through a graph that saved `p` before the read refuses to run. Nothing else differs from
+    nn.Parameter. The model's parameters take this class once it derives weights from them (DerivedWeights.table)."""
 
     @property
     def data(self):
@@ -51,6 +53,7 @@ class WatchedParameter(nn.Parameter):
     @data.setter
     def data(self, value):
         _tensor_data.__set__(self, value)
+        torch.autograd.graph.increment_version(self)
 
     def __repr__(self):
         return repr(nn.Parameter(self.detach(), self.requires_grad))
@@ -93,12 +96,14 @@ class DerivedWeights:
     Holds no reference to the model (each method takes it), so that dropping the model frees its tables at once.
     """
 
-    __slots__ = ("params", "inference", "versions", "tables", "screen")
+    __slots__ = ("params", "inference", "aliases", "unwatched", "versions", "tables", "screen")
 
     def __init__(self):
         self.params = None  # the parameters, listed once: the module tree is too slow to walk on every call
         self.inference = False  # some parameter is an inference tensor: only addresses count
-        self.versions = None  # the parameters' (addresses, versions) the tables were derived from
+        self.aliases = ()  # a plain tensor per watched parameter, sharing its version counter (see `now`)
+        self.unwatched = ()  # the parameters that are no WatchedParameter: their addresses count too
+        self.versions = None  # the weights' identity (`now`) the tables were derived from
         self.tables = {}  # (precision, layout) -> {name: tensor}
         self.screen = None  # the last fp16 screen: (versions, offender); None: no route asked for one
 
@@ -107,17 +112,30 @@ class DerivedWeights:
         self.params = None
 
     def now(self, model):
-        """Cheap identity of the weights: each parameter's storage address and version counter."""
-        params = self.params
-        if params is None:
-            params = self.params = list(model.parameters())
-            self.inference = any(p.is_inference() for p in params)
-            if self.tables:
-                _watch(params)
-        ptrs = tuple(map(torch.Tensor.data_ptr, params))
+        """Cheap identity of the weights: each parameter's version counter, and the storage address of each one that
+        is not watched (a WatchedParameter's storage swap bumps its counter). The counters are read through aliases,
+        plain tensors that share them, since a Parameter subclass's attributes take ~3x as long to read: on the
+        launch-bound rows this check is the forward's largest host cost (docs/decisions.md#weight-check)."""
+        if self.params is None:
+            self._list(model)
         if self.inference:
-            return ptrs
-        return ptrs, tuple(map(_version_of, params))
+            return tuple(map(torch.Tensor.data_ptr, self.params))
+        unwatched = self.unwatched
+        return (tuple(map(_version_of, self.aliases)), tuple(map(torch.Tensor.data_ptr, unwatched)),
+                tuple(map(_version_of, unwatched)))
+
+    def _list(self, model) -> None:
+        self.params = list(model.parameters())
+        self.inference = any(p.is_inference() for p in self.params)
+        if self.tables:
+            _watch(self.params)
+        self._alias()
+
+    def _alias(self) -> None:
+        """Aliases of the watched parameters' current storages, taken again after each edit (none holds a replaced
+        storage); the other parameters are read themselves."""
+        self.aliases = tuple(p.detach() for p in self.params if isinstance(p, WatchedParameter))
+        self.unwatched = tuple(p for p in self.params if not isinstance(p, WatchedParameter))
 
     def refresh(self, model) -> bool:
         """Derive every table again, in place, when the weights moved since they were derived; measure the fp16
@@ -126,6 +144,7 @@ class DerivedWeights:
         versions = self.now(model)
         if versions == self.versions:
             return False
+        self._alias()
         with torch.inference_mode(False), torch.no_grad():
             for (precision, layout), table in self.tables.items():
                 for name, fresh in layout(model, OPERAND_DTYPES[precision]).items():
@@ -144,13 +163,24 @@ class DerivedWeights:
         key = (precision, layout)
         table = self.tables.get(key)
         if table is None:
-            self.now(model)
+            if not self.tables:
+                self._start_watching(model)
             with torch.inference_mode(False), torch.no_grad():
                 table = {k: v.contiguous().clone() for k, v in layout(model, OPERAND_DTYPES[precision]).items()}
-            if not self.tables:
-                _watch(self.params)
             self.tables[key] = table
         return table
+
+    def _start_watching(self, model) -> None:
+        """Make the parameters WatchedParameters (the first table's build). The identity's form changes (watched
+        parameters' addresses leave it), not the weights it names: the readings taken before carry over."""
+        before = self.now(model)
+        _watch(self.params)
+        self._alias()
+        after = self.now(model)
+        if self.versions == before:
+            self.versions = after
+        if self.screen is not None and self.screen[0] == before:
+            self.screen = (after, self.screen[1])
 
     def fp16_offender(self, model, versions=None):
         """((name, max |value|) of the parameter furthest beyond FP16_SAFE_ABS, or None when all lie within it;

@@ -15,6 +15,7 @@ from model_helpers import (
     make_inputs,
 )
 from shapewise.model import BaselineTransformer, UserOptimizedTransformer
+from shapewise.model.weights import WatchedParameter
 
 
 def expected_param_names(L):
@@ -98,6 +99,27 @@ def test_parameter_data_swap_after_first_forward(route):
         fresh = BaselineTransformer(cfg).eval()
         fresh.load_state_dict(opt.state_dict(), strict=True)
         check_official(fresh(x), opt(x), f"route={route} after param.data swap")
+    held = opt._weights  # the weight check's aliases follow the parameters' storages: none holds a replaced one
+    watched = [p.data_ptr() for p in opt.parameters() if isinstance(p, WatchedParameter)]
+    assert [a.data_ptr() for a in held.aliases] == (watched if held.params else [])
+
+
+@pytest.mark.parametrize("route", CPU_ROUTES)
+def test_swap_tensors_then_refresh_weights(route):
+    """`torch.utils.swap_tensors` on a parameter is an edit the weight check does not see (model/weights.py says
+    so): after `refresh_weights()` the forward runs the swapped-in weights."""
+    cfg = cfg_of(CFG_SEQ7)
+    ref, opt = build_pair(cfg, route)
+    x, _ = make_inputs(cfg, "none")
+    with torch.no_grad():
+        opt(x)
+        torch.manual_seed(7)
+        p = opt.layers[-1].ffn_in.weight
+        torch.utils.swap_tensors(p, torch.nn.Parameter(torch.randn_like(p) * 0.2))
+        opt.refresh_weights()
+        fresh = BaselineTransformer(cfg).eval()
+        fresh.load_state_dict(opt.state_dict(), strict=True)
+        check_official(fresh(x), opt(x), f"route={route} after swap_tensors and refresh_weights")
 
 
 @pytest.mark.parametrize("route", CPU_ROUTES)
