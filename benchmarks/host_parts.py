@@ -13,7 +13,8 @@ launch queue never fills), the host's wall time per call, median over batches:
 - `weight_check`: the weight check alone (DerivedWeights.refresh: every parameter's address and version);
 - `runner`: the captured runner alone (the addresses check, the replay, the output's copy);
 - `replay`: CUDAGraph.replay() of the graph that reads the inputs in place;
-- `copy_out`: the clone of the graph's output buffer.
+- `copy_out`: the clone of the graph's output buffer;
+- `eager`: the route's runner without its graph (its launches and its output's allocation, as `cuda_graph` off runs it).
 `gpu_us`: the GPU's time per call of the whole call in the same batches (CUDA events), as benchmarks.host_path
 measures it.
 """
@@ -54,6 +55,7 @@ def parts(shape_row, calls, repeats):
             graph, _, static_out = direct
             out["replay"] = host_us(graph.replay, calls, repeats)
             out["copy_out"] = host_us(static_out.clone, calls, repeats)
+            out["eager"] = host_us(lambda: runner.inner(model, x, mask), calls, repeats)
     return out
 
 
@@ -68,9 +70,9 @@ def main():
     for n in row_numbers(args.rows):
         rec = parts(official(n), args.calls, args.repeats)
         result["rows"][n] = rec
-        print(f"official row {n}: " + ", ".join(f"{k} {rec[k]} us" for k in
-                                                ("call", "gpu_us", "before_runner", "weight_check", "runner",
-                                                 "replay", "copy_out") if k in rec) + f"; {rec['route']}", flush=True)
+        parts_us = ("call", "gpu_us", "before_runner", "weight_check", "runner", "replay", "copy_out", "eager")
+        print(f"official row {n}: " + ", ".join(f"{k} {rec[k]} us" for k in parts_us if k in rec)
+              + f"; {rec['route']}", flush=True)
         write_json(args.out, result)
 
 
