@@ -1,0 +1,363 @@
+"""kernels/attention_hopper.py: its limits and launch checks (CPU), its sm_90a build at every launch the launcher
+and the row-14 sweep use (offline, no GPU: a cubin, no register spills, no serialized wgmma, shared memory within
+the H200's 227 KB), and on a Hopper GPU the kernel against an fp64 attention on odd shapes, q, k, v packed as
+the model passes them, contiguous, or with heads not D apart (copied by the launcher)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from shapewise.kernels import attention_hopper as ah
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA = torch.cuda.is_available()
+ON_HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
+needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+needs_gluon = pytest.mark.skipif(ah.gluon is None, reason="this Triton has no Gluon")
+
+# output dtype -> (atol, rtol), the project's rule (|diff| <= atol or <= rtol |expected|), as tests/test_attention.py
+# keys fp16: fp16 operands and probabilities round to 11 bits (~5e-4 relative each), the output too
+TOL = {torch.float16: (4e-3, 4e-3)}
+
+# launches beside the defaults that the row-14 sweep times: three consumers at 64 keys a slot, ping-pong off, two
+# and four slots (compiled offline with the defaults, run on the GPU against fp64)
+VARIANTS = [dict(CONSUMERS=3, BLOCK_N=64, STAGES=4), dict(PINGPONG=False), dict(STAGES=2), dict(STAGES=4),
+            dict(BLOCK_N=64)]
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: limits and launch checks
+# ----------------------------------------------------------------------------------------------
+@needs_gluon
+@pytest.mark.parametrize("args, words", [
+    ((32, torch.float16), "head_dim in"),
+    ((256, torch.float16), "head_dim in"),
+    ((64, torch.bfloat16), "fp16"),
+    ((64, torch.float32), "fp16"),
+    ((64, torch.float16, "cpu"), "CUDA device"),
+])
+def test_limits_are_named(args, words):
+    why = ah.why_unsupported(*args)
+    assert why is not None and words in why, why
+
+
+@needs_gluon
+@pytest.mark.parametrize("head_dim", ah.HEAD_DIMS)
+def test_the_defaults_fit_shared_memory(head_dim):
+    assert ah.why_unsupported(head_dim) is None
+    cfg = ah.check_config(head_dim, None)
+    assert ah.shared_bytes(head_dim, cfg) <= ah.SMEM_BYTES
+    opts = ah.kernel_options(cfg)
+    # the partitions' registers (setmaxnreg) add up to at most the CTA's share of the SM's registers
+    total = ah.CONSUMER_REGISTERS[cfg["CONSUMERS"]] * cfg["CONSUMERS"] + ah.PRODUCER_REGISTERS
+    assert total <= opts["maxnreg"] * (cfg["CONSUMERS"] + 1)
+
+
+@needs_gluon
+@pytest.mark.parametrize("cfg, words", [
+    (dict(BLOCK_M=32), "BLOCK_M"), (dict(BLOCK_N=256), "BLOCK_N"), (dict(CONSUMERS=4), "CONSUMERS"),
+    (dict(STAGES=1), "STAGES"), (dict(BLOCK_Q=64), "unknown"),
+    (dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, CONSUMERS=3), "shared memory"),
+])
+def test_bad_configs_are_refused(cfg, words):
+    with pytest.raises(ValueError, match=words):
+        ah.check_config(128, cfg)
+
+
+def test_the_reference_masks_later_keys():
+    q, k, v = (torch.randn(1, 5, 2, 8, dtype=torch.float64) for _ in range(3))
+    out = ah.attention_reference_fp64(q, k, v, causal=True)
+    assert torch.allclose(out[:, 0], v[:, 0])  # the first query sees the first key only
+    scores = torch.einsum("bihd,bjhd->bhij", q, k) * 8**-0.5
+    full = torch.einsum("bhij,bjhd->bihd", scores.softmax(-1), v)
+    assert torch.allclose(ah.attention_reference_fp64(q, k, v, causal=False), full)
+
+
+@needs_gluon
+@pytest.mark.parametrize("config", [None] + VARIANTS + [{"BLOCK_M": 128}], ids=str)
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_block_schedule_computes_the_reference(config, causal):
+    """`attention_by_blocks` (the kernel's block counts, masks only past the unmasked blocks, its order of
+    rescaling, P in fp16) equals the fp64 attention up to P's rounding, on S around the blocks' edges."""
+    for S in (1, 17, 64, 129, 300):
+        q, k, v = torch.randn(2, S, 3, 2, 64, dtype=torch.float64).half().unbind(2)
+        got = ah.attention_by_blocks(q, k, v, causal=causal, config=config)
+        want = ah.attention_reference_fp64(q, k, v, causal=causal)
+        assert (got - want).abs().max().item() < 2e-3, (S, config)
+
+
+class _Barrier:
+    """An mbarrier: a wait for parity P passes while the current phase's parity is not P; `count` arrivals end
+    a phase."""
+
+    def __init__(self, count=1):
+        self.count, self.pending, self.phase = count, count, 0
+
+    def passes(self, parity):
+        return (self.phase & 1) != parity
+
+    def arrive(self):
+        self.pending -= 1
+        assert self.pending >= 0
+        if self.pending == 0:
+            self.phase, self.pending = self.phase + 1, self.count
+
+
+def _run_protocol(S, causal, cfg, seed):
+    """The kernel's producer, consumers and ping-pong turns as coroutines over modelled mbarriers, the loads
+    landing at random later steps, scheduled at random: every block a consumer reads holds that block, no load
+    lands in a slot a consumer still reads, and all finish (no deadlock)."""
+    import random
+
+    rnd = random.Random(seed)
+    bm, bn, st, cons, ping = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"], cfg["CONSUMERS"], cfg["PINGPONG"]
+    ready = {kv: [_Barrier() for _ in range(st)] for kv in "kv"}
+    empty = {kv: [_Barrier() for _ in range(cons * st)] for kv in "kv"}
+    turns = [_Barrier() for _ in range(cons)]
+    slots = {kv: [None] * st for kv in "kv"}
+    reading = {kv: [set() for _ in range(st)] for kv in "kv"}
+    landing = []  # loads in flight: (kind, slot, block)
+
+    def wait(bar, parity, pred=True):
+        while pred and not bar.passes(parity):
+            yield
+
+    def producer(m0):
+        n_last = ah.kv_blocks(m0 + (cons - 1) * bm, S, bm, bn, causal)[0]
+        for j in range(n_last):
+            slot, phase = j % st, ((j // st) & 1) ^ 1
+            for kv in "kv":
+                for c in range(cons):
+                    n_c = ah.kv_blocks(m0 + c * bm, S, bm, bn, causal)[0]
+                    yield from wait(empty[kv][c * st + slot], phase, j - st < n_c)
+                landing.append((kv, slot, j))
+                yield
+
+    def take(kv, slot, j, c):
+        yield from wait(ready[kv][slot], (j // st) & 1)
+        assert slots[kv][slot] == j, (kv, slot, j, slots[kv][slot])
+        reading[kv][slot].add(c)
+
+    def give(kv, slot, j, c):
+        assert slots[kv][slot] == j
+        reading[kv][slot].discard(c)
+        empty[kv][c * st + slot].arrive()
+
+    def turn(c, t, on):
+        if ping and on:
+            yield from wait(turns[c], (t & 1) ^ (1 if c == 0 else 0))
+            yield
+            turns[(c + 1) % cons].arrive()
+
+    def consumer(m0, c):
+        n, _ = ah.kv_blocks(m0 + c * bm, S, bm, bn, causal)
+        n_turns, _ = ah.kv_blocks(m0, S, bm, bn, causal)
+        yield from take("k", 0, 0, c)
+        yield from turn(c, 0, True)
+        give("k", 0, 0, c)
+        for j in range(1, n):
+            yield from take("k", j % st, j, c)
+            yield from take("v", (j - 1) % st, j - 1, c)
+            yield from turn(c, j, j < n_turns)
+            give("k", j % st, j, c)
+            yield
+            give("v", (j - 1) % st, j - 1, c)
+        yield from take("v", (n - 1) % st, n - 1, c)
+        give("v", (n - 1) % st, n - 1, c)
+
+    for m0 in range(0, S, cons * bm):
+        tasks = [producer(m0)] + [consumer(m0, c) for c in range(cons)]
+        steps = 0
+        while tasks or landing:
+            steps += 1
+            assert steps < 10**6, "deadlock"
+            if landing and rnd.random() < 0.3:  # a load lands: nobody may be reading its slot
+                kv, slot, j = landing.pop(rnd.randrange(len(landing)) if rnd.random() < 0.2 else 0)
+                assert not reading[kv][slot], (kv, slot, j, reading[kv][slot])
+                slots[kv][slot] = j
+                ready[kv][slot].arrive()
+                continue
+            if not tasks:
+                continue
+            task = rnd.choice(tasks)
+            try:
+                next(task)
+            except StopIteration:
+                tasks.remove(task)
+        ready = {kv: [_Barrier() for _ in range(st)] for kv in "kv"}  # a CTA of its own: fresh barriers
+        empty = {kv: [_Barrier() for _ in range(cons * st)] for kv in "kv"}
+        turns = [_Barrier() for _ in range(cons)]
+        slots = {kv: [None] * st for kv in "kv"}
+
+
+@needs_gluon
+@pytest.mark.parametrize("config", [None] + VARIANTS + [{"BLOCK_M": 128, "BLOCK_N": 64, "STAGES": 2, "CONSUMERS": 3}],
+                         ids=str)
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_barrier_protocol_delivers_every_block_without_deadlock(config, causal):
+    """(The last launch has consumers whose causal ranges differ by more than the ring: the producer must not
+    wait for a consumer to hand back a block it never read.)"""
+    cfg = ah.check_config(64, config)
+    for S in (1, 65, 200, 700):
+        for seed in range(3):
+            _run_protocol(S, causal, cfg, seed)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the sm_90a build (Triton's compiler and ptxas, no GPU)
+# ----------------------------------------------------------------------------------------------
+COMPILE = textwrap.dedent('''
+    import json, os, re, subprocess, sys, tempfile
+    import torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+    from shapewise.kernels import attention_hopper as ah
+
+    PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+    def build(head_dim, causal, cfg):
+        """The kernel for sm_90a at the launch `hopper_attention` makes for this head dim, causal flag and config."""
+        cfg = ah.check_config(head_dim, cfg)
+        fn = ah._attention_hopper_fwd
+        view = torch.zeros(1, 256, 3, 2, head_dim, dtype=torch.float16).unbind(2)[0]  # a packed QKV's q
+        descs = {"q_desc": ah.descriptor(view, cfg["BLOCK_M"]), "k_desc": ah.descriptor(view, cfg["BLOCK_N"]),
+                 "v_desc": ah.descriptor(view, cfg["BLOCK_N"]), "o_desc": ah.descriptor(view, cfg["BLOCK_M"])}
+        consts = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"],
+                      CONSUMERS=cfg["CONSUMERS"], PINGPONG=cfg["PINGPONG"], IS_CAUSAL=causal,
+                      CONSUMER_REGS=ah.CONSUMER_REGISTERS[cfg["CONSUMERS"]], PRODUCER_REGS=ah.PRODUCER_REGISTERS)
+        sig = {n: "constexpr" if n in consts else mangle_type(descs[n]) if n in descs
+               else "fp32" if n == "qk_scale" else "i32" for n in fn.arg_names}
+        src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=ah.kernel_options(cfg)), cfg
+
+    def ptxas(kernel):
+        """ptxas -v on the kernel's PTX: (registers per thread it allocates, spill bytes, its messages)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            ptx = os.path.join(tmp, "k.ptx")
+            with open(ptx, "w") as f:
+                f.write(kernel.asm["ptx"])
+            done = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(tmp, "k.cubin")],
+                                  capture_output=True, text=True, check=True)
+        text = done.stdout + done.stderr
+        spills = re.search(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", text)
+        return int(re.search(r"Used (\\d+) registers", text)[1]), sum(map(int, spills.groups())) if spills else 0, text
+
+    launches = [(d, causal, None) for d in ah.HEAD_DIMS for causal in (True, False)]
+    launches += [(64, True, v) for v in json.loads(sys.argv[1])]
+    for head_dim, causal, cfg in launches:
+        kernel, full = build(head_dim, causal, cfg)
+        regs, spills, text = ptxas(kernel)
+        ptx = kernel.asm["ptx"]
+        partitions = sorted({int(n) for n in re.findall(r"setmaxnreg\\.inc\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)})
+        record = dict(head_dim=head_dim, causal=causal, config=full, ptxas_registers=regs,
+                      setmaxnreg_inc=partitions, spill_bytes=spills, shared_bytes=kernel.metadata.shared)
+        print("compiled", json.dumps(record), flush=True)
+        assert kernel.asm["cubin"], record
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, record
+        assert spills == 0, (record, text)
+        assert "serialized" not in text, (record, text)  # ptxas waits after each wgmma where registers run short
+        assert kernel.metadata.shared <= ah.SMEM_BYTES, record
+        assert ah.CONSUMER_REGISTERS[full["CONSUMERS"]] in partitions, record  # the consumers' setmaxnreg
+''')
+
+
+@needs_gluon
+def test_the_kernel_builds_for_sm90_without_spills():
+    """Every launch compiles for sm_90a (D 64 and 128, causal and not; the sweep's variants at D=64) with no
+    register spill and no serialized wgmma; the records printed (pytest -s) give ptxas's registers, the
+    partitions' setmaxnreg and the shared memory."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "workflow"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(VARIANTS)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
+    assert done.stdout.count("compiled") == 2 * len(ah.HEAD_DIMS) + len(VARIANTS)
+
+
+# ----------------------------------------------------------------------------------------------
+# On a Hopper GPU
+# ----------------------------------------------------------------------------------------------
+def _qkv(B, S, H, D, layout, seed=0):
+    """q, k, v [B, S, H, D] fp16 on the GPU: views of a packed [B, S, 3, H, D] QKV ("packed", what the model
+    passes), contiguous tensors, or views whose heads are S * D apart ("heads_outer", copied by the launcher)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if layout == "packed":
+        qkv = torch.randn(B, S, 3, H, D, device="cuda", generator=g).half()
+        return qkv.unbind(2)
+    if layout == "contiguous":
+        return tuple(torch.randn(B, S, H, D, device="cuda", generator=g).half() for _ in range(3))
+    assert layout == "heads_outer"
+    return tuple(torch.randn(B, H, S, D, device="cuda", generator=g).half().transpose(1, 2) for _ in range(3))
+
+
+def _check(q, k, v, causal, assert_close, what, config=None):
+    before = [t.clone() for t in (q, k, v)]
+    out = ah.hopper_attention(q, k, v, causal=causal, config=config)
+    unchanged = all(torch.equal(t, b) for t, b in zip((q, k, v), before, strict=True))
+    assert unchanged, "hopper_attention wrote into its inputs"
+    assert out.shape == q.shape and out.dtype == torch.float16 and out.is_contiguous()
+    assert not torch.isnan(out).any(), f"NaN in {what}"
+    ref = ah.attention_reference_fp64(q, k, v, causal=causal)
+    atol, rtol = TOL[out.dtype]
+    assert_close(out.float(), ref, atol=atol, rtol=rtol, what=what)
+
+
+# S: one token, less than a block, one block, one past it, ragged and long; H cycled so that every S meets
+# several head counts; B = 2 where a query block's rows must stop at its own batch element's end
+GPU_CASES = [(B, S, H) for S, Hs in ((1, (1, 3)), (17, (3, 16)), (128, (1, 16)), (129, (3, 1)), (1000, (16, 3)),
+                                    (4097, (1,))) for B, H in zip((1, 2), Hs, strict=False)]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("layout", ["packed", "contiguous", "heads_outer"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("D", ah.HEAD_DIMS)
+@pytest.mark.parametrize("B, S, H", GPU_CASES, ids=lambda x: str(x))
+def test_kernel_matches_fp64(B, S, H, D, causal, layout, assert_close):
+    q, k, v = _qkv(B, S, H, D, layout)
+    _check(q, k, v, causal, assert_close, f"hopper_attention B={B} S={S} H={H} D={D} causal={causal} {layout}")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("config", VARIANTS + [dict(BLOCK_M=128, BLOCK_N=128, STAGES=2)], ids=str)
+def test_every_swept_launch_matches_fp64(config, causal, assert_close):
+    """The launches the row-14 sweep times (128 query rows a consumer too: it spills, but must be right)."""
+    q, k, v = _qkv(2, 1000, 3, 64, "packed", seed=1)
+    _check(q, k, v, causal, assert_close, f"hopper_attention {config} causal={causal}", config=config)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_a_long_causal_sequence_matches_fp64(assert_close):
+    """B=1, S=8192, H=16, D=64 causal: the row-14 head shape at a length the fp64 reference can hold."""
+    q, k, v = _qkv(1, 8192, 16, 64, "packed", seed=2)
+    out = ah.hopper_attention(q, k, v, causal=True)
+    assert not torch.isnan(out).any()
+    for h in range(0, 16, 5):  # a few heads: the fp64 scores of one head are 0.5 GB
+        sl = slice(h, h + 1)
+        ref = ah.attention_reference_fp64(q[:, :, sl], k[:, :, sl], v[:, :, sl], causal=True)
+        assert_close(out[:, :, sl].float(), ref, atol=TOL[torch.float16][0], rtol=TOL[torch.float16][1],
+                     what=f"S=8192 head {h}")
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_a_view_of_the_output_is_refused_and_an_out_is_filled():
+    q, k, v = _qkv(1, 300, 2, 64, "packed")
+    out = torch.full((1, 300, 2, 64), float("nan"), dtype=torch.float16, device="cuda")
+    assert ah.hopper_attention(q, k, v, causal=True, out=out) is out
+    assert not torch.isnan(out).any()
+    with pytest.raises(ValueError, match="contiguous"):
+        ah.hopper_attention(q, k, v, causal=True, out=torch.empty(1, 2, 300, 64, dtype=torch.float16,
+                                                                  device="cuda").transpose(1, 2))
