@@ -1,7 +1,7 @@
 """The pipeline's wall time here: `snakemake --cores all` in this checkout, timed, in one part or several.
 
 Usage: python -m benchmarks.pipeline_wall OUT_DIR [--fresh] [--budget S] [--shapes official,contract] [--commit SHA]
-       [-- SNAKEMAKE ARGS...]
+       [--set KEY=VALUE ...] [-- SNAKEMAKE ARGS...]
 
 Runs Snakemake once, stopping it cleanly (SIGINT, then SIGKILL 30 s later) when `--budget` seconds have passed, and
 writes to OUT_DIR (at most eight files): pipeline-wall.json (this part and every earlier one: start, end, wall time,
@@ -42,7 +42,7 @@ def run_snakemake(args, extra, log_path):
     command = [sys.executable, "-m", "snakemake", "--cores", "all", "--config", f"shapes={args.shapes}"]
     if args.commit:
         command.append(f"commit={args.commit}")
-    command += extra
+    command += args.set + extra
     started, t0 = _now(), time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -105,6 +105,8 @@ def main():
     p.add_argument("--budget", type=float, default=540.0, help="seconds before Snakemake is stopped (default 540)")
     p.add_argument("--shapes", default="official,contract", help="config shapes (default: the GPU default)")
     p.add_argument("--commit", default=None, help="the commit of the tree, for the report (no .git here)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more config value of the run (repeatable), e.g. --set queue_at_gpu_lock=True")
     p.add_argument("--fresh", action="store_true",
                    help="start cold: remove results/ and .snakemake/ (the run's Triton cache with it) first")
     args, extra = p.parse_known_args()

@@ -467,9 +467,18 @@ def test_dry_run_takes_the_gpu_count_from_the_pool():
     assert "GPU pool: 0,1; at most 2 GPU job(s) at once (gpu resource, from this machine's GPU pool)" in done.stderr
     done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "--resources", "gpu=1", env=env)
     assert "at most 1 GPU job(s) at once (gpu resource, from --resources)" in done.stderr
+    # queue_at_gpu_lock: one more job per GPU, waiting at its lock; the shares follow
+    done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "queue_at_gpu_lock=True", env=env)
+    assert done.returncode == 0, done.stderr
+    assert ("at most 4 GPU job(s) at once (gpu resource, from this machine's GPU pool, and one per GPU waiting at "
+            "its lock (queue_at_gpu_lock))" in done.stderr), done.stderr
+    assert f"(gpu_share resource {4 * gpuslots.SHARED_PER_GPU})" in done.stderr
     # device cpu: no pool, the device jobs one at a time as before
     done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "device=cpu", env=env)
     assert "GPU pool: none; at most 1 GPU job(s) at once" in done.stderr
+    done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "device=cpu", "queue_at_gpu_lock=True",
+                      env=env)
+    assert "GPU pool: none; at most 1 GPU job(s) at once" in done.stderr  # no lock to wait at
     done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "gpus=0,3", env=env)
     assert done.returncode != 0
     assert ("config gpus='0,3': '3' names no GPU; the GPUs here are 0 (GPU-fake-0), 1 (GPU-fake-1)"

@@ -4,7 +4,8 @@
 # - Snakemake's global `gpu` resource becomes the pool's size, so `snakemake --cores all` runs as many jobs that
 #   time (timing, ablation, microbench: each holds a GPU alone) at once as there are GPUs (at least 1: on a
 #   machine without GPUs the device jobs run one at a time on the CPU, as before), and `gpu_share` that times
-#   gpuslots.SHARED_PER_GPU: the jobs that time nothing share GPUs (gpu_resources below).
+#   gpuslots.SHARED_PER_GPU: the jobs that time nothing share GPUs (gpu_resources below). With config
+#   queue_at_gpu_lock, twice the pool's size: the jobs beyond the GPUs wait at their locks.
 #   `--resources gpu=K` on the command line (or in a profile) wins.
 # - The pool goes to every job through the environment (SHAPEWISE_PIPELINE_GPUS), not through the shell
 #   command: a different GPU count reruns nothing. Each GPU job locks a GPU of it (shapewise.cli), alone or
@@ -36,8 +37,11 @@ if workflow.is_main_process:
     _triton_cache = os.environ.setdefault("TRITON_CACHE_DIR", str(sw_paths.TRITON_CACHE))
     sw_runs.write_marker(os.environ[sw_jobserver.RUN_VAR], GPU_POOL, _triton_cache, sys.argv)
     if "gpu" not in workflow.global_resources:
-        workflow.register_resource("gpu", max(1, len(GPU_POOL)))
+        _queued = bool(GPU_POOL) and config["queue_at_gpu_lock"]  # one more job per GPU, waiting at its lock
+        workflow.register_resource("gpu", max(1, len(GPU_POOL)) * (2 if _queued else 1))
         _gpu_from = "this machine's GPU pool" if GPU_POOL else "no GPU here: device jobs one at a time"
+        if _queued:
+            _gpu_from += ", and one per GPU waiting at its lock (queue_at_gpu_lock)"
     else:
         _gpu_from = "--resources"
     _gpus = workflow.global_resources["gpu"].value
