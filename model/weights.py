@@ -214,7 +214,8 @@ def _name_of(offender):
 
 
 def _watch(params) -> None:
-    """Make `params` WatchedParameters (in place: the same objects, so every reference to them stays valid)."""
+    """Make `params` WatchedParameters (in place: the same objects, so every reference to them stays valid). Not
+    inference tensors: they have no version counter to bump, and their storage swaps show in their addresses."""
     for p in params:
-        if type(p) is nn.Parameter:
+        if type(p) is nn.Parameter and not p.is_inference():
             p.__class__ = WatchedParameter

@@ -123,6 +123,25 @@ def test_swap_tensors_then_refresh_weights(route):
 
 
 @pytest.mark.parametrize("route", CPU_ROUTES)
+def test_a_model_built_in_inference_mode_keeps_plain_data(route):
+    """Parameters created under torch.inference_mode carry no version counter: `.data` reads and `p.data = t` work
+    on them after the first forward as on the reference, and a swapped storage is seen by its address."""
+    cfg = cfg_of(CFG_SEQ7)
+    ref, _ = build_pair(cfg, route)
+    x, _ = make_inputs(cfg, "none")
+    with torch.inference_mode():  # its parameters' in-place loads too (PyTorch's rule for inference tensors)
+        opt = UserOptimizedTransformer(cfg, route=route).eval()
+        opt.load_state_dict(ref.state_dict(), strict=True)
+        opt(x)
+        w = opt.layers[0].ffn_out.weight
+        assert w.data.shape == w.shape and type(w) is torch.nn.Parameter
+        w.data = torch.randn_like(w) * 0.2
+        fresh = BaselineTransformer(cfg).eval()
+        fresh.load_state_dict(opt.state_dict(), strict=True)
+        check_official(fresh(x), opt(x), f"route={route}, inference-mode parameters, after param.data swap")
+
+
+@pytest.mark.parametrize("route", CPU_ROUTES)
 def test_write_through_data_after_first_forward(route):
     """`m.layers[0].attention.k_proj.weight.data.copy_(w)` after the first forward: the next one runs the new
     weights, a copy of the model too; a `.data` read that writes nothing leaves the output as it was, and the
