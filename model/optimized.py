@@ -109,17 +109,11 @@ class UserOptimizedTransformer(BaselineTransformer):
     def forward(self, x: torch.Tensor, valid_token_mask=None) -> torch.Tensor:
         mask = valid_token_mask
         check_inputs(self.config, x, mask)
-        params = self.final_norm.weight.dtype
-        if x.dtype != params:  # one rule on every route (the reference's matmuls refuse a mix too)
-            raise TypeError(
-                f"UserOptimizedTransformer: x is {x.dtype} but the model's parameters are {params}; pass x in the "
-                f"parameters' dtype or convert the model with .to(dtype). Supported: {_SUPPORTED} on every route, "
-                f"any other floating dtype (float64) on the reference and sdpa routes")
         key = (x.shape, x.dtype, x.device, mask is None)  # the input signature
         if not self._streaming:  # memory: decided on the signature's first call under this cap and fraction
             plan = self._memory_plans.get((key, self.memory_budget_bytes, memory_fraction(x.device)))
-            if plan is None:
-                self._check_device(x)
+            if plan is None:  # a new signature, or the model converted (.to() forgets the plans)
+                self._check_device_and_dtype(x)
                 plan = self._plan_memory(key, x, mask)
             _set_plain(self, "last_memory_plan", plan)
             if plan.num_chunks > 1:
@@ -136,13 +130,20 @@ class UserOptimizedTransformer(BaselineTransformer):
         _set_plain(self, "last_route", runner.route)
         return runner(self, x, mask)
 
-    def _check_device(self, x) -> None:
-        """x on the parameters' device, checked on each signature's first call (the signature holds x's device)."""
-        params = self.final_norm.weight.device
-        if x.device != params:
+    def _check_device_and_dtype(self, x) -> None:
+        """x on the parameters' device and in their dtype, checked on each signature's first call (the signature
+        holds both): one rule on every route (the reference's matmuls refuse a mix too)."""
+        weight = self.final_norm.weight
+        if x.dtype != weight.dtype:
+            raise TypeError(
+                f"UserOptimizedTransformer: x is {x.dtype} but the model's parameters are {weight.dtype}; pass x in "
+                f"the parameters' dtype or convert the model with .to(dtype). Supported: {_SUPPORTED} on every "
+                f"route, any other floating dtype (float64) on the reference and sdpa routes")
+        if x.device != weight.device:
             held = " (a meta tensor holds no values)" if x.device.type == "meta" else ""
             raise ValueError(f"UserOptimizedTransformer: x is on {x.device}{held} but the model's parameters are on "
-                             f"{params}; pass x on {params} or move the model with .to({str(x.device)!r})")
+                             f"{weight.device}; pass x on {weight.device} or move the model with "
+                             f".to({str(x.device)!r})")
 
     def _runner(self, x, mask):
         """The runner of this input signature's route: its module's, captured in CUDA graphs where the route is."""

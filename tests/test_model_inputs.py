@@ -124,6 +124,20 @@ def test_dtype_mix_is_one_clear_error_on_every_route(route, x_dtype, model_dtype
     assert str(x_dtype) in message and str(model_dtype) in message and "Supported: float32, float16 and bfloat16" in message
 
 
+@pytest.mark.parametrize("route", CPU_ROUTES)
+def test_dtype_mix_after_a_conversion_is_the_same_error(route):
+    """The dtype is checked on a signature's first call: a model converted after serving float32 inputs refuses
+    them on the next call (the conversion forgets what was planned)."""
+    cfg = cfg_of(CFG_SEQ7)
+    _, opt = build_pair(cfg, route)
+    x, _ = make_inputs(cfg, "none")
+    with torch.no_grad():
+        opt(x)
+        opt.to(torch.float16)
+        with pytest.raises(TypeError, match="x is torch.float32 but the model's parameters are torch.float16"):
+            opt(x)
+
+
 @pytest.mark.parametrize("route", ["reference", "sdpa"])
 def test_float64_model_on_the_eager_routes(route):
     """float64 x with float64 parameters: the reference and sdpa routes serve it (the Triton routes refuse by name).
