@@ -1,7 +1,7 @@
 """Official row 14's attention: our kernel's tiles against cuDNN's SDPA on one batch element, causal, fp16.
 
 Usage (CUDA machine): python -m benchmarks.row14_attention [OUT.json] [--configs BM/BN/WARPS/STAGES,...]
-                      [--gluon BM/BN/STAGES/CONSUMERS/PINGPONG,...|none]
+                      [--gluon BM/BN/STAGES/CONSUMERS/PINGPONG[/EXP2_POLY],...|none]
 
 The model streams row 14 in chunks of one batch element, and cuDNN's attention is most of its GPU time
 (docs/performance.md), so the row's target rests on an attention faster than cuDNN's on this shape. q, k, v are
@@ -11,7 +11,9 @@ and the largest difference from cuDNN's output. The best tile also runs with an 
 summary (what the official call runs). On a Hopper GPU the Gluon kernel (kernels/attention_hopper.py: TMA,
 wgmma, a producer warp and ping-ponging consumer warpgroups) is timed the same way at each launch of `--gluon`
 (default GLUON_CONFIGS, its default for head_dim 64 first; `none` skips it), under "gluon" with the same fields,
-its best launch and best / cuDNN. OUT.json is written after every candidate.
+its best launch and best / cuDNN. A launch's optional sixth field, EXP2_POLY, is how many of a score block's
+BLOCK_N columns take their exp2 from a polynomial on the FMA pipes instead of MUFU's ex2 (0, all ex2, when left
+out). OUT.json is written after every candidate.
 """
 from __future__ import annotations
 
@@ -27,9 +29,12 @@ S, H, D = 100_000, 16, 64
 FLOP = 4 * S * S * D * H / 2
 DEFAULT_CONFIGS = "128/64/8/3,128/128/8/3,128/64/8/4,128/128/8/2,64/128/4/3,128/64/4/3"
 # The Gluon kernel's launches: BLOCK_M (query rows a consumer warpgroup) / BLOCK_N (keys a ring slot) / STAGES /
-# CONSUMERS / PINGPONG (1 on); its head-dim-64 default first, then 2 and 4 slots, 64 keys a slot with two and three
-# consumers, ping-pong off, and 128 rows a consumer (which spills at 240 registers: timed to show what it costs)
-GLUON_CONFIGS = "64/128/3/2/1,64/128/2/2/1,64/128/4/2/1,64/64/3/2/1,64/64/4/3/1,64/128/3/2/0,128/128/2/2/1"
+# CONSUMERS / PINGPONG (1 on) [/ EXP2_POLY: score columns of a block whose exp2 take the polynomial, 0 if left
+# out]; its head-dim-64 default first, then the same with an eighth, a quarter and a half of the exp2s off MUFU
+# (whose ex2 takes about as many cycles as the wgmmas at head_dim 64), 2 and 4 slots, 64 keys a slot with two and
+# three consumers, ping-pong off, and 128 rows a consumer (which spills at 240 registers: timed to show its cost)
+GLUON_CONFIGS = ("64/128/3/2/1,64/128/3/2/1/16,64/128/3/2/1/32,64/128/3/2/1/64,64/128/2/2/1,64/128/4/2/1,"
+                 "64/64/3/2/1,64/64/4/3/1,64/128/3/2/0,128/128/2/2/1")
 
 
 def ms(fn, n=3):
@@ -43,9 +48,13 @@ def entry(t):
 
 
 def gluon_config(text):
-    """`hopper_attention`'s config from "BM/BN/STAGES/CONSUMERS/PINGPONG"."""
-    bm, bn, stages, consumers, pingpong = (int(p) for p in text.split("/"))
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "CONSUMERS": consumers, "PINGPONG": bool(pingpong)}
+    """`hopper_attention`'s config from "BM/BN/STAGES/CONSUMERS/PINGPONG[/EXP2_POLY]" (EXP2_POLY 0 if left out)."""
+    fields = [int(p) for p in text.split("/")]
+    if len(fields) not in (5, 6):
+        raise ValueError(f"a Gluon launch is BM/BN/STAGES/CONSUMERS/PINGPONG[/EXP2_POLY], got {text!r}")
+    bm, bn, stages, consumers, pingpong, poly = fields + [0] * (6 - len(fields))
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "CONSUMERS": consumers, "PINGPONG": bool(pingpong),
+            "EXP2_POLY": poly}
 
 
 def time_gluon(out, q, k, v, ref, texts, save):
@@ -76,7 +85,8 @@ def main():
     ap = parser(__doc__, "row14-attention.json")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="our tiles: BLOCK_M/BLOCK_N/num_warps/num_stages,...")
     ap.add_argument("--gluon", default=GLUON_CONFIGS,
-                    help="the Gluon kernel's launches: BLOCK_M/BLOCK_N/STAGES/CONSUMERS/PINGPONG,... or none")
+                    help="the Gluon kernel's launches: BLOCK_M/BLOCK_N/STAGES/CONSUMERS/PINGPONG[/EXP2_POLY],... "
+                         "or none")
     args = ap.parse_args()
     require_cuda()
     torch.manual_seed(0)

@@ -55,10 +55,23 @@ CONSUMER_REGISTERS = {2: 240, 3: 160}
 # consumers get 240 registers each; three get 160, where 128 keys a slot spill (ptxas for sm_90a), so three
 # consumers run 64 keys a slot, with twice the barriers per score.
 DEFAULT_CONFIGS = {
-    64: dict(BLOCK_M=64, BLOCK_N=128, STAGES=3, CONSUMERS=2, PINGPONG=True),
-    128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, CONSUMERS=2, PINGPONG=True),
+    64: dict(BLOCK_M=64, BLOCK_N=128, STAGES=3, CONSUMERS=2, PINGPONG=True, EXP2_POLY=0),
+    128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, CONSUMERS=2, PINGPONG=True, EXP2_POLY=0),
 }
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "STAGES", "CONSUMERS", "PINGPONG")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "STAGES", "CONSUMERS", "PINGPONG", "EXP2_POLY")
+# EXP2_POLY: how many of a score block's BLOCK_N columns (its last ones) take their exp2 from `exp2_poly` on the
+# FMA and integer pipes instead of MUFU's ex2, a multiple of BLOCK_N / 8 (the tile is halved three times at most,
+# each half a slice of every thread's registers); 0, the default, leaves every exp2 on MUFU. At head_dim 64 a
+# 64 x 128 score block takes about as many cycles of ex2 (16 a clock per SM) as of wgmma, so moving a share of
+# them off MUFU relieves that unit at the cost of issue slots (about 8 instructions per element instead of 1).
+EXP2_POLY_PARTS = 8
+# 2^f on f in [0, 1] as 1 + f (C1 + f (C2 + f C3)): the minimax polynomial of relative error with 2^0 = 1 held
+# exact (a linear program on 20 001 points of [0, 1], coefficients rounded to fp32). Its max relative error, the
+# fp32 Horner evaluation measured on 2 000 001 points, is 8.57e-5, a sixth of fp16's half ulp (4.9e-4) in which
+# the probabilities meet P V; 2^0 = 1 exactly keeps each row's max at probability 1, and exp2(-inf) at 0 (below).
+EXP2_POLY_COEFFS = (0.6951172947883606, 0.22764353454113007, 0.077068030834198)
+EXP2_POLY_FLOOR = -127.0  # x is clamped here: 2^-127 scaled by 2^0 = 1 has the bit pattern 0, so exp2(-inf) = 0
+_ROUND_DOWN_MAGIC = 12582912.0  # 1.5 * 2^23: x + it, rounded down, holds floor(x) in its low mantissa bits
 
 
 def attention_reference_fp64(q, k, v, *, causal):
@@ -78,10 +91,11 @@ def kv_blocks(q0: int, seq_len: int, block_m: int, block_n: int, causal: bool) -
 def attention_by_blocks(q, k, v, *, causal, config=None, dtype=torch.float64):
     """The kernel's computation in torch (`dtype`), block by block in its order: per CTA and consumer the key
     blocks `kv_blocks` counts, masks only past the unmasked ones, exp2 of scaled scores less the running max, P
-    rounded to fp16, P_{j-1} V_{j-1} added before O is rescaled by block j's alpha. [B, S, H, D] in `dtype`."""
+    rounded to fp16, P_{j-1} V_{j-1} added before O is rescaled by block j's alpha; the last EXP2_POLY columns of
+    every block by `exp2_poly` in fp32. [B, S, H, D] in `dtype`."""
     B, S, H, D = q.shape
     cfg = check_config(D, config)
-    bm, bn, consumers = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["CONSUMERS"]
+    bm, bn, consumers, poly = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["CONSUMERS"], cfg["EXP2_POLY"]
     scale = D**-0.5 * math.log2(math.e)
     pad = -(-S // (consumers * bm)) * consumers * bm + bn  # zero rows past S, as TMA reads them
     qh, kh, vh = (torch.nn.functional.pad(t.to(dtype).transpose(1, 2), (0, 0, 0, pad - S)) for t in (q, k, v))
@@ -105,6 +119,8 @@ def attention_by_blocks(q, k, v, *, causal, config=None, dtype=torch.float64):
                     s = s.masked_fill(~keep, float("-inf"))
                 m_new = torch.maximum(m_i, s.amax(-1) * scale)
                 p = torch.exp2(s * scale - m_new[..., None])
+                if poly:
+                    p[..., bn - poly:] = exp2_poly(s[..., bn - poly:] * scale - m_new[..., None]).to(dtype)
                 alpha = torch.exp2(m_i - m_new)
                 l_i = l_i * alpha + p.sum(-1)
                 if j > 0:
@@ -113,6 +129,25 @@ def attention_by_blocks(q, k, v, *, causal, config=None, dtype=torch.float64):
             acc = acc + p16 @ vh[:, :, (n - 1) * bn:n * bn]
             out[:, :, q0:q0 + bm] = acc / l_i[..., None]
     return out[:, :, :S].transpose(1, 2).contiguous()
+
+
+def exp2_poly(x: torch.Tensor) -> torch.Tensor:
+    """2^x in fp32 as the kernel's polynomial path computes it, for x <= 0 (scores less the row max, log2 domain):
+    x clamped at EXP2_POLY_FLOOR, n = floor(x), f = x - n in [0, 1] (fp32's rounding of x - n may give 1), 2^f by
+    the EXP2_POLY_COEFFS polynomial in Horner's fmas, 2^n added to its exponent bits (n << 23 added to the bit
+    pattern, an integer add: no MUFU). Each fma is emulated by an fp64 product (exact) and sum rounded to fp32, bit
+    for bit the kernel's fma except in the rare case where that double rounding differs. x <= -127 gives 0;
+    x in (-127, -126) gives a denormal below 2^-126 (the bits of 2^f's mantissa), as harmless as ex2's flush to 0."""
+    x = torch.clamp_min(x.float(), EXP2_POLY_FLOOR)
+    n = torch.floor(x)
+    f = (x - n).double()
+
+    def fma(a, b, c):
+        return (a.double() * b + c).float()
+
+    c1, c2, c3 = EXP2_POLY_COEFFS
+    p = fma(fma(fma(torch.full_like(f, c3, dtype=torch.float32), f, c2), f, c1), f, 1.0)
+    return (p.view(torch.int32) + (n.to(torch.int32) << 23)).view(torch.float32)
 
 
 def why_unsupported(head_dim: int, dtype=torch.float16, device=None) -> str | None:
@@ -159,6 +194,12 @@ def check_config(head_dim: int, cfg: dict) -> dict:
     if shared_bytes(head_dim, cfg) > SMEM_BYTES:
         raise ValueError(f"hopper_attention: {cfg} takes {shared_bytes(head_dim, cfg)} bytes of shared memory, more "
                          f"than {SMEM_BYTES}")
+    part = cfg["BLOCK_N"] // EXP2_POLY_PARTS
+    poly = cfg["EXP2_POLY"]
+    if isinstance(poly, bool) or not isinstance(poly, int) or not 0 <= poly <= cfg["BLOCK_N"] or poly % part:
+        raise ValueError(f"hopper_attention: EXP2_POLY (score columns of a block whose exp2 take the polynomial) "
+                         f"must be a multiple of BLOCK_N / {EXP2_POLY_PARTS} = {part} from 0 to {cfg['BLOCK_N']}, "
+                         f"got {poly!r}")
     cfg["PINGPONG"] = bool(cfg["PINGPONG"])
     return cfg
 
@@ -233,9 +274,53 @@ if gluon is not None:
         if PINGPONG:
             mbarrier.arrive(turns.index((C + 1) % CONSUMERS), pred=on)
 
+    _EXP2_C1 = gl.constexpr(EXP2_POLY_COEFFS[0])
+    _EXP2_C2 = gl.constexpr(EXP2_POLY_COEFFS[1])
+    _EXP2_C3 = gl.constexpr(EXP2_POLY_COEFFS[2])
+    _EXP2_FLOOR = gl.constexpr(EXP2_POLY_FLOOR)
+    _MAGIC = gl.constexpr(_ROUND_DOWN_MAGIC)
+
+    @gluon.jit
+    def _exp2_poly(x):
+        """2^x (x <= 0, fp32) without MUFU, as `exp2_poly`: n = floor(x) from one add rounded down (the add's
+        integer part lands in the low mantissa bits, so the bit pattern shifted left 23 is n << 23, two's
+        complement), f = x - n, 2^f by three fmas, and n added to 2^f's exponent by an integer add."""
+        x = gl.maximum(x, _EXP2_FLOOR)  # masked scores (-inf) too: they end at 0 with the rest below the clamp
+        t = gl.inline_asm_elementwise("add.rm.f32 $0, $1, 0f4B400000;", "=f,f", [x], dtype=gl.float32,
+                                      is_pure=True, pack=1)
+        f = x - (t - _MAGIC)
+        p = gl.fma(gl.fma(gl.fma(f, _EXP2_C3, _EXP2_C2), f, _EXP2_C1), f, 1.0)
+        bits = p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)
+        return bits.to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _exp2_columns(x, POLY: gl.constexpr):
+        """2^x of a [rows, N] tile: its last POLY columns by `_exp2_poly`, the others by ex2, each element one way.
+        The tile is halved along its columns (reshape to [rows, 2, N / 2], the halves' axis moved last and split):
+        a column bit above the accumulator's lane bits is a register bit, so the halves are register subsets and
+        the split and the join back move no data."""
+        ROWS: gl.constexpr = x.shape[0]
+        N: gl.constexpr = x.shape[1]
+        if POLY == 0:
+            y = gl.exp2(x)
+        elif POLY == N:
+            y = _exp2_poly(x)
+        else:
+            lo, hi = x.reshape([ROWS, 2, N // 2]).permute((0, 2, 1)).split()
+            if POLY >= N // 2:
+                lo = _exp2_columns(lo, POLY - N // 2)
+                hi = _exp2_poly(hi)
+            else:
+                lo = gl.exp2(lo)
+                hi = _exp2_columns(hi, POLY)
+            # the halves' layouts may be named differently (a slice, a linear layout) for the same registers
+            hi = gl.convert_layout(hi, lo.type.layout, assert_trivial=True)
+            y = gl.join(lo, hi).permute((0, 2, 1)).reshape([ROWS, N])
+        return y
+
     @gluon.jit
     def _softmax_step(s, m_i, l_i, j, q0, seq_len, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, L_S: gl.constexpr):
+                      MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_POLY: gl.constexpr, L_S: gl.constexpr):
         """Online softmax of score block j (raw q k^T, fp32): (probabilities fp32, alpha, new max, new sum), the max
         in the log2 domain of scaled scores. The scale (> 0) is applied to the row max and, in one multiply-add
         with the max's subtraction, to the exponent."""
@@ -250,7 +335,11 @@ if gluon is not None:
         # every row sees key 0 in block 0, the first one taken: after it the max is finite, and a row that sees no
         # key of a later block gets probabilities exp2(-inf) = 0 there
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        x = s * qk_scale - gl.expand_dims(m_new, 1)
+        if EXP2_POLY == 0:
+            p = gl.exp2(x)
+        else:  # the halves' split and join are register renamings: the layout back to L_S must be one too
+            p = gl.convert_layout(_exp2_columns(x, EXP2_POLY), L_S, assert_trivial=True)
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         return p, alpha, m_new, l_i
@@ -259,8 +348,8 @@ if gluon is not None:
     def _consumer_block(j, q, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, p16, m_i, l_i, acc,
                         q0, seq_len, qk_scale, n_turns, C: gl.constexpr, HEAD_DIM: gl.constexpr,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                        PINGPONG: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, L_S: gl.constexpr,
-                        L_O: gl.constexpr, A_P: gl.constexpr):
+                        PINGPONG: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                        EXP2_POLY: gl.constexpr, L_S: gl.constexpr, L_O: gl.constexpr, A_P: gl.constexpr):
         """Key block j (>= 1): S_j = Q K_j^T issued, then O += P_{j-1} V_{j-1}; the softmax of S_j while that PV
         runs; then O rescaled by the new max. Returns the state with P_j (fp16, A operand) not yet applied."""
         slot = j % STAGES
@@ -276,7 +365,7 @@ if gluon is not None:
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
         mbarrier.arrive(k_empty.index(C * STAGES + slot))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j, q0, seq_len, qk_scale, BLOCK_M, BLOCK_N, MASKED,
-                                           IS_CAUSAL, L_S)
+                                           IS_CAUSAL, EXP2_POLY, L_S)
         p_next = gl.convert_layout(p.to(gl.float16), A_P)  # before the wait: the fp32 probabilities die here
         acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
         mbarrier.arrive(v_empty.index(C * STAGES + prev))
@@ -286,7 +375,7 @@ if gluon is not None:
     @gluon.jit
     def _consumer(o_desc, bufs, shape, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr):
+                  IS_CAUSAL: gl.constexpr, EXP2_POLY: gl.constexpr):
         """Consumer warpgroup C: query rows [m0 + C BLOCK_M, + BLOCK_M) against every key block they see. `bufs`:
         the shared buffers and mbarriers; `shape`: (batch, column of the head, first row of the CTA, S, qk_scale);
         the rest: the launch's constants."""
@@ -317,10 +406,10 @@ if gluon is not None:
         l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, L_S))
         if full > 0:
             p, _alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, q0, seq_len, qk_scale, BLOCK_M, BLOCK_N, False,
-                                                IS_CAUSAL, L_S)
+                                                IS_CAUSAL, EXP2_POLY, L_S)
         else:
             p, _alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, q0, seq_len, qk_scale, BLOCK_M, BLOCK_N, True,
-                                                IS_CAUSAL, L_S)
+                                                IS_CAUSAL, EXP2_POLY, L_S)
         p16 = gl.convert_layout(p.to(gl.float16), A_P)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, L_O)
 
@@ -328,12 +417,12 @@ if gluon is not None:
             p16, m_i, l_i, acc = _consumer_block(
                 j, q, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, p16, m_i, l_i, acc, q0, seq_len,
                 qk_scale, n_turns, C, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, False, IS_CAUSAL,
-                L_S, L_O, A_P)
+                EXP2_POLY, L_S, L_O, A_P)
         for j in range(gl.maximum(full, 1), n):  # the diagonal's blocks and the sequence's ragged end
             p16, m_i, l_i, acc = _consumer_block(
                 j, q, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, p16, m_i, l_i, acc, q0, seq_len,
                 qk_scale, n_turns, C, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, True, IS_CAUSAL,
-                L_S, L_O, A_P)
+                EXP2_POLY, L_S, L_O, A_P)
 
         # the last block's P V, then O / l in fp16 out through this consumer's Q buffer (every QK^T is done)
         last = (n - 1) % STAGES
@@ -352,7 +441,7 @@ if gluon is not None:
         q_desc, k_desc, v_desc, o_desc,  # rank-3 TMA descriptors over [B, S, H * D], blocks [1, rows, D]
         seq_len, num_heads, qk_scale,  # qk_scale = head_dim**-0.5 * log2(e)
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, IS_CAUSAL: gl.constexpr,
+        CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_POLY: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
         pid_bh = gl.program_id(0)
@@ -389,18 +478,18 @@ if gluon is not None:
         descs = (q_desc, k_desc, v_desc)
         if CONSUMERS == 2:
             gl.warp_specialize([(_consumer, (o_desc, bufs, shape, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CONSUMERS,
-                                             PINGPONG, IS_CAUSAL)),
+                                             PINGPONG, IS_CAUSAL, EXP2_POLY)),
                                 (_consumer, (o_desc, bufs, shape, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CONSUMERS,
-                                             PINGPONG, IS_CAUSAL)),
+                                             PINGPONG, IS_CAUSAL, EXP2_POLY)),
                                 (_producer, (descs, bufs, shape, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, IS_CAUSAL))],
                                [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([(_consumer, (o_desc, bufs, shape, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CONSUMERS,
-                                             PINGPONG, IS_CAUSAL)),
+                                             PINGPONG, IS_CAUSAL, EXP2_POLY)),
                                 (_consumer, (o_desc, bufs, shape, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CONSUMERS,
-                                             PINGPONG, IS_CAUSAL)),
+                                             PINGPONG, IS_CAUSAL, EXP2_POLY)),
                                 (_consumer, (o_desc, bufs, shape, 2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CONSUMERS,
-                                             PINGPONG, IS_CAUSAL)),
+                                             PINGPONG, IS_CAUSAL, EXP2_POLY)),
                                 (_producer, (descs, bufs, shape, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, IS_CAUSAL))],
                                [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
@@ -433,7 +522,7 @@ def hopper_attention(q, k, v, *, causal: bool, config: dict | None = None, out=N
     """Attention over [B, S, H, D] fp16 views (unit stride along D, heads D apart, e.g. a packed QKV's
     `unbind(2)`; any other view is copied to a contiguous tensor first): [B, S, H, D] fp16 contiguous (or into
     `out`). causal: keys j > i masked. config: launch override of DEFAULT_CONFIGS (BLOCK_M, BLOCK_N, STAGES,
-    CONSUMERS, PINGPONG)."""
+    CONSUMERS, PINGPONG, EXP2_POLY)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"hopper_attention: {name} must be a [B, S, H, D] tensor, got "
@@ -465,10 +554,11 @@ def hopper_attention(q, k, v, *, causal: bool, config: dict | None = None, out=N
         descriptor(q, rows_m), descriptor(k, rows_n), descriptor(v, rows_n), descriptor(out, rows_m),
         S, H, D**-0.5 * math.log2(math.e),
         HEAD_DIM=D, BLOCK_M=rows_m, BLOCK_N=rows_n, STAGES=cfg["STAGES"], CONSUMERS=cfg["CONSUMERS"],
-        PINGPONG=cfg["PINGPONG"], IS_CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGISTERS[cfg["CONSUMERS"]],
-        PRODUCER_REGS=PRODUCER_REGISTERS, **kernel_options(cfg),
+        PINGPONG=cfg["PINGPONG"], IS_CAUSAL=bool(causal), EXP2_POLY=cfg["EXP2_POLY"],
+        CONSUMER_REGS=CONSUMER_REGISTERS[cfg["CONSUMERS"]], PRODUCER_REGS=PRODUCER_REGISTERS, **kernel_options(cfg),
     )
     return out
 
 
-__all__ = ["DEFAULT_CONFIGS", "attention_by_blocks", "attention_reference_fp64", "hopper_attention", "why_unsupported"]
+__all__ = ["DEFAULT_CONFIGS", "attention_by_blocks", "attention_reference_fp64", "exp2_poly", "hopper_attention",
+           "why_unsupported"]

@@ -1,7 +1,8 @@
-"""kernels/attention_hopper.py: its limits and launch checks (CPU), its sm_90a build at every launch the launcher
-and the row-14 sweep use (offline, no GPU: a cubin, no register spills, no serialized wgmma, shared memory within
-the H200's 227 KB), and on a Hopper GPU the kernel against an fp64 attention on odd shapes, q, k, v packed as
-the model passes them, contiguous, or with heads not D apart (copied by the launcher)."""
+"""kernels/attention_hopper.py: its limits and launch checks (CPU), the polynomial exp2 that EXP2_POLY moves off
+MUFU (CPU), its sm_90a build at every launch the launcher and the row-14 sweep use (offline, no GPU: a cubin, no
+register spills, no serialized wgmma, shared memory within the H200's 227 KB), and on a Hopper GPU the kernel
+against an fp64 attention on odd shapes, q, k, v packed as the model passes them, contiguous, or with heads not D
+apart (copied by the launcher)."""
 
 import os
 import subprocess
@@ -27,6 +28,8 @@ TOL = {torch.float16: (4e-3, 4e-3)}
 # and four slots (compiled offline with the defaults, run on the GPU against fp64)
 VARIANTS = [dict(CONSUMERS=3, BLOCK_N=64, STAGES=4), dict(PINGPONG=False), dict(STAGES=2), dict(STAGES=4),
             dict(BLOCK_N=64)]
+# the default launch with a quarter and a half of each score block's exp2 by the polynomial (the sweep's too)
+POLY_VARIANTS = [dict(EXP2_POLY=32), dict(EXP2_POLY=64)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -62,10 +65,42 @@ def test_the_defaults_fit_shared_memory(head_dim):
     (dict(BLOCK_M=32), "BLOCK_M"), (dict(BLOCK_N=256), "BLOCK_N"), (dict(CONSUMERS=4), "CONSUMERS"),
     (dict(STAGES=1), "STAGES"), (dict(BLOCK_Q=64), "unknown"),
     (dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, CONSUMERS=3), "shared memory"),
+    (dict(EXP2_POLY=8), "EXP2_POLY"), (dict(EXP2_POLY=-16), "EXP2_POLY"), (dict(EXP2_POLY=144), "EXP2_POLY"),
+    (dict(EXP2_POLY=16.0), "EXP2_POLY"), (dict(EXP2_POLY=True), "EXP2_POLY"),
+    (dict(BLOCK_N=64, EXP2_POLY=12), "multiple of BLOCK_N / 8 = 8"),
 ])
 def test_bad_configs_are_refused(cfg, words):
     with pytest.raises(ValueError, match=words):
         ah.check_config(128, cfg)
+
+
+@pytest.mark.parametrize("poly", [0, 16, 64, 112, 128])
+def test_every_exp2_poly_multiple_of_an_eighth_is_taken(poly):
+    assert ah.check_config(64, dict(EXP2_POLY=poly))["EXP2_POLY"] == poly
+    assert ah.check_config(64, None)["EXP2_POLY"] == 0  # off unless a launch asks
+
+
+def test_the_exp2_polynomial_is_within_its_stated_error():
+    """Relative error against 2^x in fp64 on a dense grid of x in [-126, 0] (every fraction f = x - floor(x) of
+    [0, 1) on a fine grid, shifted by every exponent), the same as over [0, 1) alone and below fp16's half ulp."""
+    f = torch.linspace(0, 1, 2_000_001, dtype=torch.float64)[:-1].float()
+    on_unit = ((ah.exp2_poly(f).double() / torch.exp2(f.double())) - 1).abs().max().item()
+    assert 5e-5 < on_unit < 8.6e-5, on_unit  # the module's comment states 8.57e-5
+    x = torch.cat([f[::20] + n for n in range(-126, 0)] + [torch.rand(1_000_000) * -126, -torch.rand(10_000) * 1e-3])
+    rel = ((ah.exp2_poly(x).double() / torch.exp2(x.double())) - 1).abs().max().item()
+    assert abs(on_unit - rel) < 1e-6, (on_unit, rel)  # adding n to the exponent is exact above 2^-126
+
+
+def test_the_exp2_polynomial_is_exact_where_softmax_needs_it():
+    """exp2(-inf) = 0 (masked scores) and 0 below the clamp, 2^0 = 1 (each row's max), integers exact powers of two,
+    (-127, -126) within [0, 2^-126) (where ex2.approx.ftz gives 0), no NaN or negative value."""
+    assert ah.exp2_poly(torch.tensor([float("-inf"), -1e30, -127.0, -200.5])).eq(0).all()
+    k = torch.arange(0, 127, dtype=torch.float32)
+    assert torch.equal(ah.exp2_poly(-k), torch.exp2(-k))
+    tiny = ah.exp2_poly(-126.0 - torch.rand(10_000))
+    assert (tiny >= 0).all() and (tiny < 2.0**-126).all()
+    x = -torch.rand(1_000_000) * 200
+    assert not ah.exp2_poly(x).isnan().any() and (ah.exp2_poly(x) >= 0).all()
 
 
 def test_the_reference_masks_later_keys():
@@ -78,11 +113,13 @@ def test_the_reference_masks_later_keys():
 
 
 @needs_gluon
-@pytest.mark.parametrize("config", [None] + VARIANTS + [{"BLOCK_M": 128}], ids=str)
+@pytest.mark.parametrize("config", [None] + VARIANTS + POLY_VARIANTS + [
+    {"BLOCK_M": 128}, {"EXP2_POLY": 128}, {"BLOCK_N": 64, "EXP2_POLY": 8}, {"BLOCK_N": 64, "EXP2_POLY": 40}], ids=str)
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_block_schedule_computes_the_reference(config, causal):
     """`attention_by_blocks` (the kernel's block counts, masks only past the unmasked blocks, its order of
-    rescaling, P in fp16) equals the fp64 attention up to P's rounding, on S around the blocks' edges."""
+    rescaling, P in fp16, EXP2_POLY columns by the polynomial) equals the fp64 attention up to P's rounding, on S
+    around the blocks' edges."""
     for S in (1, 17, 64, 129, 300):
         q, k, v = torch.randn(2, S, 3, 2, 64, dtype=torch.float64).half().unbind(2)
         got = ah.attention_by_blocks(q, k, v, causal=causal, config=config)
@@ -229,6 +266,7 @@ COMPILE = textwrap.dedent('''
                  "v_desc": ah.descriptor(view, cfg["BLOCK_N"]), "o_desc": ah.descriptor(view, cfg["BLOCK_M"])}
         consts = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"],
                       CONSUMERS=cfg["CONSUMERS"], PINGPONG=cfg["PINGPONG"], IS_CAUSAL=causal,
+                      EXP2_POLY=cfg["EXP2_POLY"],
                       CONSUMER_REGS=ah.CONSUMER_REGISTERS[cfg["CONSUMERS"]], PRODUCER_REGS=ah.PRODUCER_REGISTERS)
         sig = {n: "constexpr" if n in consts else mangle_type(descs[n]) if n in descs
                else "fp32" if n == "qk_scale" else "i32" for n in fn.arg_names}
@@ -249,13 +287,21 @@ COMPILE = textwrap.dedent('''
 
     launches = [(d, causal, None) for d in ah.HEAD_DIMS for causal in (True, False)]
     launches += [(64, True, v) for v in json.loads(sys.argv[1])]
+    exps = {}  # exp2s (MUFU's ex2 and the polynomial's round-down add) by launch less EXP2_POLY
     for head_dim, causal, cfg in launches:
         kernel, full = build(head_dim, causal, cfg)
         regs, spills, text = ptxas(kernel)
         ptx = kernel.asm["ptx"]
         partitions = sorted({int(n) for n in re.findall(r"setmaxnreg\\.inc\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)})
+        ex2, poly = len(re.findall(r"\\bex2\\.approx", ptx)), len(re.findall(r"\\badd\\.rm\\.f32", ptx))
         record = dict(head_dim=head_dim, causal=causal, config=full, ptxas_registers=regs,
-                      setmaxnreg_inc=partitions, spill_bytes=spills, shared_bytes=kernel.metadata.shared)
+                      setmaxnreg_inc=partitions, spill_bytes=spills, shared_bytes=kernel.metadata.shared,
+                      ex2=ex2, exp2_poly=poly)
+        # each score's exp2 one way: the polynomial's take the place of as many ex2 (none computed twice), and
+        # only EXP2_POLY launches have any
+        key = json.dumps([head_dim, causal, {k: v for k, v in full.items() if k != "EXP2_POLY"}], sort_keys=True)
+        exps.setdefault(key, ex2 + poly)
+        assert exps[key] == ex2 + poly and (poly > 0) == (full["EXP2_POLY"] > 0), (record, exps[key])
         print("compiled", json.dumps(record), flush=True)
         assert kernel.asm["cubin"], record
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, record
@@ -268,18 +314,19 @@ COMPILE = textwrap.dedent('''
 
 @needs_gluon
 def test_the_kernel_builds_for_sm90_without_spills():
-    """Every launch compiles for sm_90a (D 64 and 128, causal and not; the sweep's variants at D=64) with no
-    register spill and no serialized wgmma; the records printed (pytest -s) give ptxas's registers, the
-    partitions' setmaxnreg and the shared memory."""
+    """Every launch compiles for sm_90a (D 64 and 128, causal and not; the sweep's variants at D=64, EXP2_POLY's
+    after the default, against which their exp2 count) with no register spill and no serialized wgmma; the records
+    printed (pytest -s) give ptxas's registers, the partitions' setmaxnreg, the shared memory and the exp2s by
+    ex2 and by the polynomial."""
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "workflow"), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(VARIANTS)], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(VARIANTS + POLY_VARIANTS)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     print(done.stdout)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
-    assert done.stdout.count("compiled") == 2 * len(ah.HEAD_DIMS) + len(VARIANTS)
+    assert done.stdout.count("compiled") == 2 * len(ah.HEAD_DIMS) + len(VARIANTS) + len(POLY_VARIANTS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -330,9 +377,12 @@ def test_kernel_matches_fp64(B, S, H, D, causal, layout, assert_close):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("config", VARIANTS + [dict(BLOCK_M=128, BLOCK_N=128, STAGES=2)], ids=str)
+@pytest.mark.parametrize("config", VARIANTS + POLY_VARIANTS + [
+    dict(BLOCK_M=128, BLOCK_N=128, STAGES=2), dict(EXP2_POLY=128),
+    dict(BLOCK_N=64, CONSUMERS=3, STAGES=4, EXP2_POLY=16)], ids=str)
 def test_every_swept_launch_matches_fp64(config, causal, assert_close):
-    """The launches the row-14 sweep times (128 query rows a consumer too: it spills, but must be right)."""
+    """The launches the row-14 sweep times (128 query rows a consumer too: it spills, but must be right), every
+    exp2 by the polynomial, and an eighth of them at three consumers of 64 keys a slot."""
     q, k, v = _qkv(2, 1000, 3, 64, "packed", seed=1)
     _check(q, k, v, causal, assert_close, f"hopper_attention {config} causal={causal}", config=config)
 
@@ -340,15 +390,17 @@ def test_every_swept_launch_matches_fp64(config, causal, assert_close):
 @pytest.mark.gpu
 @needs_hopper
 def test_a_long_causal_sequence_matches_fp64(assert_close):
-    """B=1, S=8192, H=16, D=64 causal: the row-14 head shape at a length the fp64 reference can hold."""
+    """B=1, S=8192, H=16, D=64 causal: the row-14 head shape at a length the fp64 reference can hold (the
+    default launch and a half of the exp2s by the polynomial)."""
     q, k, v = _qkv(1, 8192, 16, 64, "packed", seed=2)
-    out = ah.hopper_attention(q, k, v, causal=True)
-    assert not torch.isnan(out).any()
-    for h in range(0, 16, 5):  # a few heads: the fp64 scores of one head are 0.5 GB
-        sl = slice(h, h + 1)
-        ref = ah.attention_reference_fp64(q[:, :, sl], k[:, :, sl], v[:, :, sl], causal=True)
-        assert_close(out[:, :, sl].float(), ref, atol=TOL[torch.float16][0], rtol=TOL[torch.float16][1],
-                     what=f"S=8192 head {h}")
+    for config in (None, dict(EXP2_POLY=64)):
+        out = ah.hopper_attention(q, k, v, causal=True, config=config)
+        assert not torch.isnan(out).any()
+        for h in range(0, 16, 5):  # a few heads: the fp64 scores of one head are 0.5 GB
+            sl = slice(h, h + 1)
+            ref = ah.attention_reference_fp64(q[:, :, sl], k[:, :, sl], v[:, :, sl], causal=True)
+            assert_close(out[:, :, sl].float(), ref, atol=TOL[torch.float16][0], rtol=TOL[torch.float16][1],
+                         what=f"S=8192 head {h} {config}")
 
 
 @pytest.mark.gpu
