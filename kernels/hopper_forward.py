@@ -15,6 +15,23 @@ L2 by TMA into a ring of NUM_SLOTS shared-memory slots that runs NUM_SLOTS tiles
 layers and sequences. Head dims are padded to HD (>= 16, a wgmma k step) and the FFN to a multiple of HD with zero
 weights, which changes no output bit of the unpadded math but the summation order.
 
+Split (`split=True`, off by default; causal sequences of SPLIT_MIN_SEQ_LEN to MAX_SEQ_LEN tokens): two 4-warp
+programs serve each sequence, program 2p + 0 its rows 0-63 and program 2p + 1 its rows 64-127, each with its own
+64-row residual stream and its own LayerNorms, projections, FFN and masks as above; both score 128 keys. Under the
+causal mask the first half's queries see only its own keys (its key rows 64-127 are zeros that the mask hides),
+so the first program never waits. It stores each head's k and v (the fp16 [64, HD] tiles it puts in shared
+memory, from the same registers) to a global scratch `split_scratch` ([B, layers, heads, 2, 64, HD] fp16, one
+slot per sequence: a first program running ahead overwrites nothing its second still reads), and after the next
+CTA barrier (the next head's, or the layer's last) one GPU-scope release exchange sets the sequence's flag to the
+count of heads published in its forward (layer * heads + heads done). The second program reads the flag (acquire
+load, spun on) only when the count it last saw is short of the head it needs, then copies the tiles into its key
+rows 0-63 by cp.async under its own projections, beside its own k and v (rows 64-127); once the sequence is done
+it sets the flag back to 0, so every launch starts from zeros: no epoch to carry, CUDA-graph replays included.
+Deadlock-free: the first program never waits, and a launch has at most as many programs as SMs, each SM holding at
+least one, so the program a second one waits on is resident. Gluon 3.6 launches clusters (`num_ctas`) only to
+spread tensors over CTAs by layout; it exposes no CTA rank in a cluster, no distributed shared memory and no
+cluster barrier, so the pair shares through L2.
+
 Operands fp16, accumulation and statistics fp32; masks exact (any valid-token mask, a sequence with no valid
 token included); the output in the caller's dtype.
 """
@@ -29,8 +46,9 @@ from ..model.reference import LAYER_NORM_EPS
 try:  # Gluon ships with Triton >= 3.5; without it (or without a Hopper GPU) `why_unsupported` says so
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_init, warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_init,
+                                                                  warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
@@ -41,6 +59,8 @@ MIN_HEAD_DIM = 16  # a wgmma k step for fp16: narrower heads are padded to it wi
 SMEM_BYTES = 216 * 1024  # shared memory one program may take (the H200 offers 227 KB per block)
 MAX_SLOTS = 16  # the weight ring's depth at most
 MIN_SLOTS = 4  # and at least: a head's q, k, v tiles are waited for while the previous head's out-projection's is held
+SPLIT_ROWS = 64  # rows of each program of a split pair: one warpgroup, the 64-row tile's code path
+SPLIT_MIN_SEQ_LEN = SPLIT_ROWS + 1  # a pair's second program holds a token (shorter: one 64-row program serves)
 # A layer's fp32 vectors, one row of `pack_weights`'s `vecs` in this order (the kernel's offsets follow it): read
 # from shared memory, where the next layer's are staged during each layer (an L2 load at each use stalled the math)
 VECTOR_ORDER = ("n1_w", "n1_b", "n2_w", "n2_b", "o_b", "out_b", "q_b", "in_b")
@@ -55,8 +75,15 @@ def head_dim_padded(head_dim: int) -> int:
     return -(-head_dim // MIN_HEAD_DIM) * MIN_HEAD_DIM
 
 
-def why_unsupported(seq_len: int, d_model: int, num_heads: int, ffn_dim: int) -> str | None:
-    """Why the Hopper forward cannot serve this shape (any device), or None: the one statement of its limits."""
+def why_unsupported(seq_len: int, d_model: int, num_heads: int, ffn_dim: int, *, causal: bool = True,
+                    split: bool = False) -> str | None:
+    """Why the Hopper forward (with `split`: its split variant) cannot serve this shape (any device), or None: the
+    one statement of its limits."""
+    if split and not causal:
+        return "the Hopper forward's split serves causal attention only (its first half reads no later key)"
+    if split and not SPLIT_MIN_SEQ_LEN <= seq_len <= MAX_SEQ_LEN:
+        return (f"the Hopper forward's split serves seq_len in [{SPLIT_MIN_SEQ_LEN}, {MAX_SEQ_LEN}] (two halves of "
+                f"{SPLIT_ROWS} rows), got {seq_len}")
     if gluon is None:
         return "the Hopper forward needs Triton's Gluon (triton >= 3.5)"
     if d_model not in D_MODELS:
@@ -102,7 +129,7 @@ def _vector_pad(d_model: int, num_heads: int, ffn_dim: int, hd: int) -> int:
 
 def _ring_slots(s_pad: int, hd: int, d_model: int, tiles_per_layer: int, v_pad: int) -> int:
     """Slots of the weight ring: as many [hd, d] fp16 tiles as fit in SMEM_BYTES beside k and v ([s_pad, hd] fp16
-    each) and two layers' vectors (fp32), at most MAX_SLOTS and at most a layer's tiles."""
+    each, s_pad the keys) and two layers' vectors (fp32), at most MAX_SLOTS and at most a layer's tiles."""
     return min(MAX_SLOTS, tiles_per_layer, (SMEM_BYTES - 4 * s_pad * hd - 8 * v_pad) // (2 * hd * d_model))
 
 
@@ -155,12 +182,34 @@ def pack_weights(layers: list[dict], final: tuple, num_heads: int, operand_dtype
     return out
 
 
-def forward_from_stream(x, w, *, num_heads, causal, mask=None, eps=LAYER_NORM_EPS):
+def _split_attention(q, k, v, valid, scale):
+    """One head's attention over a causal sequence as a split pair computes it: the first program's rows (0 to
+    SPLIT_ROWS - 1) against its own keys and SPLIT_ROWS zero keys (masked), the second's against the first's k and
+    v (published) beside its own: [B, S, HD]."""
+    B, S = valid.shape
+    r = SPLIT_ROWS
+    pos = torch.arange(2 * r, device=q.device)
+    key_ok = torch.nn.functional.pad(valid, (0, 2 * r - S))  # keys past the sequence: invalid
+    zeros = k.new_zeros(B, r, k.shape[-1])  # the first program's key rows r to 2r - 1
+    out = []
+    for rows, keys, vals in ((slice(0, r), torch.cat([k[:, :r], zeros], 1), torch.cat([v[:, :r], zeros], 1)),
+                             (slice(r, S), k, v)):  # the second's keys: the scratch's rows, then its own
+        n = keys.shape[1]
+        vis = key_ok[:, None, :n] & (pos[None, None, :n] <= pos[rows][None, :, None])
+        s = (q[:, rows] @ keys.transpose(1, 2) * scale).masked_fill(~vis, float("-inf"))
+        out.append(torch.softmax(s, -1).nan_to_num(0.0) @ vals)
+    return torch.cat(out, 1)
+
+
+def forward_from_stream(x, w, *, num_heads, causal, mask=None, eps=LAYER_NORM_EPS, split=False):
     """The forward computed in fp64 from `pack_weights`'s layout, tile by tile in the kernel's order (padded heads
-    and FFN chunks included): what the kernel computes, up to its fp16 operands and summation order."""
+    and FFN chunks included): what the kernel computes, up to its fp16 operands and summation order. `split`: each
+    head's attention as a split pair computes it (`_split_attention`; causal, SPLIT_MIN_SEQ_LEN <= S <= 128)."""
     B, S, d = x.shape
     hd = d // num_heads
     L, hdp = w["o_b"].shape[0], head_dim_padded(hd)
+    if split and (not causal or not SPLIT_MIN_SEQ_LEN <= S <= MAX_SEQ_LEN):
+        raise ValueError(f"forward_from_stream: {why_unsupported(S, d, num_heads, 0, causal=causal, split=True)}")
     tiles = w["stream"].double().view(L, -1, hdp, d)
     chunks = (tiles.shape[1] - 4 * num_heads) // 2
     valid = torch.ones(B, S, dtype=torch.bool, device=x.device) if mask is None else mask
@@ -175,8 +224,11 @@ def forward_from_stream(x, w, *, num_heads, causal, mask=None, eps=LAYER_NORM_EP
         for head in range(num_heads):
             q, k, v = (n1 @ t[4 * head + j].t() for j in range(3))
             q = q + q_b[head]
-            s = (q @ k.transpose(1, 2) * hd**-0.5).masked_fill(~visible, float("-inf"))
-            o = torch.softmax(s, -1).nan_to_num(0.0) @ v
+            if split:
+                o = _split_attention(q, k, v, valid, hd**-0.5)
+            else:
+                s = (q @ k.transpose(1, 2) * hd**-0.5).masked_fill(~visible, float("-inf"))
+                o = torch.softmax(s, -1).nan_to_num(0.0) @ v
             h = h + o @ t[4 * head + 3]
         h = h + w["o_b"][i].double()
         n2 = ln(h, (d,), w["n2_w"][i].double(), w["n2_b"][i].double(), eps)
@@ -260,27 +312,72 @@ if gluon is not None:
                                                 ring.index(slot))
 
     @gluon.jit
+    def _kv_offsets(ROWS: gl.constexpr, HD: gl.constexpr, layout: gl.constexpr):
+        """Offsets of a [ROWS, HD] scratch tile's elements (row-major) in `layout`."""
+        return (gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)), 1) * HD
+                + gl.expand_dims(gl.arange(0, HD, layout=gl.SliceLayout(0, layout)), 0))
+
+    @gluon.jit
+    def _publish(t, dst, ROWS: gl.constexpr, HD: gl.constexpr, layout: gl.constexpr):
+        """A split pair's first program: its fp16 k or v [ROWS, HD] in `layout` (a head's, in registers as it is
+        stored to shared memory: no registers beyond it) to the scratch tile at dst."""
+        gl.store(dst + _kv_offsets(ROWS, HD, layout), t)
+
+    @gluon.jit
+    def _copy_published(k_s, v_s, src, ROWS: gl.constexpr, HD: gl.constexpr, layout: gl.constexpr):
+        """A split pair's second program: the scratch tile pair at src (k, v; published: the caller's acquire) into
+        rows 0 to ROWS - 1 of k_s and v_s, copied asynchronously (cp.async, 16 bytes, bypassing L1: no registers
+        hold the tiles) as one group; the caller waits for the group before its barrier."""
+        offs = _kv_offsets(ROWS, HD, layout)
+        async_copy.async_copy_global_to_shared(k_s.slice(0, ROWS), src + offs, cache_modifier=".cg")
+        async_copy.async_copy_global_to_shared(v_s.slice(0, ROWS), src + ROWS * HD + offs, cache_modifier=".cg")
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _release(flag, heads):
+        """Set a split pair's flag to the count of heads published: GPU-scope release, after a CTA barrier that
+        follows every warp's scratch stores (cumulative: those stores are visible to whoever acquires it)."""
+        gl.atomic_xchg(flag, heads, sem="release", scope="gpu")
+
+    @gluon.jit
+    def _acquire(flag, need):
+        """A split pair's second program: the flag's count of heads published, spun on (GPU-scope acquire) until it
+        reaches `need`; the scratch tiles of every head below the count are then visible."""
+        seen = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+        while seen < need:
+            seen = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+        return seen
+
+    @gluon.jit
     def _hopper_forward_fwd(
         X, Y, Mask,  # [B, S, d] input (any float dtype), [B, S, d] output, int8 [B, S] valid tokens (HAS_MASK)
         w_desc,  # TMA descriptor of the weight stream [L * tiles * HD, d] fp16, block [HD, d]
         VEC, NFw, NFb,  # fp32: [L, V_PAD] layer vectors (pack_weights' vecs), the final norm's weight and bias
         batch, seq_len, num_layers, qk_scale, eps,  # qk_scale = head_dim**-0.5 * log2(e)
         stride_xb, stride_xs, stride_yb, stride_ys, stride_mb,
+        KV, Flags,  # SPLIT: fp16 [B, L, NUM_HEADS, 2, S_PAD, HD] k, v of first halves; int32 [B] heads published
         S_PAD: gl.constexpr, D: gl.constexpr, HD: gl.constexpr, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr,
         NUM_SLOTS: gl.constexpr, V_PAD: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_MASK: gl.constexpr,
-        OVERLAP: gl.constexpr, PIPELINE: gl.constexpr, num_warps: gl.constexpr,
+        OVERLAP: gl.constexpr, PIPELINE: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr,
     ):
-        # accumulators: residual/out-projection [S_PAD, D], per-head [S_PAD, HD], scores [S_PAD, S_PAD]
+        # keys a program scores: its own rows', or with SPLIT the whole (two-halves) sequence's
+        if SPLIT:
+            KEYS: gl.constexpr = 2 * S_PAD
+        else:
+            KEYS: gl.constexpr = S_PAD
+        # accumulators: residual/out-projection [S_PAD, D], per-head [S_PAD, HD], scores [S_PAD, KEYS]
         L_D: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, D, 16])
         L_H: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, HD, 16])
         L_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, S_PAD, 16])
+                                                      instr_shape=[16, KEYS, 16])
         A_H: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_H, k_width=2)  # -> [S, HD] products
         A_D: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_D, k_width=2)  # -> [S, D] products
         A_S: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_S, k_width=2)  # -> scores
-        KV_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([S_PAD, HD], gl.float16)
+        KV_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HD], gl.float16)
+        # SPLIT's scratch tiles [S_PAD, HD] fp16 in 16-byte vectors, a warp's lanes along a row first
+        L_KV: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HD, HD // 8], [num_warps, 1], [1, 0])
         TILES: gl.constexpr = 4 * NUM_HEADS + 2 * F_CHUNKS
         # heads up to 32 wide: the next head's q, k, v accumulators (48 registers) fit beside this head's scores
         PIPE_HEADS: gl.constexpr = PIPELINE and HD <= 32
@@ -299,14 +396,18 @@ if gluon is not None:
 
         ring = gl.allocate_shared_memory(gl.float16, [NUM_SLOTS, HD, D], w_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
-        k_s = gl.allocate_shared_memory(gl.float16, [S_PAD, HD], KV_LAYOUT)
-        v_s = gl.allocate_shared_memory(gl.float16, [S_PAD, HD], KV_LAYOUT)
+        k_s = gl.allocate_shared_memory(gl.float16, [KEYS, HD], KV_LAYOUT)
+        v_s = gl.allocate_shared_memory(gl.float16, [KEYS, HD], KV_LAYOUT)
         vec_s = gl.allocate_shared_memory(gl.float32, [2, V_PAD], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(NUM_SLOTS):
             mbarrier.init(bars.index(i), count=1)
 
         pid = gl.program_id(0)
         programs = gl.num_programs(0)
+        if SPLIT:  # programs 2p, 2p + 1: pair p, each its half of the pair's sequences; below pid is the pair's
+            half = pid % 2
+            pid = pid // 2
+            programs = programs // 2
         tiles_per_forward = num_layers * TILES
         total = gl.cdiv(batch - pid, programs) * tiles_per_forward  # tiles this program consumes
         for i in gl.static_range(NUM_SLOTS):  # the ring's first fill
@@ -317,19 +418,26 @@ if gluon is not None:
 
         v_offs = gl.arange(0, V_PAD, layout=L_V)
         vec_s.index(0).store(gl.load(VEC + v_offs))  # layer 0's vectors; each layer stages the next one's
+        if SPLIT:
+            if half == 0:  # its key rows S_PAD.. stay zero: masked, and finite for p @ v
+                k_s.slice(S_PAD, S_PAD).store(gl.zeros([S_PAD, HD], gl.float16, L_KV))
+                v_s.slice(S_PAD, S_PAD).store(gl.zeros([S_PAD, HD], gl.float16, L_KV))
         gl.thread_barrier()
 
         rows = gl.arange(0, S_PAD, layout=gl.SliceLayout(1, L_D))
         cols = gl.arange(0, D, layout=L_COL)
         hcols = gl.arange(0, HD, layout=H_COL)
         q_rows = gl.arange(0, S_PAD, layout=gl.SliceLayout(1, L_S))
-        keys = gl.arange(0, S_PAD, layout=gl.SliceLayout(0, L_S))
+        keys = gl.arange(0, KEYS, layout=gl.SliceLayout(0, L_S))
+        if SPLIT:  # this program's rows: positions half * S_PAD.. of the sequence
+            rows = rows + half * S_PAD
+            q_rows = q_rows + half * S_PAD
         row_in = rows < seq_len
         key_in = keys < seq_len
         tile_in = gl.expand_dims(row_in, 1) & gl.expand_dims(cols < D, 0)
 
         zeros_h = gl.zeros([S_PAD, HD], gl.float32, L_H)
-        zeros_s = gl.zeros([S_PAD, S_PAD], gl.float32, L_S)
+        zeros_s = gl.zeros([S_PAD, KEYS], gl.float32, L_S)
         g = 0  # stream tiles whose wgmma has been issued
         for b in range(pid, batch, programs):
             first = g  # this sequence's first tile
@@ -344,6 +452,9 @@ if gluon is not None:
             visible = gl.expand_dims(key_ok, 0) & gl.expand_dims(q_rows >= 0, 1)
             if IS_CAUSAL:
                 visible = visible & (gl.expand_dims(keys, 0) <= gl.expand_dims(q_rows, 1))
+            if SPLIT:
+                flag = Flags + b
+                seen = pid * 0  # heads of this sequence the second program knows published
             for layer in range(num_layers):
                 # the vectors of the layer after this one (the next sequence's first after the last), loaded now
                 # and staged in the other buffer at the layer's end; the buffer: the parity of layers run so far
@@ -360,13 +471,38 @@ if gluon is not None:
                 for head in range(NUM_HEADS):
                     b_q = gl.load(VEC + layer * V_PAD + QB + head * HD + hcols)  # arrives under the projections
                     lo = gl.where(head > 0, g - 1, g)  # the previous head's out-projection's tile, where there is one
+                    if SPLIT:  # this head's scratch tiles
+                        kv_tile = KV + ((b64 * num_layers + layer) * NUM_HEADS + head) * (2 * S_PAD * HD)
+                        if half == 1:  # published (waited for where not yet seen), copied under the projections
+                            need = layer * NUM_HEADS + head + 1
+                            if seen < need:
+                                seen = _acquire(flag, need)
+                            gl.thread_barrier()  # every warp is past the previous head's reads of k_s and v_s
+                            _copy_published(k_s, v_s, kv_tile, S_PAD, HD, L_KV)
                     if HD >= 128:  # q, k, v accumulators at once (192 registers) beside the residual spill:
                         # k, v, then q, each waited for alone
                         k = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, False)
-                        v = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, False)
-                        gl.thread_barrier()  # every warp is past the previous head's reads of k_s and v_s
-                        k_s.store(k.to(gl.float16))
-                        v_s.store(v.to(gl.float16))
+                        if SPLIT:  # k stored before v is projected: one [64, HD] fp32 tile at a time beside x
+                            gl.thread_barrier()  # every warp is past the previous head's reads of k_s and v_s
+                            if (half == 0) & (head > 0):  # every warp's stores of the previous head's tiles done
+                                _release(flag, layer * NUM_HEADS + head)
+                            if half == 0:
+                                k_s.slice(0, S_PAD).store(k.to(gl.float16))
+                                _publish(k.to(gl.float16), kv_tile, S_PAD, HD, L_H)
+                            else:
+                                k_s.slice(S_PAD, S_PAD).store(k.to(gl.float16))
+                            v = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, False)
+                            if half == 0:
+                                v_s.slice(0, S_PAD).store(v.to(gl.float16))
+                                _publish(v.to(gl.float16), kv_tile + S_PAD * HD, S_PAD, HD, L_H)
+                            else:
+                                v_s.slice(S_PAD, S_PAD).store(v.to(gl.float16))
+                            async_copy.wait_group(0)  # the first half's rows landed (the second program)
+                        else:
+                            v = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, False)
+                            gl.thread_barrier()  # every warp is past the previous head's reads of k_s and v_s
+                            k_s.store(k.to(gl.float16))
+                            v_s.store(v.to(gl.float16))
                         fence_async_shared()  # the stores above before the wgmma reads below (async proxy)
                         q = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, False)
                         g += 3
@@ -385,8 +521,21 @@ if gluon is not None:
                         # every warp is past the previous head's probs @ v and out-projection: k_s, v_s and the
                         # consumed tiles' slots (q, k, v; the previous head's out-projection) are free
                         _refill_last(w_desc, ring, bars, g, 4, lo, first, total, tiles_per_forward, HD, NUM_SLOTS)
-                        k_s.store(k.to(gl.float16))
-                        v_s.store(v.to(gl.float16))
+                        if SPLIT:
+                            if (half == 0) & (head > 0):  # every warp's stores of the previous head's tiles done
+                                _release(flag, layer * NUM_HEADS + head)
+                            if half == 0:
+                                k_s.slice(0, S_PAD).store(k.to(gl.float16))
+                                v_s.slice(0, S_PAD).store(v.to(gl.float16))
+                                _publish(k.to(gl.float16), kv_tile, S_PAD, HD, L_H)
+                                _publish(v.to(gl.float16), kv_tile + S_PAD * HD, S_PAD, HD, L_H)
+                            else:
+                                k_s.slice(S_PAD, S_PAD).store(k.to(gl.float16))
+                                v_s.slice(S_PAD, S_PAD).store(v.to(gl.float16))
+                            async_copy.wait_group(0)  # the first half's rows landed (the second program)
+                        else:
+                            k_s.store(k.to(gl.float16))
+                            v_s.store(v.to(gl.float16))
                         fence_async_shared()  # the stores above before the wgmma reads below (async proxy)
                         gl.thread_barrier()  # every warp's rows of k and v written
                     q = (q + gl.expand_dims(b_q, 0)).to(gl.float16)
@@ -413,7 +562,11 @@ if gluon is not None:
                     # complete: the loop carries x as a tensor, not as a wgmma in flight
                     x = _tile_mma(gl.convert_layout(o, A_D), ring, bars, g, x, False, True, NUM_SLOTS, False)
                     g += 1
-                _refill_last(w_desc, ring, bars, g, 1, 0, first, total, tiles_per_forward, HD, NUM_SLOTS)  # out-projection
+                # the out-projection's tile
+                _refill_last(w_desc, ring, bars, g, 1, 0, first, total, tiles_per_forward, HD, NUM_SLOTS)
+                if SPLIT:
+                    if half == 0:  # the refill's barrier follows every warp's stores of the last head's tiles
+                        _release(flag, (layer + 1) * NUM_HEADS)
                 x = x + gl.expand_dims(_vec(vecs, OB, D, L_COL), 0)
                 h = _layer_norm(x, _vec(vecs, N2W, D, L_COL), _vec(vecs, N2B, D, L_COL), D, eps).to(gl.float16)
                 h = gl.convert_layout(h, A_H)
@@ -433,12 +586,16 @@ if gluon is not None:
                         t = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, OVERLAP)
                         g += 1
                 x = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
-                _refill_last(w_desc, ring, bars, g, 1, 0, first, total, tiles_per_forward, HD, NUM_SLOTS)  # out-projection
+                # the out-projection's tile
+                _refill_last(w_desc, ring, bars, g, 1, 0, first, total, tiles_per_forward, HD, NUM_SLOTS)
                 x = x + gl.expand_dims(_vec(vecs, OUTB, D, L_COL), 0)
                 x = gl.where(gl.expand_dims(row_ok, 1), x, 0.0)
                 # every warp is past this layer's last read of the other buffer (the refill's barrier above)
                 vec_s.index(1 - parity).store(upcoming)
                 gl.thread_barrier()
+            if SPLIT:
+                if half == 1:  # every head seen (the count is final): the flag back to 0 for the next launch
+                    gl.atomic_xchg(flag, 0, sem="relaxed", scope="gpu")
             y = _layer_norm(x, gl.load(NFw + cols), gl.load(NFb + cols), D, eps)
             y = gl.where(gl.expand_dims(row_ok, 1), y, 0.0)
             gl.store(Y + b64 * stride_yb + gl.expand_dims(rows, 1) * stride_ys + gl.expand_dims(cols, 0),
@@ -450,14 +607,17 @@ if gluon is not None:
 # ----------------------------------------------------------------------------------------------
 # Launcher and public function
 # ----------------------------------------------------------------------------------------------
-def launch_config(seq_len: int, d_model: int, num_heads: int, ffn_dim: int) -> dict:
-    """The kernel's compile-time shape for this model shape: S_PAD, HD, F_CHUNKS, NUM_SLOTS, V_PAD, num_warps."""
+def launch_config(seq_len: int, d_model: int, num_heads: int, ffn_dim: int, split: bool = False) -> dict:
+    """The kernel's compile-time shape for this model shape: S_PAD (a program's rows), HD, F_CHUNKS, NUM_SLOTS,
+    V_PAD, SPLIT, num_warps. With `split` a program holds SPLIT_ROWS rows and scores all 128 keys (k and v take
+    shared memory for 128 rows, as without it)."""
     hd = head_dim_padded(d_model // num_heads)
-    s_pad = _seq_pad(seq_len)
+    keys = _seq_pad(seq_len)
+    s_pad = SPLIT_ROWS if split else keys
     v_pad = _vector_pad(d_model, num_heads, ffn_dim, hd)
     return {"S_PAD": s_pad, "HD": hd, "F_CHUNKS": -(-ffn_dim // hd),
-            "NUM_SLOTS": _ring_slots(s_pad, hd, d_model, stream_tiles(num_heads, ffn_dim, hd), v_pad),
-            "V_PAD": v_pad, "num_warps": s_pad // 16}
+            "NUM_SLOTS": _ring_slots(keys, hd, d_model, stream_tiles(num_heads, ffn_dim, hd), v_pad),
+            "V_PAD": v_pad, "SPLIT": bool(split), "num_warps": s_pad // 16}
 
 
 def weight_descriptor(stream: torch.Tensor, hd: int):
@@ -467,31 +627,47 @@ def weight_descriptor(stream: torch.Tensor, hd: int):
     return TensorDescriptor(stream, list(stream.shape), list(stream.stride()), [hd, d], layout)
 
 
-def programs_for(batch: int, device) -> int:
-    """Persistent programs of one launch: one per SM (a program takes most of an SM's shared memory)."""
-    return max(1, min(batch, torch.cuda.get_device_properties(device).multi_processor_count))
+def programs_for(batch: int, device, split: bool = False) -> int:
+    """Persistent programs of one launch: one per SM (a program takes most of an SM's shared memory); with `split`
+    two per sequence, in pairs, at most as many as SMs (a pair's second program waits on its first: both
+    resident)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if split:
+        return 2 * max(1, min(batch, sms // 2))
+    return max(1, min(batch, sms))
+
+
+def split_scratch(batch: int, num_layers: int, num_heads: int, hd: int, device) -> dict:
+    """The split variant's global scratch: `kv` fp16 [B, L, heads, 2, SPLIT_ROWS, hd] (each first half's k and v
+    per layer and head: one slot per sequence, so a first program running ahead overwrites nothing its second
+    still reads) and `flags` int32 [B] (heads published), zero. A launch leaves every flag at zero again: the same
+    scratch serves launch after launch (CUDA-graph replays included), one launch at a time."""
+    return {"kv": torch.empty(batch, num_layers, num_heads, 2, SPLIT_ROWS, hd, dtype=torch.float16, device=device),
+            "flags": torch.zeros(batch, dtype=torch.int32, device=device)}
 
 
 def hopper_forward(x, w, *, num_heads, causal, mask=None, out=None, desc=None, programs=None, overlap=True,
-                   pipeline=False):
+                   pipeline=False, split=False, scratch=None):
     """The whole forward over `x [B, S, d]` with `pack_weights`'s weights `w`: [B, S, d] in x's dtype (or into
     `out`), invalid rows 0. `desc`: the stream's `weight_descriptor` (built here when None); `programs`: persistent
     programs (default one per SM); `overlap`: a head's q, k, v projections (and an FFN chunk's out-projection with
     the next chunk's in-projection) issued back to back before one wait, else each waited for alone; `pipeline`: a
     head's q, k, v projections issued under the previous head's softmax (heads up to 32 wide; measured before it
-    becomes the default: docs/decisions.md#hopper-head-pipeline)."""
+    becomes the default: docs/decisions.md#hopper-head-pipeline); `split`: two 4-warp programs per sequence, rows
+    0-63 and 64-127 (causal, SPLIT_MIN_SEQ_LEN <= S <= 128; the module's docstring), `programs` then even and at
+    most the SMs, `scratch` its `split_scratch` (allocated here when None; reused, one launch at a time)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.stride(-1) != 1:
         raise ValueError(f"hopper_forward: x must be a [B, S, d] tensor with unit stride along d, got "
                          f"{tuple(getattr(x, 'shape', ()))}")
     B, S, d = x.shape
     L = w["o_b"].shape[0]
     ffn = w["in_b"].shape[1]  # padded: the same chunks as the real width
-    why = why_unsupported(S, d, num_heads, ffn)
+    why = why_unsupported(S, d, num_heads, ffn, causal=bool(causal), split=bool(split))
     if why:
         raise ValueError(f"hopper_forward: {why}")
     if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] != 9:
         raise ValueError(f"hopper_forward: needs a Hopper GPU (sm_90), got {x.device}")
-    cfg = launch_config(S, d, num_heads, ffn)
+    cfg = launch_config(S, d, num_heads, ffn, split=bool(split))
     stream = w["stream"]
     if stream.dtype != torch.float16 or stream.shape != (L * stream_tiles(num_heads, ffn, cfg["HD"]) * cfg["HD"], d):
         raise ValueError(f"hopper_forward: the weight stream must be fp16 [{L} layers * tiles * {cfg['HD']}, {d}] "
@@ -510,16 +686,30 @@ def hopper_forward(x, w, *, num_heads, causal, mask=None, out=None, desc=None, p
     if mask is not None and m.stride(-1) != 1:
         m = m.contiguous()
     desc = desc if desc is not None else weight_descriptor(stream, cfg["HD"])
-    programs = programs or programs_for(B, x.device)
+    programs = programs or programs_for(B, x.device, bool(split))
+    kv = flags = out  # not read without split
+    if split:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        if programs % 2 or programs > sms:
+            raise ValueError(f"hopper_forward: split runs programs in pairs, all resident: an even count of at most "
+                             f"{sms} (the SMs), got {programs}")
+        scratch = scratch if scratch is not None else split_scratch(B, L, num_heads, cfg["HD"], x.device)
+        kv, flags = scratch["kv"], scratch["flags"]
+        want = (L, num_heads, 2, SPLIT_ROWS, cfg["HD"])
+        if (kv.dtype != torch.float16 or tuple(kv.shape[1:]) != want or kv.shape[0] < B or not kv.is_contiguous()
+                or flags.dtype != torch.int32 or flags.numel() < B or not flags.is_contiguous()
+                or kv.device != x.device or flags.device != x.device):
+            raise ValueError(f"hopper_forward: scratch must be split_scratch's: kv fp16 [>= {B}, "
+                             f"{', '.join(map(str, want))}], flags int32 [>= {B}] on {x.device}")
     _hopper_forward_fwd[(programs,)](
         x, out, m, desc, w["vecs"], w["final_w"], w["final_b"], B, S, L,
         (d // num_heads) ** -0.5 * math.log2(math.e), LAYER_NORM_EPS,
-        x.stride(0), x.stride(1), out.stride(0), out.stride(1), m.stride(0) if mask is not None else 0,
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1), m.stride(0) if mask is not None else 0, kv, flags,
         S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=num_heads, F_CHUNKS=cfg["F_CHUNKS"],
         NUM_SLOTS=cfg["NUM_SLOTS"], V_PAD=cfg["V_PAD"], IS_CAUSAL=bool(causal), HAS_MASK=mask is not None,
-        OVERLAP=bool(overlap), PIPELINE=bool(pipeline), num_warps=cfg["num_warps"],
+        OVERLAP=bool(overlap), PIPELINE=bool(pipeline), SPLIT=bool(split), num_warps=cfg["num_warps"],
     )
     return out
 
 
-__all__ = ["forward_from_stream", "hopper_forward", "pack_weights", "why_unsupported"]
+__all__ = ["forward_from_stream", "hopper_forward", "pack_weights", "split_scratch", "why_unsupported"]

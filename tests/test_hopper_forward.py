@@ -1,6 +1,7 @@
 """kernels/hopper_forward.py and route `hopper`: the weight stream's layout (CPU: the forward computed from the packed
-tiles equals an fp64 forward written independently of it, padded heads and FFN chunks included), the kernel's limits,
-its sm_90 build (offline, no GPU), and on an H200 the kernel and the route against fp64 on every mask kind."""
+tiles equals an fp64 forward written independently of it, padded heads and FFN chunks included; so does the split
+variant's order of it, two halves of a causal sequence), the kernel's limits, its sm_90 build (offline, no GPU), and
+on an H200 the kernel (split too) and the route against fp64 on every mask kind."""
 
 import os
 import subprocess
@@ -22,6 +23,9 @@ CUDA = torch.cuda.is_available()
 # head width; S short, odd and at the tile's 128 rows
 SHAPES = [(3, 17, 32, 4, 32, 2), (2, 20, 64, 2, 96, 2), (2, 9, 32, 1, 40, 1), (2, 12, 64, 8, 64, 2),
           (2, 5, 32, 2, 24, 1)]
+# the split variant's (causal, 65 <= S <= 128): the second half one token, ragged, full; heads 16, 16 (8 padded),
+# 32, 64 wide
+SPLIT_SHAPES = [(2, 65, 32, 2, 48, 2), (2, 100, 32, 4, 40, 1), (3, 128, 64, 2, 64, 2), (2, 97, 64, 1, 32, 1)]
 
 
 def _packed(model, cfg, operand_dtype=torch.float64):
@@ -45,6 +49,43 @@ def test_the_stream_computes_the_reference_forward(shape, causal, mask_kind):
     cfg, ref, x, mask, want = _case(shape, causal, mask_kind)
     got = hf.forward_from_stream(x.double(), _packed(ref, cfg), num_heads=cfg.num_heads, causal=causal, mask=mask)
     assert (got - want).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_split_order_computes_the_reference_forward(shape, mask_kind):
+    """Two halves of 64 rows, the first against its own keys and 64 zero keys, the second against the first's
+    k and v beside its own: the causal forward exactly."""
+    cfg, ref, x, mask, want = _case(shape, True, mask_kind)
+    got = hf.forward_from_stream(x.double(), _packed(ref, cfg), num_heads=cfg.num_heads, causal=True, mask=mask,
+                                 split=True)
+    assert (got - want).abs().max().item() < 1e-12
+
+
+def test_split_limits_are_named_in_one_place():
+    assert "causal" in hf.why_unsupported(128, 128, 4, 128, causal=False, split=True)
+    for s in (64, 1, 129):
+        assert "seq_len in [65, 128]" in hf.why_unsupported(s, 128, 4, 128, split=True)
+    assert hf.why_unsupported(65, 128, 4, 128, split=True) is None
+    assert hf.why_unsupported(64, 128, 4, 128) is None  # the default serves it
+    cfg, ref, x, _, _ = _case((1, 64, 32, 2, 32, 1), True, "none")
+    with pytest.raises(ValueError, match="seq_len in"):
+        hf.forward_from_stream(x.double(), _packed(ref, cfg), num_heads=2, causal=True, split=True)
+    with pytest.raises(ValueError, match="causal"):  # before any device check
+        hf.hopper_forward(x, _packed(ref, cfg, torch.float16), num_heads=2, causal=False, split=True)
+
+
+@pytest.mark.parametrize("args", [(128, 128, 4, 128), (128, 128, 1, 128), (128, 128, 2, 128), (65, 32, 4, 32)])
+def test_the_split_launch_is_two_warpgroups_of_the_same_shared_memory(args):
+    """A split program: 64 rows, 4 warps, scoring 128 keys: k and v of 128 rows, so the ring of the 128-row launch."""
+    one, split = hf.launch_config(*args), hf.launch_config(*args, split=True)
+    assert split["S_PAD"] == hf.SPLIT_ROWS == 64 and split["num_warps"] == 4 and split["SPLIT"]
+    assert {k: v for k, v in split.items() if k not in ("S_PAD", "num_warps", "SPLIT")} == \
+        {k: v for k, v in one.items() if k not in ("S_PAD", "num_warps", "SPLIT")}
+    assert one["S_PAD"] == 128 and not one["SPLIT"]
+    scratch = hf.split_scratch(3, 4, args[2], split["HD"], "cpu")
+    assert scratch["kv"].shape == (3, 4, args[2], 2, 64, split["HD"]) and scratch["kv"].dtype == torch.float16
+    assert scratch["flags"].dtype == torch.int32 and not scratch["flags"].any()
 
 
 def test_padding_is_zero_and_the_stream_is_tile_ordered():
@@ -98,14 +139,18 @@ def test_the_launch_fits_shared_memory(args):
 
 
 COMPILE = textwrap.dedent('''
+    from benchmarks.attention_registers import usage
     from benchmarks.hopper_sass import TMA_LOAD, compile_hopper
     from shapewise.kernels import hopper_forward as hf
 
-    for S, d, H, F, causal, masked, pipeline in (
-            (128, 128, 4, 128, True, True, False), (128, 128, 1, 128, True, False, False),
-            (32, 128, 16, 128, False, True, False), (128, 32, 4, 32, True, True, False),
-            (128, 128, 4, 128, True, True, True)):
-        k, cfg = compile_hopper(S, d, H, F, causal, masked, pipeline)
+    for S, d, H, F, causal, masked, pipeline, split in (
+            (128, 128, 4, 128, True, True, False, False), (128, 128, 1, 128, True, False, False, False),
+            (32, 128, 16, 128, False, True, False, False), (128, 32, 4, 32, True, True, False, False),
+            (128, 128, 4, 128, True, True, True, False),
+            # the split variant at official rows 1, 9, 10 (4, 1, 2 heads)
+            (128, 128, 4, 128, True, True, False, True), (128, 128, 1, 128, True, True, False, True),
+            (128, 128, 2, 128, True, True, False, True)):
+        k, cfg = compile_hopper(S, d, H, F, causal, masked, pipeline, split)
         ptx = k.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, (S, d, H)
         assert k.metadata.shared <= 227 * 1024, (S, d, H, k.metadata.shared)
@@ -114,6 +159,12 @@ COMPILE = textwrap.dedent('''
         # no refill is a loop over a tile count carried from sequence to sequence
         loads = k.asm["ttgir"].count(TMA_LOAD)
         assert loads == cfg["NUM_SLOTS"] + 4 + 1 + 2 * cfg["F_CHUNKS"], (S, d, H, loads)
+        if split:  # the pair's protocol: release exchange, acquire load (GPU scope), the first half's tiles by cp.async
+            assert "atom.global.gpu.release.exch" in ptx and "ld.global.gpu.acquire" in ptx, (S, d, H)
+            assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx, (S, d, H)
+            use = usage(k, cfg["num_warps"])
+            assert cfg["num_warps"] == 4 and use["spill_store_bytes"] == 0, (S, d, H, use)
+            print("split", S, d, H, F, use)
         print("compiled", S, d, H, F, k.metadata.shared)
 ''')
 
@@ -125,7 +176,7 @@ def test_the_kernel_builds_for_sm90_with_wgmma_and_tma():
     done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("compiled") == 5
+    assert done.stdout.count("compiled") == 8 and done.stdout.count("split") == 3
 
 
 # ----------------------------------------------------------------------------------------------
@@ -172,6 +223,79 @@ def test_pipelined_heads_match_fp64(shape, causal, mask_kind):
         got = hf.hopper_forward(xc, packed, num_heads=cfg.num_heads, causal=causal, mask=mc, out=out,
                                 programs=programs, pipeline=True)
         check_official(want.float(), got.cpu(), f"pipelined {shape} causal={causal} {mask_kind} {programs}")
+
+
+# the split variant on an H200: the CPU's split shapes and official rows 1, 9, 10 (64 sequences, 4/1/2 heads)
+SPLIT_GPU_SHAPES = SPLIT_SHAPES + [(64, 128, 128, 4, 128, 4), (64, 128, 128, 1, 128, 4), (64, 128, 128, 2, 128, 4)]
+
+
+def _split_case(shape, mask_kind):
+    cfg, ref, x, mask, want = _case(shape, True, mask_kind)
+    packed = {k: v.cuda() for k, v in _packed(ref, cfg, torch.float16).items()}
+    scratch = hf.split_scratch(cfg.batch_size, cfg.num_layers, cfg.num_heads, hf.head_dim_padded(cfg.head_dim), "cuda")
+    return cfg, x.cuda(), None if mask is None else mask.cuda(), want, packed, scratch
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("shape", SPLIT_GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_split_matches_fp64(shape, mask_kind):
+    """Two programs a sequence against fp64, launched twice on one scratch: each launch leaves every flag at 0, so
+    the second reads no count of the first."""
+    cfg, xc, mc, want, packed, scratch = _split_case(shape, mask_kind)
+    for launch in range(2):
+        out = torch.full_like(xc, float("nan"))  # poisoned: every element must be written
+        got = hf.hopper_forward(xc, packed, num_heads=cfg.num_heads, causal=True, mask=mc, out=out, split=True,
+                                scratch=scratch)
+        check_official(want.float(), got.cpu(), f"split {shape} {mask_kind} launch {launch}")
+        rel = ((got.cpu().double() - want).norm() / want.norm()).item()
+        assert rel < 3e-3, rel
+        assert not scratch["flags"].any()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("programs", [2, 8, None])
+def test_split_pairs_run_across_sequences_and_launches(programs):
+    """More sequences than pairs (3 a pair; 200 on the default pairs, one per two SMs), launch after launch on one
+    scratch and in a replayed CUDA graph: the same output bits each time, against fp64."""
+    shape = (3 * programs // 2 if programs else 200, 100, 64, 2, 64, 3)
+    cfg, xc, mc, want, packed, scratch = _split_case(shape, "holes")
+
+    def run():
+        return hf.hopper_forward(xc, packed, num_heads=2, causal=True, mask=mc, split=True, scratch=scratch,
+                                 programs=programs)
+
+    first = run()
+    check_official(want.float(), first.cpu(), f"split across sequences, {programs} programs")
+    for _ in range(3):
+        assert torch.equal(run(), first)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # warm: compiled before capture
+        with torch.cuda.graph(graph, stream=stream):
+            y = run()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        y.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, first) and not scratch["flags"].any()
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_split_launches_are_pairs_all_resident():
+    cfg, xc, mc, want, packed, scratch = _split_case((2, 100, 64, 2, 64, 1), "none")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for programs in (3, sms + 2):
+        with pytest.raises(ValueError, match="pairs, all resident"):
+            hf.hopper_forward(xc, packed, num_heads=2, causal=True, split=True, programs=programs)
+    with pytest.raises(ValueError, match="split_scratch"):
+        hf.hopper_forward(xc, packed, num_heads=2, causal=True, split=True,
+                          scratch={"kv": scratch["kv"][:1], "flags": scratch["flags"]})
 
 
 @pytest.mark.gpu
