@@ -50,6 +50,7 @@ OPTIMIZATIONS = (
     "persistent_tail",  # where the policy says so: split-layer tails as one program per SM, weights loaded once
     "hopper_forward",  # where the policy says so, on sm_90: the whole forward in one Gluon kernel (off: the per-layer
     # routes)
+    "hopper_split",  # where the policy says so: the Hopper forward with two programs a causal sequence (off: one)
 )
 MAX_MEMORY_PLANS = 64  # memory plans a model keeps (one per input signature, cap and memory fraction)
 

@@ -23,21 +23,27 @@ class HopperForward:
     uses_weights = True
 
     def __init__(self, model, route):
-        from shapewise.kernels.hopper_forward import head_dim_padded, hopper_forward, weight_descriptor
+        from shapewise.kernels.hopper_forward import head_dim_padded, hopper_forward, split_scratch, weight_descriptor
 
         self.hopper_forward = hopper_forward
         self.route = route
         self.weights = model._weights.table(model, route.precision, packed)
         # the stream is refreshed in place (model/weights.py): its descriptor stays valid across weight edits
-        self.desc = weight_descriptor(self.weights["stream"], head_dim_padded(model.config.head_dim))
+        self.hd = head_dim_padded(model.config.head_dim)
+        self.desc = weight_descriptor(self.weights["stream"], self.hd)
+        self.split_scratch = split_scratch
+        self.scratch = None  # the split's k, v exchange and flags: one per runner (one signature), made on first use
 
     @torch.no_grad()
     def __call__(self, model, x, mask):
         if x.stride(-1) != 1:  # a view sliced along d_model: the kernel reads rows with unit stride
             x = x.contiguous()
         cfg = model.config
+        split = self.route.split_sequence
+        if split and self.scratch is None:  # before any capture: a graph replays the launch on this scratch
+            self.scratch = self.split_scratch(x.shape[0], cfg.num_layers, cfg.num_heads, self.hd, x.device)
         return self.hopper_forward(x, self.weights, num_heads=cfg.num_heads, causal=cfg.causal, mask=mask,
-                                   desc=self.desc)
+                                   desc=self.desc, split=split, scratch=self.scratch)
 
 
 def runner(model, route):
@@ -55,6 +61,8 @@ def settle(route, x, disabled):
     them is refused, an automatic one runs as graph instead."""
     if "hopper_forward" in disabled:  # select_route picks it unasked only with the switch on
         raise RouteUnavailable("route 'hopper' was forced, but the hopper_forward optimization is disabled")
+    if route.split_sequence and "hopper_split" in disabled:
+        route = replace(route, split_sequence=False, reason=route.reason + "; hopper_split disabled")
     if route.precision != "fp16":
         if route.forced:
             raise RouteUnavailable(f"route 'hopper' needs fp16 operands, not {route.precision}")
@@ -64,7 +72,7 @@ def settle(route, x, disabled):
 
 
 def switches(route) -> set:
-    return {"hopper_forward"}
+    return {"hopper_forward"} | ({"hopper_split"} if route.split_sequence else set())
 
 
 def working_set(config, dtype, route) -> int:
@@ -76,4 +84,10 @@ def working_set(config, dtype, route) -> int:
     tiles = stream_tiles(config.num_heads, config.ffn_dim, hd)
     chunks = (tiles - 4 * config.num_heads) // 2
     vectors = 4 * (config.num_heads * hd + chunks * hd + 6 * d)  # q_b, in_b (padded), o_b, out_b, the norms
-    return config.num_layers * (tiles * hd * d * 2 + vectors) + 4 * 2 * d  # and the final norm
+    weights = config.num_layers * (tiles * hd * d * 2 + vectors) + 4 * 2 * d  # and the final norm
+    if not route.split_sequence:
+        return weights
+    from shapewise.kernels.hopper_forward import SPLIT_ROWS
+
+    # the split's scratch (kernels.hopper_forward.split_scratch): k, v fp16 per sequence, layer and head, and a flag
+    return weights + config.batch_size * (config.num_layers * config.num_heads * 2 * SPLIT_ROWS * hd * 2 + 4)

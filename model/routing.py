@@ -14,7 +14,7 @@ Routes (ROUTE_SPECS: each route's module, which runs it, and what it needs):
 - `hopper`: the whole forward in one Gluon kernel (kernels/hopper_forward.py: wgmma, a TMA weight ring, the
   residual stream in registers), one program per sequence, on sm_90 only, where the policy's `hopper` entry covers
   the shape (`max_seq_len`, `min_batch`, `max_heads`; `max_seq_len` null: never unasked), fp16 operands; captured
-  in a CUDA graph.
+  in a CUDA graph; two programs a causal sequence where `split_max_batch` covers the batch (null: never).
 
 Operand precision (`Route.precision`; accumulation is fp32 always, and the kernel routes keep an fp32 residual
 stream and fp32 LayerNorm statistics): `reference` and `sdpa` run PyTorch in the input dtype. The kernel routes
@@ -111,6 +111,7 @@ class Route:
     fold_qkv: bool = False  # split layer: each tail but the last also computes the next layer's LN1 + QKV (policy)
     persistent_tail: bool = False  # split layer: tails that do not fold run persistent, weights loaded once (policy)
     eager: bool = False  # a captured route launched eagerly here: beyond `graph.max_tokens_x_d_model` (`_hopper_route`)
+    split_sequence: bool = False  # hopper route: two programs a causal sequence (policy `hopper.split_max_batch`)
 
     def __str__(self) -> str:
         how = "forced" if self.forced else "auto"
@@ -122,6 +123,7 @@ class Route:
         split += (" fold-qkv" if self.fold_qkv else "") + (" persistent-tail" if self.persistent_tail else "")
         pdl = " pdl" if self.pdl else ""
         eager = " eager" if self.eager else ""
+        split += " split-sequence" if self.split_sequence else ""
         return f"{self.name}/{self.precision}{attn}{launch}{kv}{blocks}{split}{pdl}{eager} ({how}: {self.reason})"
 
     def as_dict(self) -> dict:  # JSON-ready: the launch tuple as a list
@@ -223,13 +225,23 @@ def _hopper_pays(shape: Shape) -> bool:
 def _hopper_route(precision: str, reason: str, shape: Shape, forced: bool = False) -> Route:
     """Route `hopper`, captured in a CUDA graph up to the policy's `graph.max_tokens_x_d_model`, launched eagerly
     beyond: its one launch is then a small part of the forward, and the graph's copy of its output out of the
-    graph's buffer a large one (row 6: 308 µs of 5.55 ms)."""
+    graph's buffer a large one (row 6: 308 µs of 5.55 ms). Two programs a sequence where `hopper.split_max_batch`
+    (null or absent: never) covers the batch and the kernel's split serves the shape: a batch that leaves SMs idle."""
+    route = Route("hopper", precision, reason, forced=forced)
+    most_split = POLICY["hopper"].get("split_max_batch")
+    if most_split is not None and shape.batch_size <= most_split:
+        from shapewise.kernels.hopper_forward import why_unsupported  # the kernel owns its limits (imports triton)
+
+        if why_unsupported(shape.seq_len, shape.d_model, shape.num_heads, shape.ffn_dim, causal=shape.causal,
+                           split=True) is None:
+            route = replace(route, split_sequence=True, reason=route.reason + (
+                f"; two programs a sequence (batch {shape.batch_size} <= {most_split})"))
     most = POLICY["graph"]["max_tokens_x_d_model"]
     size = shape.tokens * shape.d_model
     if size <= most:
-        return Route("hopper", precision, reason, forced=forced)
-    return Route("hopper", precision, f"{reason}; launched eagerly (tokens*d = {size} > {most}: no graph, no output "
-                                      f"copy)", forced=forced, eager=True)
+        return route
+    return replace(route, eager=True, reason=route.reason + (
+        f"; launched eagerly (tokens*d = {size} > {most}: no graph, no output copy)"))
 
 
 def _with_split_layer(route: Route, shape: Shape) -> Route:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from shapewise.kernels import hopper_forward as hf
+from shapewise.model.routing import Route
 from shapewise.model.weights import layer_weights, per_layer
 
 from model_helpers import MASK_KINDS, build_pair, cfg_of, check_official, fp64_forward, make_inputs
@@ -334,6 +335,39 @@ def test_route_serves_the_official_row_shape_and_sees_weight_edits(dtype):
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+def test_route_splits_sequences_where_the_policy_says_so(monkeypatch, mask_kind):
+    """Policy `hopper.split_max_batch` covering the batch: the route runs two programs a sequence, captured and
+    replayed on one scratch, exact on every mask kind and after a weight edit; the switch off runs one."""
+    from shapewise.model import routing
+
+    monkeypatch.setitem(routing.POLICY, "hopper", {**routing.POLICY["hopper"], "split_max_batch": 64, "min_batch": 1})
+    cfg = cfg_of((6, 100, 128, 4, 128, 2))
+    ref, opt = build_pair(cfg, "auto")
+    ref, opt = ref.cuda(), opt.cuda()
+    x, mask = make_inputs(cfg, mask_kind)
+    x, mask = x.cuda(), None if mask is None else mask.cuda()
+    want = fp64_forward(ref.state_dict(), cfg, x.cpu(), None if mask is None else mask.cpu()).nan_to_num(0.0).float()
+    with torch.inference_mode():
+        ys = [opt(x, mask).cpu() for _ in range(4)]  # capture, then replays of the graph that reads x in place
+    assert opt.last_route.name == "hopper" and opt.last_route.split_sequence, str(opt.last_route)
+    for y in ys:
+        check_official(want, y, f"split route, {mask_kind}")
+    with torch.no_grad():
+        opt.layers[1].ffn_in.weight.mul_(1.5)
+        ref.layers[1].ffn_in.weight.mul_(1.5)
+    want = fp64_forward(ref.state_dict(), cfg, x.cpu(), None if mask is None else mask.cpu()).nan_to_num(0.0).float()
+    with torch.inference_mode():
+        check_official(want, opt(x, mask).cpu(), f"split route after a weight edit, {mask_kind}")
+    _, one = build_pair(cfg, "auto", disable=("hopper_split",))
+    one.load_state_dict(opt.state_dict())
+    with torch.inference_mode():
+        check_official(want, one.cuda()(x, mask).cpu(), f"hopper_split off, {mask_kind}")
+    assert one.last_route.name == "hopper" and not one.last_route.split_sequence
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_route_launches_eagerly_beyond_the_graph_bound():
     """1040 sequences of 128 x 128 (tokens*d above graph.max_tokens_x_d_model): no graph, a fresh output per call."""
     from shapewise.model import routing
@@ -375,4 +409,5 @@ def test_the_routes_weight_stream_is_refreshed_in_place_after_an_edit():
     att = opt.layers[1].attention
     folded = (att.out_proj.bias.double() + att.out_proj.weight.double() @ att.v_proj.bias.double()).float()
     assert torch.allclose(table["o_b"][1], folded, rtol=0, atol=1e-6)
-    assert route_hopper.working_set(cfg, torch.float32, None) >= stream.numel() * 2
+    one = Route("hopper", "fp16", "the unsplit route")
+    assert route_hopper.working_set(cfg, torch.float32, one) >= stream.numel() * 2

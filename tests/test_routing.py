@@ -375,9 +375,9 @@ def test_split_layer_has_a_token_floor(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 # hopper: built for sm_90 alone, picked unasked only where the policy's hopper entry covers the shape
 # ----------------------------------------------------------------------------------------------
-def _hopper_policy(monkeypatch, max_seq_len=128, min_batch=None, max_heads=None):
+def _hopper_policy(monkeypatch, max_seq_len=128, min_batch=None, max_heads=None, split_max_batch=None):
     monkeypatch.setitem(routing.POLICY, "hopper", {"max_seq_len": max_seq_len, "min_batch": min_batch,
-                                                   "max_heads": max_heads})
+                                                   "max_heads": max_heads, "split_max_batch": split_max_batch})
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0), (10, 0), None])
@@ -427,6 +427,33 @@ def test_hopper_runs_eagerly_beyond_the_graph_bound(monkeypatch):
     assert fallback.name == "graph" and not fallback.eager
     monkeypatch.setitem(routing.POLICY, "graph", {"max_tokens_x_d_model": 200_000_000})
     assert not select_route(SHAPES[3], torch.float32, "cuda", capability=(9, 0)).eager
+
+
+def test_hopper_splits_a_sequence_where_the_policy_and_the_kernel_say_so(monkeypatch):
+    from shapewise.model import route_hopper
+    from shapewise.model.memory import working_set_bytes
+    from shapewise.model.optimized import switches_used
+
+    row1 = SHAPES[2]  # 64 causal sequences of 128 tokens
+    _hopper_policy(monkeypatch)  # split_max_batch null: never
+    one = select_route(row1, torch.float32, "cuda", capability=(9, 0))
+    assert one.name == "hopper" and not one.split_sequence and "hopper_split" not in switches_used(
+        one, torch.float32, "cuda")
+    _hopper_policy(monkeypatch, split_max_batch=63)
+    assert not select_route(row1, torch.float32, "cuda", capability=(9, 0)).split_sequence  # batch 64
+    _hopper_policy(monkeypatch, split_max_batch=64)
+    two = select_route(row1, torch.float32, "cuda", capability=(9, 0))
+    assert two.name == "hopper" and two.split_sequence and " split-sequence" in str(two) and "two programs" in two.reason
+    assert "hopper_split" in switches_used(two, torch.float32, "cuda") and two.as_dict()["split_sequence"] is True
+    assert select_route(row1, torch.float32, "cuda", forced="hopper", capability=(9, 0)).split_sequence
+    # the kernel's split limits: causal only, 65 to 128 tokens
+    for shape in (dataclasses.replace(row1, causal=False), dataclasses.replace(row1, seq_len=64)):
+        r = select_route(shape, torch.float32, "cuda", capability=(9, 0))
+        assert r.name == "hopper" and not r.split_sequence, r
+    # the switch turns it off, saying so; its scratch counts in the memory plan
+    off = route_hopper.settle(two, None, {"hopper_split"})
+    assert not off.split_sequence and "hopper_split disabled" in off.reason
+    assert working_set_bytes(row1, torch.float32, two) > working_set_bytes(row1, torch.float32, one)
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (10, 0)])
