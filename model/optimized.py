@@ -51,6 +51,8 @@ OPTIMIZATIONS = (
     "hopper_forward",  # where the policy says so, on sm_90: the whole forward in one Gluon kernel (off: the per-layer
     # routes)
     "hopper_split",  # where the policy says so: the Hopper forward with two programs a causal sequence (off: one)
+    "hopper_attention",  # where the policy says so, on sm_90: the triton route's attention as kernels.attention_hopper
+    # (off: the attention the policy gives without it, SDPA at these lengths)
 )
 MAX_MEMORY_PLANS = 64  # memory plans a model keeps (one per input signature, cap and memory fraction)
 

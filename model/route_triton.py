@@ -13,6 +13,7 @@ from .memory import operand_bytes
 from .precision import cublas_fp32
 from .reference import LAYER_NORM_EPS
 from .route_sdpa import sdpa_attention
+from .routing import attention_without_hopper
 from .weights import layer_weights, per_layer, unpacked_per_layer
 
 # Switches without which the split layer does not run: it reads the packed QKV weight and runs our attention (and
@@ -32,6 +33,10 @@ class KernelForward:
         from shapewise.kernels.mask import prefix_lengths
 
         self.flash_attention, self.add_layernorm, self.prefix_lengths = flash_attention, add_layernorm, prefix_lengths
+        if route.attention == "hopper":
+            from shapewise.kernels.attention_hopper import hopper_attention
+
+            self.hopper_attention = hopper_attention
         self.route = route
         disabled = model.disabled
         self.packed = "packed_qkv" not in disabled
@@ -53,11 +58,12 @@ class KernelForward:
         prefix = None if mask is None else self.prefix_lengths(mask)
         sdpa_mask = mask  # the mask SDPA attention gets, where it runs
         ours = self.ours and (route.attention == "triton" or mask is not None)
-        if route.attention == "sdpa" and mask is not None:
-            # Eager, compute-bound route (seq_len >= the policy's sdpa_from_seq_len): one host read of the summary
-            # per call is noise here. Under a causal prefix mask a valid query sees only valid keys, so its output is
-            # that of the unmasked model and invalid rows are zeroed at every layer's end: SDPA runs unmasked. Any
-            # other mask needs our kernel: SDPA would materialize a [B, 1, S, S] boolean mask at these lengths.
+        if route.attention != "triton" and mask is not None:
+            # Eager, compute-bound route (seq_len >= the policy's sdpa_from_seq_len or hopper_from_seq_len): one host
+            # read of the summary per call is noise here. Under a causal prefix mask a valid query sees only valid
+            # keys, so its output is that of the unmasked model and invalid rows are zeroed at every layer's end: SDPA
+            # (or the Hopper attention) runs unmasked. Any other mask needs our kernel: SDPA would materialize a
+            # [B, 1, S, S] boolean mask at these lengths, and the Hopper attention takes none.
             if cfg.causal and bool((prefix >= 0).all()):
                 sdpa_mask, ours = None, False
             elif self.ours:
@@ -87,6 +93,8 @@ class KernelForward:
             if ours:
                 return self.flash_attention(q, k, v, causal=cfg.causal, key_mask=mask, precision=route.precision,
                                             mask_prefix_lengths=prefix, pdl=pdl)
+            if route.attention == "hopper" and sdpa_mask is None:  # unmasked, or a causal prefix mask (above)
+                return self.hopper_attention(q, k, v, causal=cfg.causal)
             return sdpa_attention(q, k, v, cfg.causal, sdpa_mask)
 
         with cublas_fp32(route.precision == "tf32"):
@@ -161,6 +169,11 @@ def settle(route, x, disabled):
     for name in ("fold_qkv", "persistent_tail"):
         if getattr(route, name) and name in disabled:
             route = replace(route, **{name: False}, reason=route.reason + f"; {name} disabled")
+    if route.attention == "hopper" and ("hopper_attention" in disabled or route.precision != "fp16"):
+        # the Gluon kernel takes fp16 operands: otherwise (and switched off) the attention the policy had before it
+        why = "hopper_attention disabled" if "hopper_attention" in disabled else f"{route.precision} operands"
+        route = replace(route, attention=attention_without_hopper(x.shape[1]),
+                        reason=route.reason + f"; no Hopper attention: {why}")
     return route
 
 
@@ -168,7 +181,8 @@ def switches(route) -> set:
     if route.split_layer:  # each switch of SPLIT_NEEDS turns it off
         return (set(SPLIT_NEEDS) | ({"fold_qkv"} if route.fold_qkv else set())
                 | ({"persistent_tail"} if route.persistent_tail else set()))
-    return {"fused_layernorm", "packed_qkv"} | ({"flash_attention"} if route.attention == "triton" else set())
+    return ({"fused_layernorm", "packed_qkv"} | ({"flash_attention"} if route.attention == "triton" else set())
+            | ({"hopper_attention"} if route.attention == "hopper" else set()))
 
 
 def sdpa_gets_mask(route, disabled) -> bool:

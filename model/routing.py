@@ -101,7 +101,8 @@ class Route:
     precision: str  # operand precision of GEMMs and attention matmuls ("fp32" = exact fp32)
     reason: str
     forced: bool = False
-    attention: str = "triton"  # attention inside the triton/graph routes: our kernel, or PyTorch SDPA
+    attention: str = "triton"  # attention inside the triton/graph routes: our kernel, PyTorch SDPA, or "hopper"
+    # (kernels/attention_hopper.py, from the policy's attention.hopper_from_seq_len on sm_90)
     launch: tuple = ()  # fused: (block_m, num_warps, num_stages); megakernel: route_megakernel.LAUNCH_FIELDS (policy)
     kv_precompute: bool = False  # fused route: keys/values computed once per layer by a second kernel (policy)
     key_block: int = 0  # fused route with kv_precompute: keys per online-softmax step (policy; 0: the whole sequence)
@@ -369,9 +370,30 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
             f"launch-bound (tokens*d = {shape.tokens * shape.d_model} <= {graph['max_tokens_x_d_model']})"), shape)
     route = Route("triton", _precision_for("triton", dt, shape),
                   f"compute/memory-bound (tokens*d = {shape.tokens * shape.d_model})")
-    sdpa_from = POLICY["attention"]["sdpa_from_seq_len"]
-    if sdpa_from is not None and shape.seq_len >= sdpa_from:
-        how = "" if mask_kind == "none" else " (causal prefix masks; other masks: our kernel, decided per call)"
-        route = replace(route, attention="sdpa",
-                        reason=route.reason + f"; SDPA attention from seq_len {sdpa_from}{how}")
+    how = "" if mask_kind == "none" else " (causal prefix masks; other masks: our kernel, decided per call)"
+    hopper_from = POLICY["attention"].get("hopper_from_seq_len")
+    if _hopper_attention_pays(shape, route.precision, capability, hopper_from):
+        route = replace(route, attention="hopper",
+                        reason=route.reason + f"; Hopper attention (Gluon) from seq_len {hopper_from}{how}")
+    elif attention_without_hopper(shape.seq_len) == "sdpa":
+        route = replace(route, attention="sdpa", reason=route.reason + (
+            f"; SDPA attention from seq_len {POLICY['attention']['sdpa_from_seq_len']}{how}"))
     return _with_split_layer(route, shape)
+
+
+def attention_without_hopper(seq_len: int) -> str:
+    """The triton route's attention where the Hopper attention does not run: PyTorch SDPA from the policy's
+    `attention.sdpa_from_seq_len` (null: never), else our kernel."""
+    sdpa_from = POLICY["attention"]["sdpa_from_seq_len"]
+    return "sdpa" if sdpa_from is not None and seq_len >= sdpa_from else "triton"
+
+
+def _hopper_attention_pays(shape: Shape, precision: str, capability, hopper_from) -> bool:
+    """The policy's `attention.hopper_from_seq_len` (null: never) covers seq_len, on sm_90, with fp16 operands and a
+    head dim the kernel serves."""
+    if (hopper_from is None or shape.seq_len < hopper_from or capability is None or capability[0] != 9
+            or precision != "fp16"):
+        return False
+    from shapewise.kernels.attention_hopper import why_unsupported  # the kernel owns its limits (imports triton)
+
+    return why_unsupported(shape.head_dim) is None

@@ -2,7 +2,7 @@
 MUFU (CPU), its sm_90a build at every launch the launcher and the row-14 sweep use (offline, no GPU: a cubin, no
 register spills, no serialized wgmma, shared memory within the H200's 227 KB), and on a Hopper GPU the kernel
 against an fp64 attention on odd shapes, q, k, v packed as the model passes them, contiguous, or with heads not D
-apart (copied by the launcher)."""
+apart (copied by the launcher), and the triton route running it where the policy says so."""
 
 import os
 import subprocess
@@ -413,3 +413,34 @@ def test_a_view_of_the_output_is_refused_and_an_out_is_filled():
     with pytest.raises(ValueError, match="contiguous"):
         ah.hopper_attention(q, k, v, causal=True, out=torch.empty(1, 2, 300, 64, dtype=torch.float16,
                                                                   device="cuda").transpose(1, 2))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("mask_kind", ["none", "all_true", "prefix", "holes"])
+def test_the_triton_route_runs_it_where_the_policy_says_so(monkeypatch, mask_kind):
+    """Policy attention.hopper_from_seq_len covering the shape: the triton route's attention is this kernel, exact
+    against an fp64 forward (under a causal prefix mask it runs unmasked, under holes our Triton kernel takes the
+    call); the hopper_attention switch off runs SDPA."""
+    from model_helpers import build_pair, cfg_of, check_official, fp64_forward, make_inputs
+    from shapewise.model import routing
+
+    monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": 256, "hopper_from_seq_len": 256})
+    monkeypatch.setitem(routing.POLICY, "graph", {"max_tokens_x_d_model": 1})  # the eager triton route
+    cfg = cfg_of((2, 700, 128, 2, 256, 2))  # head_dim 64
+    ref, opt = build_pair(cfg, "auto")
+    ref, opt = ref.cuda(), opt.cuda()
+    x, mask = make_inputs(cfg, mask_kind)
+    want = fp64_forward(ref.state_dict(), cfg, x, mask).nan_to_num(0.0).float()
+    x, mask = x.cuda(), None if mask is None else mask.cuda()
+    with torch.inference_mode():
+        got = opt(x, mask).cpu()
+    assert opt.last_route.name == "triton", str(opt.last_route)
+    expected = "triton" if mask_kind == "holes" else "hopper"
+    assert opt.last_route.attention == expected, str(opt.last_route)
+    check_official(want, got, f"triton route with the Hopper attention, {mask_kind}")
+    _, off = build_pair(cfg, "auto", disable=("hopper_attention",))
+    off.load_state_dict(opt.state_dict())
+    with torch.inference_mode():
+        check_official(want, off.cuda()(x, mask).cpu(), f"hopper_attention off, {mask_kind}")
+    assert off.last_route.attention != "hopper", str(off.last_route)

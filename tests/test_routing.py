@@ -456,6 +456,33 @@ def test_hopper_splits_a_sequence_where_the_policy_and_the_kernel_say_so(monkeyp
     assert working_set_bytes(row1, torch.float32, two) > working_set_bytes(row1, torch.float32, one)
 
 
+def test_hopper_attention_where_the_policy_says_so_on_sm90(monkeypatch):
+    from shapewise.model import route_triton
+    from shapewise.model.optimized import switches_used
+
+    row14 = SHAPES[4]  # 100 000 tokens, 16 heads of 64
+    monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": 16384, "hopper_from_seq_len": None})
+    assert select_route(row14, torch.float32, "cuda", capability=(9, 0)).attention == "sdpa"  # null: never
+    monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": 16384, "hopper_from_seq_len": 32768})
+    r = select_route(row14, torch.float32, "cuda", "general", capability=(9, 0))
+    assert r.name == "triton" and r.attention == "hopper" and "+hopper-attention" in str(r) and "Gluon" in r.reason
+    assert "hopper_attention" in switches_used(r, torch.float32, "cuda")
+    for capability in (None, (8, 0), (10, 0)):  # built for sm_90 alone
+        assert select_route(row14, torch.float32, "cuda", capability=capability).attention == "sdpa"
+    assert select_route(dataclasses.replace(row14, seq_len=20000), torch.float32, "cuda",
+                        capability=(9, 0)).attention == "sdpa"  # below hopper_from_seq_len
+    assert select_route(dataclasses.replace(row14, num_heads=8), torch.float32, "cuda",
+                        capability=(9, 0)).attention == "hopper"  # head_dim 128 is served ...
+    wide = dataclasses.replace(row14, num_heads=32)  # ... head_dim 32 is not
+    assert select_route(wide, torch.float32, "cuda", capability=(9, 0)).attention == "sdpa"
+    # the switch, and operands other than fp16 (the fp16 screen's bf16), give back the policy's attention without it
+    x = torch.empty(1, row14.seq_len, 0)
+    off = route_triton.settle(r, x, {"hopper_attention"})
+    assert off.attention == "sdpa" and "hopper_attention disabled" in off.reason
+    bf16 = route_triton.settle(dataclasses.replace(r, precision="bf16"), x, set())
+    assert bf16.attention == "sdpa" and "bf16 operands" in bf16.reason
+
+
 @pytest.mark.parametrize("capability", [(8, 0), (10, 0)])
 def test_forced_hopper_is_refused_off_sm90_naming_the_capability(capability):
     with pytest.raises(RouteUnavailable, match=r"'hopper'.*9\.x.*got " + f"{capability[0]}.{capability[1]}"):
