@@ -14,7 +14,8 @@ launch queue never fills), the host's wall time per call, median over batches:
 - `runner`: the captured runner alone (the addresses check, the replay, the output's copy);
 - `replay`: CUDAGraph.replay() of the graph that reads the inputs in place;
 - `copy_out`: the clone of the graph's output buffer;
-- `eager`: the route's runner without its graph (its launches and its output's allocation, as `cuda_graph` off runs it).
+- `eager`: the route's runner without its graph (its launches and its output's allocation, as `cuda_graph` off runs it;
+  on route `hopper` the signature's prepared launch).
 `gpu_us`: the GPU's time per call of the whole call in the same batches (CUDA events), as benchmarks.host_path
 measures it.
 """

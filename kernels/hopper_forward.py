@@ -50,6 +50,8 @@ try:  # Gluon ships with Triton >= 3.5; without it (or without a Hopper GPU) `wh
                                                                   warpgroup_mma, warpgroup_mma_init,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton import knobs
+    from triton.runtime import driver
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
@@ -646,16 +648,9 @@ def split_scratch(batch: int, num_layers: int, num_heads: int, hd: int, device) 
             "flags": torch.zeros(batch, dtype=torch.int32, device=device)}
 
 
-def hopper_forward(x, w, *, num_heads, causal, mask=None, out=None, desc=None, programs=None, overlap=True,
-                   pipeline=False, split=False, scratch=None):
-    """The whole forward over `x [B, S, d]` with `pack_weights`'s weights `w`: [B, S, d] in x's dtype (or into
-    `out`), invalid rows 0. `desc`: the stream's `weight_descriptor` (built here when None); `programs`: persistent
-    programs (default one per SM); `overlap`: a head's q, k, v projections (and an FFN chunk's out-projection with
-    the next chunk's in-projection) issued back to back before one wait, else each waited for alone; `pipeline`: a
-    head's q, k, v projections issued under the previous head's softmax (heads up to 32 wide; measured before it
-    becomes the default: docs/decisions.md#hopper-head-pipeline); `split`: two 4-warp programs per sequence, rows
-    0-63 and 64-127 (causal, SPLIT_MIN_SEQ_LEN <= S <= 128; the module's docstring), `programs` then even and at
-    most the SMs, `scratch` its `split_scratch` (allocated here when None; reused, one launch at a time)."""
+def _arguments(x, w, *, num_heads, causal, mask, out, desc, programs, overlap, pipeline, split, scratch):
+    """(programs, the kernel's arguments by parameter name) for `hopper_forward`'s call, checked: every name of
+    `_hopper_forward_fwd`'s signature, constexprs and num_warps included."""
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.stride(-1) != 1:
         raise ValueError(f"hopper_forward: x must be a [B, S, d] tensor with unit stride along d, got "
                          f"{tuple(getattr(x, 'shape', ()))}")
@@ -665,7 +660,7 @@ def hopper_forward(x, w, *, num_heads, causal, mask=None, out=None, desc=None, p
     why = why_unsupported(S, d, num_heads, ffn, causal=bool(causal), split=bool(split))
     if why:
         raise ValueError(f"hopper_forward: {why}")
-    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] != 9:
+    if not _on_hopper(x.device):
         raise ValueError(f"hopper_forward: needs a Hopper GPU (sm_90), got {x.device}")
     cfg = launch_config(S, d, num_heads, ffn, split=bool(split))
     stream = w["stream"]
@@ -701,15 +696,110 @@ def hopper_forward(x, w, *, num_heads, causal, mask=None, out=None, desc=None, p
                 or kv.device != x.device or flags.device != x.device):
             raise ValueError(f"hopper_forward: scratch must be split_scratch's: kv fp16 [>= {B}, "
                              f"{', '.join(map(str, want))}], flags int32 [>= {B}] on {x.device}")
-    _hopper_forward_fwd[(programs,)](
-        x, out, m, desc, w["vecs"], w["final_w"], w["final_b"], B, S, L,
-        (d // num_heads) ** -0.5 * math.log2(math.e), LAYER_NORM_EPS,
-        x.stride(0), x.stride(1), out.stride(0), out.stride(1), m.stride(0) if mask is not None else 0, kv, flags,
+    return programs, dict(
+        X=x, Y=out, Mask=m, w_desc=desc, VEC=w["vecs"], NFw=w["final_w"], NFb=w["final_b"], batch=B, seq_len=S,
+        num_layers=L, qk_scale=(d // num_heads) ** -0.5 * math.log2(math.e), eps=LAYER_NORM_EPS,
+        stride_xb=x.stride(0), stride_xs=x.stride(1), stride_yb=out.stride(0), stride_ys=out.stride(1),
+        stride_mb=m.stride(0) if mask is not None else 0, KV=kv, Flags=flags,
         S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=num_heads, F_CHUNKS=cfg["F_CHUNKS"],
         NUM_SLOTS=cfg["NUM_SLOTS"], V_PAD=cfg["V_PAD"], IS_CAUSAL=bool(causal), HAS_MASK=mask is not None,
         OVERLAP=bool(overlap), PIPELINE=bool(pipeline), SPLIT=bool(split), num_warps=cfg["num_warps"],
     )
-    return out
 
 
-__all__ = ["forward_from_stream", "hopper_forward", "pack_weights", "split_scratch", "why_unsupported"]
+def hopper_forward(x, w, *, num_heads, causal, mask=None, out=None, desc=None, programs=None, overlap=True,
+                   pipeline=False, split=False, scratch=None):
+    """The whole forward over `x [B, S, d]` with `pack_weights`'s weights `w`: [B, S, d] in x's dtype (or into
+    `out`), invalid rows 0. `desc`: the stream's `weight_descriptor` (built here when None); `programs`: persistent
+    programs (default one per SM); `overlap`: a head's q, k, v projections (and an FFN chunk's out-projection with
+    the next chunk's in-projection) issued back to back before one wait, else each waited for alone; `pipeline`: a
+    head's q, k, v projections issued under the previous head's softmax (heads up to 32 wide; measured before it
+    becomes the default: docs/decisions.md#hopper-head-pipeline); `split`: two 4-warp programs per sequence, rows
+    0-63 and 64-127 (causal, SPLIT_MIN_SEQ_LEN <= S <= 128; the module's docstring), `programs` then even and at
+    most the SMs, `scratch` its `split_scratch` (allocated here when None; reused, one launch at a time)."""
+    programs, args = _arguments(x, w, num_heads=num_heads, causal=causal, mask=mask, out=out, desc=desc,
+                                programs=programs, overlap=overlap, pipeline=pipeline, split=split, scratch=scratch)
+    _hopper_forward_fwd[(programs,)](**args)
+    return args["Y"]
+
+
+class PreparedLaunch:
+    """`hopper_forward` for one input signature with its per-call work cut to an output allocation and one launch
+    of the compiled kernel: the arguments are checked, the kernel compiled and its argument list assembled once,
+    here (Triton's JIT launch binds and specializes every argument again on each call). It serves inputs of the
+    signature it was prepared with (shape, dtype, device, a mask or none) whose layout is the one the kernel was
+    specialized on, contiguous and 16-byte aligned: `serves(x, mask)` says whether; the same keywords as
+    `hopper_forward` otherwise (`out` excepted: each call returns a new tensor)."""
+
+    __slots__ = ("programs", "values", "at_x", "at_out", "at_mask", "shape", "dtype", "device", "stream", "run",
+                 "function", "metadata", "kernel")
+
+    def __init__(self, x, w, *, num_heads, causal, mask=None, desc=None, programs=None, overlap=True,
+                 pipeline=False, split=False, scratch=None):
+        if not _aligned(x, mask):
+            raise ValueError("PreparedLaunch: x and the mask must be contiguous and 16-byte aligned (the layout the "
+                             "kernel is specialized on); hopper_forward serves any layout")
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        self.programs, args = _arguments(x, w, num_heads=num_heads, causal=causal, mask=mask, out=out, desc=desc,
+                                         programs=programs, overlap=overlap, pipeline=pipeline, split=split,
+                                         scratch=scratch)
+        with torch.cuda.device(x.device):  # the module loads into this device's context
+            self.kernel = _hopper_forward_fwd.warmup(grid=(self.programs,), **args)
+            self.run, self.function = self.kernel.run, self.kernel.function  # `run` loads the module first
+        self.metadata = self.kernel.packed_metadata
+        names = _hopper_forward_fwd.arg_names  # the launcher takes every parameter in order, constexprs included
+        if set(names) != set(args):
+            raise RuntimeError(f"PreparedLaunch: the kernel's parameters {names} are not the arguments built "
+                               f"{sorted(args)}")
+        values = [args[n] for n in names]
+        # the per-call tensors' places: x; the output (Y, and KV, Flags and Mask where they stand in for it)
+        self.at_x = [i for i, v in enumerate(values) if v is x]
+        self.at_out = [i for i, v in enumerate(values) if v is out]
+        self.at_mask = names.index("Mask") if mask is not None else None
+        for i in self.at_x + self.at_out + ([] if self.at_mask is None else [self.at_mask]):
+            values[i] = None  # filled each call: the first call's tensors are not held
+        self.values = values
+        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+        self.stream = driver.active.get_current_stream  # the device's current stream, as a Triton launch reads it
+
+    @staticmethod
+    def serves(x, mask) -> bool:
+        """Whether an input of the prepared signature has the layout the kernel was specialized on."""
+        return _aligned(x, mask)
+
+    def __call__(self, x, mask=None):
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        values = self.values.copy()
+        for i in self.at_x:
+            values[i] = x
+        for i in self.at_out:
+            values[i] = out
+        if self.at_mask is not None:
+            values[self.at_mask] = mask  # bool and int8 share their bytes: the launcher reads the address alone
+        stream = self.stream(self.device.index)
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        if _no_calls(enter) and _no_calls(leave):  # the launcher skips hooks given as None
+            self.run(self.programs, 1, 1, stream, self.function, self.metadata, None, None, None, *values)
+        else:  # a profiler's hooks see this launch as they see a JIT launch
+            meta = self.kernel.launch_metadata((self.programs,), stream, *values)
+            self.run(self.programs, 1, 1, stream, self.function, self.metadata, meta, enter, leave, *values)
+        return out
+
+
+def _no_calls(hook) -> bool:
+    """A launch hook that would call nothing: None, or an empty chain (Triton's `knobs.HookChain`)."""
+    return hook is None or getattr(hook, "calls", None) == []
+
+
+def _on_hopper(device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def _aligned(x, mask) -> bool:
+    """x and the mask (if any) contiguous and at 16-byte aligned addresses."""
+    return (x.is_contiguous() and x.data_ptr() % 16 == 0
+            and (mask is None or (mask.is_contiguous() and mask.data_ptr() % 16 == 0)))
+
+
+__all__ = ["PreparedLaunch", "forward_from_stream", "hopper_forward", "pack_weights", "split_scratch",
+           "why_unsupported"]

@@ -23,9 +23,10 @@ class HopperForward:
     uses_weights = True
 
     def __init__(self, model, route):
-        from shapewise.kernels.hopper_forward import head_dim_padded, hopper_forward, split_scratch, weight_descriptor
+        from shapewise.kernels.hopper_forward import (PreparedLaunch, head_dim_padded, hopper_forward, split_scratch,
+                                                      weight_descriptor)
 
-        self.hopper_forward = hopper_forward
+        self.hopper_forward, self.prepared_launch = hopper_forward, PreparedLaunch
         self.route = route
         self.weights = model._weights.table(model, route.precision, packed)
         # the stream is refreshed in place (model/weights.py): its descriptor stays valid across weight edits
@@ -33,17 +34,25 @@ class HopperForward:
         self.desc = weight_descriptor(self.weights["stream"], self.hd)
         self.split_scratch = split_scratch
         self.scratch = None  # the split's k, v exchange and flags: one per runner (one signature), made on first use
+        self.launch = None  # the signature's PreparedLaunch, made on its first call with the kernel's layout
 
     @torch.no_grad()
     def __call__(self, model, x, mask):
+        launch = self.launch
+        if launch is not None and launch.serves(x, mask):  # a runner serves one signature: the layout is what varies
+            return launch(x, mask)
         if x.stride(-1) != 1:  # a view sliced along d_model: the kernel reads rows with unit stride
             x = x.contiguous()
         cfg = model.config
         split = self.route.split_sequence
         if split and self.scratch is None:  # before any capture: a graph replays the launch on this scratch
             self.scratch = self.split_scratch(x.shape[0], cfg.num_layers, cfg.num_heads, self.hd, x.device)
-        return self.hopper_forward(x, self.weights, num_heads=cfg.num_heads, causal=cfg.causal, mask=mask,
-                                   desc=self.desc, split=split, scratch=self.scratch)
+        keywords = dict(num_heads=cfg.num_heads, causal=cfg.causal, mask=mask, desc=self.desc, split=split,
+                        scratch=self.scratch)
+        if launch is None and self.prepared_launch.serves(x, mask):
+            self.launch = self.prepared_launch(x, self.weights, **keywords)
+            return self.launch(x, mask)
+        return self.hopper_forward(x, self.weights, **keywords)
 
 
 def runner(model, route):

@@ -14,7 +14,8 @@ Routes (ROUTE_SPECS: each route's module, which runs it, and what it needs):
 - `hopper`: the whole forward in one Gluon kernel (kernels/hopper_forward.py: wgmma, a TMA weight ring, the
   residual stream in registers), one program per sequence, on sm_90 only, where the policy's `hopper` entry covers
   the shape (`max_seq_len`, `min_batch`, `max_heads`; `max_seq_len` null: never unasked), fp16 operands; captured
-  in a CUDA graph; two programs a causal sequence where `split_max_batch` covers the batch (null: never).
+  in a CUDA graph, or launched eagerly where `eager` is true (one prepared launch a call: no output copy);
+  two programs a causal sequence where `split_max_batch` covers the batch (null: never).
 
 Operand precision (`Route.precision`; accumulation is fp32 always, and the kernel routes keep an fp32 residual
 stream and fp32 LayerNorm statistics): `reference` and `sdpa` run PyTorch in the input dtype. The kernel routes
@@ -111,7 +112,8 @@ class Route:
     pdl: bool = False  # kernels after the forward's first launch with programmatic dependent launch (`with_pdl`)
     fold_qkv: bool = False  # split layer: each tail but the last also computes the next layer's LN1 + QKV (policy)
     persistent_tail: bool = False  # split layer: tails that do not fold run persistent, weights loaded once (policy)
-    eager: bool = False  # a captured route launched eagerly here: beyond `graph.max_tokens_x_d_model` (`_hopper_route`)
+    eager: bool = False  # a captured route launched eagerly here: policy `hopper.eager`, or beyond
+    # `graph.max_tokens_x_d_model` (`_hopper_route`)
     split_sequence: bool = False  # hopper route: two programs a causal sequence (policy `hopper.split_max_batch`)
 
     def __str__(self) -> str:
@@ -225,11 +227,14 @@ def _hopper_pays(shape: Shape) -> bool:
 
 def _hopper_route(precision: str, reason: str, shape: Shape, forced: bool = False) -> Route:
     """Route `hopper`, captured in a CUDA graph up to the policy's `graph.max_tokens_x_d_model`, launched eagerly
-    beyond: its one launch is then a small part of the forward, and the graph's copy of its output out of the
-    graph's buffer a large one (row 6: 308 µs of 5.55 ms). Two programs a sequence where `hopper.split_max_batch`
-    (null or absent: never) covers the batch and the kernel's split serves the shape: a batch that leaves SMs idle."""
+    beyond (its one launch is then a small part of the forward, and the graph's copy of its output out of the
+    graph's buffer a large one: row 6, 308 µs of 5.55 ms) and at every size where `hopper.eager` (absent: false)
+    says so (one prepared launch a call, `kernels.hopper_forward.PreparedLaunch`: no output copy, the host's
+    launch against the graph's replay and copy). Two programs a sequence where `hopper.split_max_batch` (null or
+    absent: never) covers the batch and the kernel's split serves the shape: a batch that leaves SMs idle."""
     route = Route("hopper", precision, reason, forced=forced)
-    most_split = POLICY["hopper"].get("split_max_batch")
+    hopper = POLICY["hopper"]
+    most_split = hopper.get("split_max_batch")
     if most_split is not None and shape.batch_size <= most_split:
         from shapewise.kernels.hopper_forward import why_unsupported  # the kernel owns its limits (imports triton)
 
@@ -237,6 +242,9 @@ def _hopper_route(precision: str, reason: str, shape: Shape, forced: bool = Fals
                            split=True) is None:
             route = replace(route, split_sequence=True, reason=route.reason + (
                 f"; two programs a sequence (batch {shape.batch_size} <= {most_split})"))
+    if hopper.get("eager"):
+        return replace(route, eager=True, reason=route.reason + (
+            "; launched eagerly (policy hopper.eager: one prepared launch, no graph, no output copy)"))
     most = POLICY["graph"]["max_tokens_x_d_model"]
     size = shape.tokens * shape.d_model
     if size <= most:

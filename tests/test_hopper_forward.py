@@ -3,10 +3,12 @@ tiles equals an fp64 forward written independently of it, padded heads and FFN c
 variant's order of it, two halves of a causal sequence), the kernel's limits, its sm_90 build (offline, no GPU), and
 on an H200 the kernel (split too) and the route against fp64 on every mask kind."""
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -168,6 +170,83 @@ COMPILE = textwrap.dedent('''
             print("split", S, d, H, F, use)
         print("compiled", S, d, H, F, k.metadata.shared)
 ''')
+
+
+class _FakeCompiled:
+    """What PreparedLaunch takes from Triton's compiled kernel: `run` (records each launch), its handles."""
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.launches = []
+
+    def run(self, *launch):
+        self.launches.append(launch)
+
+    def launch_metadata(self, grid, stream, *values):
+        return ("metadata of", grid, stream, len(values))
+
+
+class _FakeKernel:
+    def __init__(self):
+        self.arg_names = hf._hopper_forward_fwd.arg_names
+        self.compiled, self.warmed = _FakeCompiled(), []
+
+    def warmup(self, grid, **args):
+        self.warmed.append((grid, args))
+        return self.compiled
+
+
+@pytest.mark.skipif(hf.gluon is None, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_a_prepared_launch_passes_each_calls_tensors_in_the_kernels_order(monkeypatch, split, with_mask):
+    """The launch assembled once (every kernel parameter, in order, constexprs included) takes each call's x,
+    mask and a new output in their places (KV, Flags and Mask stand in for the output where unused); the first
+    call's tensors are not held; a profiler's launch hooks are honoured."""
+    cfg, ref, x, mask, _ = _case((2, 100 if split else 40, 32, 2, 48, 2), True, "holes")
+    mask = mask if with_mask else None
+    packed = _packed(ref, cfg, torch.float16)
+    fake = _FakeKernel()
+    monkeypatch.setattr(hf, "_hopper_forward_fwd", fake)
+    monkeypatch.setattr(hf, "_on_hopper", lambda device: True)
+    monkeypatch.setattr(hf.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(hf.torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        multi_processor_count=132))
+    monkeypatch.setattr(hf, "driver", types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_stream=lambda index: 1234)))
+    scratch = hf.split_scratch(2, 2, 2, 16, "cpu") if split else None
+    launch = hf.PreparedLaunch(x, packed, num_heads=2, causal=True, mask=mask, programs=4, split=split,
+                               scratch=scratch)
+    (grid, args), = fake.warmed
+    assert grid == (4,) and list(args) == fake.arg_names and args["SPLIT"] is split
+    assert args["HAS_MASK"] is with_mask and args["num_warps"] == hf.launch_config(cfg.seq_len, 32, 2, 48, split)[
+        "num_warps"]
+    assert not any(v is x or v is args["Y"] for v in launch.values)  # the first call's tensors are not held
+    names = fake.arg_names
+    for call in range(2):
+        x2 = torch.randn_like(x)
+        m2 = None if mask is None else mask.clone()
+        y = launch(x2, m2)
+        (programs, gy, gz, stream, function, meta, launch_meta, enter, leave, *values) = fake.compiled.launches[-1]
+        assert (programs, gy, gz, stream, function, meta) == (4, 1, 1, 1234, "function", "metadata")
+        assert launch_meta is None and enter is None and leave is None  # Triton's empty hook chains
+        assert len(values) == len(names) and values[names.index("X")] is x2 and values[names.index("Y")] is y
+        assert y.shape == x.shape and y.dtype == x.dtype
+        assert values[names.index("Mask")] is (m2 if with_mask else y)
+        if split:
+            assert values[names.index("KV")] is scratch["kv"] and values[names.index("Flags")] is scratch["flags"]
+        else:
+            assert values[names.index("KV")] is y and values[names.index("Flags")] is y
+        for name in ("w_desc", "VEC", "batch", "seq_len", "stride_xb", "S_PAD", "IS_CAUSAL"):
+            assert values[names.index(name)] is args[name], name
+    assert y.data_ptr() != launch(x2, m2).data_ptr()  # a new output each call
+    monkeypatch.setattr(hf.knobs.runtime, "launch_enter_hook", hook := lambda *a: None)
+    launch(x2, m2)
+    assert fake.compiled.launches[-1][6:8] == (("metadata of", (4,), 1234, len(names)), hook)
+    assert hf.PreparedLaunch.serves(x2, m2) and not hf.PreparedLaunch.serves(x2.transpose(0, 1), m2)
+    assert not hf.PreparedLaunch.serves(torch.randn(2 * x.numel() + 1)[1:x.numel() + 1].view(x.shape), m2)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        hf.PreparedLaunch(x.transpose(0, 1), packed, num_heads=2, causal=True, mask=mask)
 
 
 @pytest.mark.skipif(hf.gluon is None, reason="this Triton has no Gluon")
@@ -385,6 +464,67 @@ def test_route_launches_eagerly_beyond_the_graph_bound():
     head = cfg_of((4, 128, 128, 4, 128, 4))  # sequences are independent: the first four against fp64
     check_official(fp64_forward(ref.state_dict(), head, x[:4].cpu(), mask[:4].cpu()).float(), y[:4].cpu(),
                    "route hopper, eager")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("split", [False, True])
+def test_a_prepared_launch_equals_the_jit_launch(mask_kind, split):
+    """Call after call with new inputs, and captured in a CUDA graph: the bits of hopper_forward's output."""
+    cfg, ref, x, mask, want = _case((5, 100, 64, 2, 64, 2), True, mask_kind)
+    packed = {k: v.cuda() for k, v in _packed(ref, cfg, torch.float16).items()}
+    scratch = hf.split_scratch(5, 2, 2, 32, "cuda") if split else None
+    mc = None if mask is None else mask.cuda()
+    keywords = dict(num_heads=2, causal=True, split=split, scratch=scratch)
+    launch = hf.PreparedLaunch(x.cuda(), packed, mask=mc, **keywords)
+    for trial in range(3):
+        xc = x.cuda() if trial == 0 else torch.randn_like(x.cuda())
+        got = launch(xc, mc)
+        assert torch.equal(got, hf.hopper_forward(xc, packed, mask=mc, **keywords)), trial
+        if trial == 0:
+            check_official(want.float(), got.cpu(), f"prepared launch, {mask_kind}, split={split}")
+    xc = x.cuda()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        y = launch(xc, mc)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    assert torch.equal(y, hf.hopper_forward(xc, packed, mask=mc, **keywords))
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_route_launches_eagerly_where_the_policy_says_so(monkeypatch):
+    """Policy `hopper.eager`: no graph, the signature's prepared launch, a new output per call; an input at an
+    address the kernel was not specialized on runs the JIT launch; a weight edit is seen."""
+    from shapewise.model import routing
+
+    monkeypatch.setitem(routing.POLICY, "hopper", {**routing.POLICY["hopper"], "eager": True, "min_batch": 1})
+    cfg = cfg_of((6, 128, 128, 4, 128, 2))
+    ref, opt = build_pair(cfg, "auto")
+    ref, opt = ref.cuda(), opt.cuda()
+    x, mask = make_inputs(cfg, "holes")
+    x, mask = x.cuda(), mask.cuda()
+    want = fp64_forward(ref.state_dict(), cfg, x.cpu(), mask.cpu()).nan_to_num(0.0).float()
+    with torch.inference_mode():
+        ys = [opt(x, mask) for _ in range(3)]
+    assert opt.last_route.name == "hopper" and opt.last_route.eager and opt._graphs.holders == []
+    runner = opt._paths[(x.shape, x.dtype, x.device, False)]
+    assert runner.launch is not None and len({y.data_ptr() for y in ys}) == 3
+    for y in ys:
+        check_official(want, y.cpu(), "route hopper, prepared launch")
+    shifted = torch.empty(x.numel() + 1, device="cuda")[1:].view(x.shape)  # 4 bytes past an aligned address
+    shifted.copy_(x)
+    with torch.inference_mode():
+        assert torch.equal(opt(shifted, mask), ys[0])
+    with torch.no_grad():
+        opt.layers[1].ffn_in.weight.mul_(1.5)
+        ref.layers[1].ffn_in.weight.mul_(1.5)
+    want = fp64_forward(ref.state_dict(), cfg, x.cpu(), mask.cpu()).nan_to_num(0.0).float()
+    with torch.inference_mode():
+        check_official(want, opt(x, mask).cpu(), "prepared launch after a weight edit")
 
 
 def test_the_routes_weight_stream_is_refreshed_in_place_after_an_edit():

@@ -375,9 +375,10 @@ def test_split_layer_has_a_token_floor(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 # hopper: built for sm_90 alone, picked unasked only where the policy's hopper entry covers the shape
 # ----------------------------------------------------------------------------------------------
-def _hopper_policy(monkeypatch, max_seq_len=128, min_batch=None, max_heads=None, split_max_batch=None):
+def _hopper_policy(monkeypatch, max_seq_len=128, min_batch=None, max_heads=None, split_max_batch=None, eager=False):
     monkeypatch.setitem(routing.POLICY, "hopper", {"max_seq_len": max_seq_len, "min_batch": min_batch,
-                                                   "max_heads": max_heads, "split_max_batch": split_max_batch})
+                                                   "max_heads": max_heads, "split_max_batch": split_max_batch,
+                                                   "eager": eager})
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0), (10, 0), None])
@@ -427,6 +428,18 @@ def test_hopper_runs_eagerly_beyond_the_graph_bound(monkeypatch):
     assert fallback.name == "graph" and not fallback.eager
     monkeypatch.setitem(routing.POLICY, "graph", {"max_tokens_x_d_model": 200_000_000})
     assert not select_route(SHAPES[3], torch.float32, "cuda", capability=(9, 0)).eager
+
+
+def test_hopper_runs_eagerly_at_every_size_where_the_policy_says_so(monkeypatch):
+    from shapewise.model.optimized import switches_used
+
+    _hopper_policy(monkeypatch, eager=True)
+    row1 = select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0))
+    assert row1.name == "hopper" and row1.eager and "policy hopper.eager" in row1.reason
+    assert not {"cuda_graph", "direct_input"} & set(switches_used(row1, torch.float32, "cuda"))
+    _hopper_policy(monkeypatch, eager=True, split_max_batch=64)  # the split too: its scratch serves launch after launch
+    both = select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0))
+    assert both.eager and both.split_sequence
 
 
 def test_hopper_splits_a_sequence_where_the_policy_and_the_kernel_say_so(monkeypatch):
