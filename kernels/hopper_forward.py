@@ -744,7 +744,10 @@ class PreparedLaunch:
                                          programs=programs, overlap=overlap, pipeline=pipeline, split=split,
                                          scratch=scratch)
         with torch.cuda.device(x.device):  # the module loads into this device's context
-            self.kernel = _hopper_forward_fwd.warmup(grid=(self.programs,), **args)
+            kernel = _hopper_forward_fwd.warmup(grid=(self.programs,), **args)
+            if kernel is None:  # a jit_cache_hook of Triton's knobs declined the compile
+                raise RuntimeError("PreparedLaunch: Triton did not compile _hopper_forward_fwd (jit_cache_hook)")
+            self.kernel = kernel.result() if hasattr(kernel, "result") else kernel  # an async compile's future
             self.run, self.function = self.kernel.run, self.kernel.function  # `run` loads the module first
         self.metadata = self.kernel.packed_metadata
         names = _hopper_forward_fwd.arg_names  # the launcher takes every parameter in order, constexprs included
