@@ -34,7 +34,8 @@ class HopperForward:
         self.desc = weight_descriptor(self.weights["stream"], self.hd)
         self.split_scratch = split_scratch
         self.scratch = None  # the split's k, v exchange and flags: one per runner (one signature), made on first use
-        self.launch = None  # the signature's PreparedLaunch, made on its first call with the kernel's layout
+        self.launch = None  # the signature's PreparedLaunch (route.prepared_launch), made on its first call with the
+        # layout the kernel is specialized on
 
     @torch.no_grad()
     def __call__(self, model, x, mask):
@@ -49,7 +50,7 @@ class HopperForward:
             self.scratch = self.split_scratch(x.shape[0], cfg.num_layers, cfg.num_heads, self.hd, x.device)
         keywords = dict(num_heads=cfg.num_heads, causal=cfg.causal, mask=mask, desc=self.desc, split=split,
                         scratch=self.scratch)
-        if launch is None and self.prepared_launch.serves(x, mask):
+        if self.route.prepared_launch and launch is None and self.prepared_launch.serves(x, mask):
             self.launch = self.prepared_launch(x, self.weights, **keywords)
             return self.launch(x, mask)
         return self.hopper_forward(x, self.weights, **keywords)

@@ -115,6 +115,7 @@ class Route:
     eager: bool = False  # a captured route launched eagerly here: policy `hopper.eager`, or beyond
     # `graph.max_tokens_x_d_model` (`_hopper_route`)
     split_sequence: bool = False  # hopper route: two programs a causal sequence (policy `hopper.split_max_batch`)
+    prepared_launch: bool = False  # hopper route: eager through the signature's PreparedLaunch (policy `hopper.eager`)
 
     def __str__(self) -> str:
         how = "forced" if self.forced else "auto"
@@ -127,6 +128,7 @@ class Route:
         pdl = " pdl" if self.pdl else ""
         eager = " eager" if self.eager else ""
         split += " split-sequence" if self.split_sequence else ""
+        eager += " prepared-launch" if self.prepared_launch else ""
         return f"{self.name}/{self.precision}{attn}{launch}{kv}{blocks}{split}{pdl}{eager} ({how}: {self.reason})"
 
     def as_dict(self) -> dict:  # JSON-ready: the launch tuple as a list
@@ -228,9 +230,10 @@ def _hopper_pays(shape: Shape) -> bool:
 def _hopper_route(precision: str, reason: str, shape: Shape, forced: bool = False) -> Route:
     """Route `hopper`, captured in a CUDA graph up to the policy's `graph.max_tokens_x_d_model`, launched eagerly
     beyond (its one launch is then a small part of the forward, and the graph's copy of its output out of the
-    graph's buffer a large one: row 6, 308 µs of 5.55 ms) and at every size where `hopper.eager` (absent: false)
-    says so (one prepared launch a call, `kernels.hopper_forward.PreparedLaunch`: no output copy, the host's
-    launch against the graph's replay and copy). Two programs a sequence where `hopper.split_max_batch` (null or
+    graph's buffer a large one: row 6, 308 µs of 5.55 ms); at every size through the signature's prepared launch
+    (`Route.prepared_launch`, `kernels.hopper_forward.PreparedLaunch`: no output copy, and a launch of the
+    compiled kernel where Triton's JIT launch binds every argument again) where `hopper.eager` (absent: false)
+    says so. Two programs a sequence where `hopper.split_max_batch` (null or
     absent: never) covers the batch and the kernel's split serves the shape: a batch that leaves SMs idle."""
     route = Route("hopper", precision, reason, forced=forced)
     hopper = POLICY["hopper"]
@@ -243,8 +246,8 @@ def _hopper_route(precision: str, reason: str, shape: Shape, forced: bool = Fals
             route = replace(route, split_sequence=True, reason=route.reason + (
                 f"; two programs a sequence (batch {shape.batch_size} <= {most_split})"))
     if hopper.get("eager"):
-        return replace(route, eager=True, reason=route.reason + (
-            "; launched eagerly (policy hopper.eager: one prepared launch, no graph, no output copy)"))
+        return replace(route, eager=True, prepared_launch=True, reason=route.reason + (
+            "; launched eagerly (policy hopper.eager: a prepared launch, no graph, no output copy)"))
     most = POLICY["graph"]["max_tokens_x_d_model"]
     size = shape.tokens * shape.d_model
     if size <= most:

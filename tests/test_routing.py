@@ -419,6 +419,7 @@ def test_hopper_runs_eagerly_beyond_the_graph_bound(monkeypatch):
     row6 = select_route(SHAPES[3], torch.float32, "cuda", capability=(9, 0))
     assert row1.name == row6.name == "hopper" and not row1.eager and row6.eager
     assert " eager (" in str(row6) and "launched eagerly" in row6.reason and row6.as_dict()["eager"] is True
+    assert not row6.prepared_launch  # Triton's JIT launch, unless the policy's hopper.eager
     assert "cuda_graph" in switches_used(row1, torch.float32, "cuda")
     assert not {"cuda_graph", "direct_input"} & set(switches_used(row6, torch.float32, "cuda"))
     forced = select_route(SHAPES[3], torch.float32, "cuda", forced="hopper", capability=(9, 0))
@@ -435,7 +436,8 @@ def test_hopper_runs_eagerly_at_every_size_where_the_policy_says_so(monkeypatch)
 
     _hopper_policy(monkeypatch, eager=True)
     row1 = select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0))
-    assert row1.name == "hopper" and row1.eager and "policy hopper.eager" in row1.reason
+    assert row1.name == "hopper" and row1.eager and row1.prepared_launch and "policy hopper.eager" in row1.reason
+    assert " eager prepared-launch (" in str(row1) and row1.as_dict()["prepared_launch"] is True
     assert not {"cuda_graph", "direct_input"} & set(switches_used(row1, torch.float32, "cuda"))
     _hopper_policy(monkeypatch, eager=True, split_max_batch=64)  # the split too: its scratch serves launch after launch
     both = select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0))

@@ -119,9 +119,13 @@ def test_tail_variants_on_the_gpu(monkeypatch, variant, shape, mask_kind):
     assert getattr(opt.last_route, {"fold_next_qkv": "fold_qkv"}.get(variant, variant))
 
 
-def test_the_switch_benchmark_runs_the_fold_on_a_tiny_row(tmp_path):
+@pytest.mark.parametrize("how", [["--switch", "fold_qkv", "--policy", "split_layer.fold_next_qkv=true"],
+                                 ["--switch", "none", "--policy-on", "split_layer.fold_next_qkv=true"]],
+                         ids=["switch", "policy-on"])
+def test_the_switch_benchmark_runs_the_fold_on_a_tiny_row(tmp_path, how):
     """benchmarks/switch_ab.py as a user runs it (`python -m`) on its tiny CPU row, with the policy entry set for the
-    run: the first model folds, the second (its switch off) does not, and the first passes the official check."""
+    run and the switch off in the second model, or set while the first picks its route alone: the first model
+    folds, the second does not, and the first passes the official check."""
     import json
     import os
     import subprocess
@@ -132,9 +136,8 @@ def test_the_switch_benchmark_runs_the_fold_on_a_tiny_row(tmp_path):
     out = tmp_path / "ab.json"
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(root / "workflow"), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-m", "benchmarks.switch_ab", str(out), "--tiny", "--switch", "fold_qkv",
-                           "--policy", "split_layer.fold_next_qkv=true"], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.switch_ab", str(out), "--tiny", *how], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     (rec,) = json.loads(out.read_text())["rows"]
     assert " fold-qkv" in rec["route"] and " fold-qkv" not in rec["route_off"]
