@@ -490,6 +490,7 @@ import sys
 sys.path.insert(0, {workflow!r})
 DEVICE_ARG = "auto"
 config.setdefault("gpus", "all")
+config.setdefault("queue_at_gpu_lock", False)
 include: {gpus_smk!r}
 
 rule all:
@@ -548,6 +549,7 @@ import sys
 sys.path.insert(0, {workflow!r})
 DEVICE_ARG = "auto"
 config.setdefault("gpus", "all")
+config.setdefault("queue_at_gpu_lock", False)
 include: {gpus_smk!r}
 
 rule all:
