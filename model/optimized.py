@@ -19,6 +19,7 @@ where one does not; the route's reason names the parameter. A `precision=` set b
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import replace
 
 import torch
@@ -55,6 +56,9 @@ OPTIMIZATIONS = (
     # (off: the attention the policy gives without it, SDPA at these lengths)
 )
 MAX_MEMORY_PLANS = 64  # memory plans a model keeps (one per input signature, cap and memory fraction)
+# The current CUDA stream's handle, an int: one C call (`torch.cuda.current_stream` builds an object, ~10x as long)
+_stream_handle = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
 def switches_used(route, input_dtype, device_type: str) -> tuple:
@@ -108,8 +112,14 @@ class UserOptimizedTransformer(BaselineTransformer):
         self._paths = {}  # input signature -> the runner of its route
         self._graphs = Captures()  # the runners that hold captured CUDA graphs
         self._weights = DerivedWeights()  # derived weight tables, their parameters' versions, the fp16 screen
+        self._calls = threading.RLock()  # one call at a time: plans, captured buffers and scratch serve every call
+        self._stream = None  # (stream, handle) of the previous CUDA call (`_follow_stream`)
 
     def forward(self, x: torch.Tensor, valid_token_mask=None) -> torch.Tensor:
+        with self._calls:  # threads take turns (a streamed forward's chunks re-enter from the same thread)
+            return self._forward(x, valid_token_mask)
+
+    def _forward(self, x, valid_token_mask):
         mask = valid_token_mask
         check_inputs(self.config, x, mask)
         key = (x.shape, x.dtype, x.device, mask is None)  # the input signature
@@ -131,7 +141,21 @@ class UserOptimizedTransformer(BaselineTransformer):
             if runner is None:
                 runner = self._paths[key] = self._runner(x, mask)
         _set_plain(self, "last_route", runner.route)
+        if x.is_cuda:
+            handle = _stream_handle(x.get_device())
+            if self._stream is None or handle != self._stream[1]:
+                self._follow_stream(x.device, handle)
         return runner(self, x, mask)
+
+    def _follow_stream(self, device, handle) -> None:
+        """A CUDA call on another stream than the previous one's: this stream waits for what that one queued. The
+        captured graphs' static buffers, the split's scratch and the derived weights belong to the model and serve
+        every call, so its calls run on the GPU in the order they were made, on any streams (no host
+        synchronization)."""
+        stream = torch.cuda.current_stream(device)
+        if self._stream is not None and self._stream[0].device == stream.device:
+            stream.wait_stream(self._stream[0])
+        _set_plain(self, "_stream", (stream, handle))
 
     def _check_device_and_dtype(self, x) -> None:
         """x on the parameters' device and in their dtype, checked on each signature's first call (the signature
@@ -214,14 +238,21 @@ class UserOptimizedTransformer(BaselineTransformer):
         self._weights.relist()
         return super().load_state_dict(*args, **kwargs)
 
+    def __getstate__(self):  # a lock and a stream neither pickle nor copy: a copy makes its own
+        state = super().__getstate__()
+        state["_calls"], state["_stream"] = None, None
+        return state
+
     def __setstate__(self, state):  # unpickled parameters are plain nn.Parameters: list (and watch) them again
         super().__setstate__(state)
+        self._calls = threading.RLock()
         self._weights.relist()
 
     def _apply(self, fn, *args, **kwargs):  # .to(), .cuda(), .half(): derived state is rebuilt lazily
         self._weights.forget()
         self._drop_routes()
         self._memory_plans = {}
+        self._stream = None
         return super()._apply(fn, *args, **kwargs)
 
     # -------------------------------------------------------------------------------------------
