@@ -113,7 +113,7 @@ class UserOptimizedTransformer(BaselineTransformer):
         self._graphs = Captures()  # the runners that hold captured CUDA graphs
         self._weights = DerivedWeights()  # derived weight tables, their parameters' versions, the fp16 screen
         self._calls = threading.RLock()  # one call at a time: plans, captured buffers and scratch serve every call
-        self._stream = None  # (stream, handle) of the previous CUDA call (`_follow_stream`)
+        self._stream = None  # (stream, handle, under a capture) of the previous CUDA call (`_follow_stream`)
 
     def forward(self, x: torch.Tensor, valid_token_mask=None) -> torch.Tensor:
         with self._calls:  # threads take turns (a streamed forward's chunks re-enter from the same thread)
@@ -151,11 +151,14 @@ class UserOptimizedTransformer(BaselineTransformer):
         """A CUDA call on another stream than the previous one's: this stream waits for what that one queued. The
         captured graphs' static buffers, the split's scratch and the derived weights belong to the model and serve
         every call, so its calls run on the GPU in the order they were made, on any streams (no host
-        synchronization)."""
+        synchronization). A call inside a caller's CUDA-graph capture, or right after one, adds no wait: a capture
+        may depend on no work outside it, and its replays are ordered by whoever replays them."""
         stream = torch.cuda.current_stream(device)
-        if self._stream is not None and self._stream[0].device == stream.device:
-            stream.wait_stream(self._stream[0])
-        _set_plain(self, "_stream", (stream, handle))
+        capturing = torch.cuda.is_current_stream_capturing()
+        previous = self._stream
+        if previous is not None and not (capturing or previous[2]) and previous[0].device == stream.device:
+            stream.wait_stream(previous[0])
+        _set_plain(self, "_stream", (stream, handle, capturing))
 
     def _check_device_and_dtype(self, x) -> None:
         """x on the parameters' device and in their dtype, checked on each signature's first call (the signature

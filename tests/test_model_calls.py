@@ -86,3 +86,26 @@ def test_calls_on_two_streams_run_in_order(route):
             y2 = opt(x2, mask)
         torch.cuda.synchronize()
     assert torch.equal(y1, want1) and torch.equal(y2, want2), opt.last_route
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_caller_can_capture_the_model_on_another_stream():
+    """Warm on the default stream, then captured in the caller's CUDA graph on a side stream: the call adds no
+    dependency on work outside the capture, and the replay gives the eager output."""
+    cfg = cfg_of((4, 64, 64, 4, 96, 2))
+    _, opt = build_pair(cfg, "triton")
+    opt = opt.cuda()
+    x, mask = make_inputs(cfg, "holes")
+    x, mask = x.cuda(), mask.cuda()
+    with torch.inference_mode(False), torch.no_grad():
+        want = opt(x, mask).clone()  # compiled, on the default stream
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(graph, stream=side):  # the model's first call on this stream
+            y = opt(x, mask)
+        torch.cuda.current_stream().wait_stream(side)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, want)
+        assert torch.equal(opt(x, mask), want)  # and an eager call after it, on the default stream
