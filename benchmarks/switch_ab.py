@@ -8,7 +8,7 @@ Usage (CUDA machine): python -m benchmarks.switch_ab [OUT.json] [--switch pdl|no
 Per row: the optimized model as routed and a second one on the same weights with `--switch` (a name of
 `optimized.OPTIMIZATIONS`) off, on the pipeline's weights and first-trial inputs (the official call's all-True mask).
 `--policy split_layer.fold_next_qkv=true` sets a routing-policy entry for the run (both models), so a switch that
-the committed policy leaves off can be measured on; `--policy-on hopper.eager=true` sets one only while the first
+the committed policy leaves off can be measured on; `--policy-on hopper.eager_min_batch=1` sets one only while the first
 model picks its routes (its first call), so the two differ by that entry (with `--switch none`, by it alone).
 `--release`: where a kernel launched with PDL lets the next one
 launch (kernels/pdl.py's RELEASE). Checked: whether the two outputs are equal bit for bit, their largest difference,

@@ -14,8 +14,9 @@ Routes (ROUTE_SPECS: each route's module, which runs it, and what it needs):
 - `hopper`: the whole forward in one Gluon kernel (kernels/hopper_forward.py: wgmma, a TMA weight ring, the
   residual stream in registers), one program per sequence, on sm_90 only, where the policy's `hopper` entry covers
   the shape (`max_seq_len`, `min_batch`, `max_heads`; `max_seq_len` null: never unasked), fp16 operands; captured
-  in a CUDA graph, or launched eagerly where `eager` is true (one prepared launch a call: no output copy);
-  two programs a causal sequence where `split_max_batch` covers the batch (null: never).
+  in a CUDA graph, or launched eagerly where `eager_min_batch` covers the batch (one prepared launch a call: no
+  output copy); two programs a causal sequence where `split_max_batch` covers the batch and `split_max_head_dim`
+  the head width.
 
 Operand precision (`Route.precision`; accumulation is fp32 always, and the kernel routes keep an fp32 residual
 stream and fp32 LayerNorm statistics): `reference` and `sdpa` run PyTorch in the input dtype. The kernel routes
@@ -112,10 +113,10 @@ class Route:
     pdl: bool = False  # kernels after the forward's first launch with programmatic dependent launch (`with_pdl`)
     fold_qkv: bool = False  # split layer: each tail but the last also computes the next layer's LN1 + QKV (policy)
     persistent_tail: bool = False  # split layer: tails that do not fold run persistent, weights loaded once (policy)
-    eager: bool = False  # a captured route launched eagerly here: policy `hopper.eager`, or beyond
+    eager: bool = False  # a captured route launched eagerly here: policy `hopper.eager_min_batch`, or beyond
     # `graph.max_tokens_x_d_model` (`_hopper_route`)
     split_sequence: bool = False  # hopper route: two programs a causal sequence (policy `hopper.split_max_batch`)
-    prepared_launch: bool = False  # hopper route: eager through the signature's PreparedLaunch (policy `hopper.eager`)
+    prepared_launch: bool = False  # hopper route: eager through its signature's PreparedLaunch (eager_min_batch)
 
     def __str__(self) -> str:
         how = "forced" if self.forced else "auto"
@@ -230,24 +231,28 @@ def _hopper_pays(shape: Shape) -> bool:
 def _hopper_route(precision: str, reason: str, shape: Shape, forced: bool = False) -> Route:
     """Route `hopper`, captured in a CUDA graph up to the policy's `graph.max_tokens_x_d_model`, launched eagerly
     beyond (its one launch is then a small part of the forward, and the graph's copy of its output out of the
-    graph's buffer a large one: row 6, 308 µs of 5.55 ms); at every size through the signature's prepared launch
+    graph's buffer a large one: row 6, 308 µs of 5.55 ms); through the signature's prepared launch
     (`Route.prepared_launch`, `kernels.hopper_forward.PreparedLaunch`: no output copy, and a launch of the
-    compiled kernel where Triton's JIT launch binds every argument again) where `hopper.eager` (absent: false)
-    says so. Two programs a sequence where `hopper.split_max_batch` (null or
-    absent: never) covers the batch and the kernel's split serves the shape: a batch that leaves SMs idle."""
+    compiled kernel where Triton's JIT launch binds every argument again) where `hopper.eager_min_batch` (null or
+    absent: never) covers the batch: a kernel long enough to hide the host's launch. Two programs a sequence where
+    `hopper.split_max_batch` (null or absent: never) covers the batch, `hopper.split_max_head_dim` (null or absent:
+    any) the head width, and the kernel's split serves the shape: a batch that leaves SMs idle."""
     route = Route("hopper", precision, reason, forced=forced)
     hopper = POLICY["hopper"]
-    most_split = hopper.get("split_max_batch")
-    if most_split is not None and shape.batch_size <= most_split:
+    most_split, widest = hopper.get("split_max_batch"), hopper.get("split_max_head_dim")
+    if (most_split is not None and shape.batch_size <= most_split
+            and (widest is None or shape.d_model // shape.num_heads <= widest)):
         from shapewise.kernels.hopper_forward import why_unsupported  # the kernel owns its limits (imports triton)
 
         if why_unsupported(shape.seq_len, shape.d_model, shape.num_heads, shape.ffn_dim, causal=shape.causal,
                            split=True) is None:
             route = replace(route, split_sequence=True, reason=route.reason + (
                 f"; two programs a sequence (batch {shape.batch_size} <= {most_split})"))
-    if hopper.get("eager"):
+    fewest_eager = hopper.get("eager_min_batch")
+    if fewest_eager is not None and shape.batch_size >= fewest_eager:
         return replace(route, eager=True, prepared_launch=True, reason=route.reason + (
-            "; launched eagerly (policy hopper.eager: a prepared launch, no graph, no output copy)"))
+            f"; launched eagerly (batch {shape.batch_size} >= {fewest_eager}: a prepared launch, no graph, no "
+            f"output copy)"))
     most = POLICY["graph"]["max_tokens_x_d_model"]
     size = shape.tokens * shape.d_model
     if size <= most:

@@ -497,11 +497,11 @@ def test_a_prepared_launch_equals_the_jit_launch(mask_kind, split):
 @pytest.mark.gpu
 @needs_hopper
 def test_route_launches_eagerly_where_the_policy_says_so(monkeypatch):
-    """Policy `hopper.eager`: no graph, the signature's prepared launch, a new output per call; an input at an
+    """Policy `hopper.eager_min_batch` covering the batch: no graph, the signature's prepared launch, a new output per call; an input at an
     address the kernel was not specialized on runs the JIT launch; a weight edit is seen."""
     from shapewise.model import routing
 
-    monkeypatch.setitem(routing.POLICY, "hopper", {**routing.POLICY["hopper"], "eager": True, "min_batch": 1})
+    monkeypatch.setitem(routing.POLICY, "hopper", {**routing.POLICY["hopper"], "eager_min_batch": 1, "min_batch": 1})
     cfg = cfg_of((6, 128, 128, 4, 128, 2))
     ref, opt = build_pair(cfg, "auto")
     ref, opt = ref.cuda(), opt.cuda()

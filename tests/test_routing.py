@@ -375,10 +375,12 @@ def test_split_layer_has_a_token_floor(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 # hopper: built for sm_90 alone, picked unasked only where the policy's hopper entry covers the shape
 # ----------------------------------------------------------------------------------------------
-def _hopper_policy(monkeypatch, max_seq_len=128, min_batch=None, max_heads=None, split_max_batch=None, eager=False):
+def _hopper_policy(monkeypatch, max_seq_len=128, min_batch=None, max_heads=None, split_max_batch=None,
+                   split_max_head_dim=None, eager_min_batch=None):
     monkeypatch.setitem(routing.POLICY, "hopper", {"max_seq_len": max_seq_len, "min_batch": min_batch,
                                                    "max_heads": max_heads, "split_max_batch": split_max_batch,
-                                                   "eager": eager})
+                                                   "split_max_head_dim": split_max_head_dim,
+                                                   "eager_min_batch": eager_min_batch})
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0), (10, 0), None])
@@ -419,7 +421,7 @@ def test_hopper_runs_eagerly_beyond_the_graph_bound(monkeypatch):
     row6 = select_route(SHAPES[3], torch.float32, "cuda", capability=(9, 0))
     assert row1.name == row6.name == "hopper" and not row1.eager and row6.eager
     assert " eager (" in str(row6) and "launched eagerly" in row6.reason and row6.as_dict()["eager"] is True
-    assert not row6.prepared_launch  # Triton's JIT launch, unless the policy's hopper.eager
+    assert not row6.prepared_launch  # Triton's JIT launch, unless the policy's hopper.eager_min_batch
     assert "cuda_graph" in switches_used(row1, torch.float32, "cuda")
     assert not {"cuda_graph", "direct_input"} & set(switches_used(row6, torch.float32, "cuda"))
     forced = select_route(SHAPES[3], torch.float32, "cuda", forced="hopper", capability=(9, 0))
@@ -431,15 +433,18 @@ def test_hopper_runs_eagerly_beyond_the_graph_bound(monkeypatch):
     assert not select_route(SHAPES[3], torch.float32, "cuda", capability=(9, 0)).eager
 
 
-def test_hopper_runs_eagerly_at_every_size_where_the_policy_says_so(monkeypatch):
+def test_hopper_runs_eagerly_where_the_policy_covers_the_batch(monkeypatch):
     from shapewise.model.optimized import switches_used
 
-    _hopper_policy(monkeypatch, eager=True)
+    _hopper_policy(monkeypatch, eager_min_batch=65)
+    row1 = select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0))  # batch 64
+    assert row1.name == "hopper" and not row1.eager and not row1.prepared_launch
+    _hopper_policy(monkeypatch, eager_min_batch=64)
     row1 = select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0))
-    assert row1.name == "hopper" and row1.eager and row1.prepared_launch and "policy hopper.eager" in row1.reason
+    assert row1.name == "hopper" and row1.eager and row1.prepared_launch and "batch 64 >= 64" in row1.reason
     assert " eager prepared-launch (" in str(row1) and row1.as_dict()["prepared_launch"] is True
     assert not {"cuda_graph", "direct_input"} & set(switches_used(row1, torch.float32, "cuda"))
-    _hopper_policy(monkeypatch, eager=True, split_max_batch=64)  # the split too: its scratch serves launch after launch
+    _hopper_policy(monkeypatch, eager_min_batch=1, split_max_batch=64)  # the split too: its scratch serves each launch
     both = select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0))
     assert both.eager and both.split_sequence
 
@@ -456,7 +461,9 @@ def test_hopper_splits_a_sequence_where_the_policy_and_the_kernel_say_so(monkeyp
         one, torch.float32, "cuda")
     _hopper_policy(monkeypatch, split_max_batch=63)
     assert not select_route(row1, torch.float32, "cuda", capability=(9, 0)).split_sequence  # batch 64
-    _hopper_policy(monkeypatch, split_max_batch=64)
+    _hopper_policy(monkeypatch, split_max_batch=64, split_max_head_dim=16)  # heads of 32
+    assert not select_route(row1, torch.float32, "cuda", capability=(9, 0)).split_sequence
+    _hopper_policy(monkeypatch, split_max_batch=64, split_max_head_dim=32)
     two = select_route(row1, torch.float32, "cuda", capability=(9, 0))
     assert two.name == "hopper" and two.split_sequence and " split-sequence" in str(two) and "two programs" in two.reason
     assert "hopper_split" in switches_used(two, torch.float32, "cuda") and two.as_dict()["split_sequence"] is True
