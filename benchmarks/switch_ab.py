@@ -44,8 +44,7 @@ def row_result(shape_row, device, switch, rounds, calls, policy_on=()):
     with torch.inference_mode():
         base = dict(routing.POLICY)
         try:  # a model keeps the route of its first call: `policy_on` reaches the first model alone
-            for section, key, value in policy_on:
-                routing.POLICY[section] = {**routing.POLICY[section], key: value}
+            set_policy(policy_on)
             y_on = on(x, mask)
         finally:
             routing.POLICY.clear()
@@ -85,6 +84,12 @@ def policy_change(texts):
     return changes
 
 
+def set_policy(changes):
+    """Set each (section, key, value) of `policy_change` in the routing policy this process reads."""
+    for section, key, value in changes:
+        routing.POLICY[section] = {**routing.POLICY[section], key: value}
+
+
 def main():
     p = parser(__doc__, "switch-ab.json")
     p.add_argument("--switch", default="pdl", choices=OPTIMIZATIONS + ("none",),
@@ -100,8 +105,7 @@ def main():
     p.add_argument("--tiny", action="store_true", help="a small stand-in row on the CPU instead (checks the script)")
     a = p.parse_args()
     pdl.RELEASE = a.release
-    for section, key, value in policy_change(a.policy):
-        routing.POLICY[section] = {**routing.POLICY[section], key: value}
+    set_policy(policy_change(a.policy))
     policy_on = policy_change(a.policy_on)
     if a.switch == "none" and not policy_on:
         raise SystemExit("--switch none compares two models that differ by --policy-on alone: give one")

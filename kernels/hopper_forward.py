@@ -782,10 +782,10 @@ class PreparedLaunch:
         stream = self.stream(self.device.index)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         if _no_calls(enter) and _no_calls(leave):  # the launcher skips hooks given as None
-            self.run(self.programs, 1, 1, stream, self.function, self.metadata, None, None, None, *values)
+            meta = enter = leave = None
         else:  # a profiler's hooks see this launch as they see a JIT launch
             meta = self.kernel.launch_metadata((self.programs,), stream, *values)
-            self.run(self.programs, 1, 1, stream, self.function, self.metadata, meta, enter, leave, *values)
+        self.run(self.programs, 1, 1, stream, self.function, self.metadata, meta, enter, leave, *values)
         return out
 
 

@@ -241,7 +241,7 @@ def _hopper_route(precision: str, reason: str, shape: Shape, forced: bool = Fals
     hopper = POLICY["hopper"]
     most_split, widest = hopper.get("split_max_batch"), hopper.get("split_max_head_dim")
     if (most_split is not None and shape.batch_size <= most_split
-            and (widest is None or shape.d_model // shape.num_heads <= widest)):
+            and (widest is None or shape.head_dim <= widest)):
         from shapewise.kernels.hopper_forward import why_unsupported  # the kernel owns its limits (imports triton)
 
         if why_unsupported(shape.seq_len, shape.d_model, shape.num_heads, shape.ffn_dim, causal=shape.causal,
