@@ -32,7 +32,7 @@ from .memory import available_bytes, memory_fraction, user_budget_bytes
 from .reference import BaselineTransformer, check_inputs
 from .routing import (KERNEL_DTYPES, ROUTE_SPECS, ROUTES, RouteUnavailable, Shape, route_module, select_route,
                       with_pdl)
-from .weights import FP16_SAFE_ABS, DerivedWeights
+from .weights import FP16_SAFE_ABS, DerivedWeights, share_one_counter
 
 # Ablation switches: each can be turned off alone (constructor `disable=` or env SHAPEWISE_DISABLE).
 OPTIMIZATIONS = (
@@ -87,6 +87,7 @@ class UserOptimizedTransformer(BaselineTransformer):
     def __init__(self, config, route: str = "auto", disable=(), precision: str | None = None,
                  memory_budget_bytes: int | None = None):
         super().__init__(TransformerConfig.from_any(config))
+        share_one_counter(self)  # the per-call weight check reads one counter (model/weights.py)
         if route == "auto":  # an explicit constructor argument wins over the environment
             route = os.environ.get("SHAPEWISE_ROUTE", "").strip() or "auto"
         if route != "auto" and route not in ROUTES:
@@ -110,6 +111,7 @@ class UserOptimizedTransformer(BaselineTransformer):
         self._memory_plans = {}
         self._streaming = False  # inside a streamed forward: each chunk runs as planned, never planned again
         self._paths = {}  # input signature -> the runner of its route
+        self._known = {}  # a call's full signature -> (its input signature, memory plan, cap, fraction): checked
         self._graphs = Captures()  # the runners that hold captured CUDA graphs
         self._weights = DerivedWeights()  # derived weight tables, their parameters' versions, the fp16 screen
         self._calls = threading.RLock()  # one call at a time: plans, captured buffers and scratch serve every call
@@ -121,10 +123,29 @@ class UserOptimizedTransformer(BaselineTransformer):
 
     def _forward(self, x, valid_token_mask):
         mask = valid_token_mask
+        try:  # everything check_inputs and the memory plan read of the inputs: a known one needs neither again
+            call = (x.__class__, x.shape, x.dtype, x.device,
+                    None if mask is None else (mask.__class__, mask.shape, mask.dtype, mask.device))
+            known = self._known.get(call)
+        except (AttributeError, TypeError):  # not tensors: check_inputs names what is wrong
+            call = known = None
+        if known is not None and not self._streaming:
+            key, plan, cap, fraction = known
+            runner = self._paths.get(key)
+            if (runner is not None and cap == self.memory_budget_bytes and fraction == memory_fraction(x.device)
+                    and not (runner.uses_weights and self._weights.moved(self))):
+                _set_plain(self, "last_memory_plan", plan)
+                _set_plain(self, "last_route", runner.route)
+                return self._run(runner, x, mask)
+        return self._checked_forward(x, mask, call)
+
+    def _checked_forward(self, x, mask, call):
         check_inputs(self.config, x, mask)
         key = (x.shape, x.dtype, x.device, mask is None)  # the input signature
+        plan = None
         if not self._streaming:  # memory: decided on the signature's first call under this cap and fraction
-            plan = self._memory_plans.get((key, self.memory_budget_bytes, memory_fraction(x.device)))
+            cap, fraction = self.memory_budget_bytes, memory_fraction(x.device)
+            plan = self._memory_plans.get((key, cap, fraction))
             if plan is None:  # a new signature, or the model converted (.to() forgets the plans)
                 self._check_device_and_dtype(x)
                 plan = self._plan_memory(key, x, mask)
@@ -141,6 +162,13 @@ class UserOptimizedTransformer(BaselineTransformer):
             if runner is None:
                 runner = self._paths[key] = self._runner(x, mask)
         _set_plain(self, "last_route", runner.route)
+        if plan is not None and call is not None:  # the next call of this signature skips the checks above
+            if len(self._known) >= MAX_MEMORY_PLANS:
+                self._known.pop(next(iter(self._known)))
+            self._known[call] = (key, plan, cap, fraction)
+        return self._run(runner, x, mask)
+
+    def _run(self, runner, x, mask):
         if x.is_cuda:
             handle = _stream_handle(x.get_device())
             if self._stream is None or handle != self._stream[1]:
@@ -225,6 +253,7 @@ class UserOptimizedTransformer(BaselineTransformer):
     def _drop_routes(self) -> None:
         """Forget every signature's route, runner and captured graphs: each selects its route again."""
         self._paths = {}
+        self._known = {}
         self._graphs.clear()
 
     # -------------------------------------------------------------------------------------------
@@ -255,6 +284,7 @@ class UserOptimizedTransformer(BaselineTransformer):
         self._weights.forget()
         self._drop_routes()
         self._memory_plans = {}
+        self._known = {}
         self._stream = None
         return super()._apply(fn, *args, **kwargs)
 

@@ -9,6 +9,13 @@ after them: a write through a `p.data` tensor taken before the previous forward,
 parameter, and in-place edits of parameters that are inference tensors (created under torch.inference_mode: they
 carry no version counter).
 
+One counter for the model: the optimized model's parameters share one version counter (`share_one_counter`, at
+construction), so that any seen edit of any parameter moves it and the per-call weight check reads one integer
+instead of walking the parameters (docs/decisions.md#weight-version). Parameters that do not share it (a
+`load_state_dict(assign=True)`, a deep copy, an unpickled model) are walked one by one, as correct and slower. The
+cost of sharing: a backward pass through a graph that saved one parameter refuses to run after an in-place edit of
+any other, as it would after an edit of that one.
+
 The fp16 screen: for inputs that are not float16, a route's fp16 operands rest on every parameter lying within
 FP16_SAFE_ABS; `DerivedWeights.fp16_offender` measures that once per weight version.
 """
@@ -59,6 +66,28 @@ class WatchedParameter(nn.Parameter):
         return repr(nn.Parameter(self.detach(), self.requires_grad))
 
 
+def share_one_counter(module: nn.Module) -> None:
+    """Give every parameter of `module` one version counter, keeping its storage, values and requires_grad: each
+    becomes a new Parameter made from a view of one empty base (views share their base's counter) whose data is then
+    set to the old parameter's (setting `.data` keeps the counter). For a module nobody holds parameters of yet (its
+    constructor): the old Parameter objects are replaced."""
+    params = [(mod, name, p) for mod in module.modules() for name, p in mod._parameters.items() if p is not None]
+    if not params:
+        return
+    base = torch.empty(0, dtype=params[0][2].dtype, device=params[0][2].device)
+    for mod, name, p in params:
+        shared = nn.Parameter(base[:0], requires_grad=p.requires_grad)
+        shared.data = p.detach()
+        mod._parameters[name] = shared
+
+
+def _one_counter(params) -> bool:
+    """Whether `params` (not inference tensors) share one version counter: a bump of the first moves every one."""
+    before = [p._version for p in params]
+    torch.autograd.graph.increment_version(params[0])
+    return all(p._version == v + 1 for p, v in zip(params, before))
+
+
 def per_layer(model, dtype, packed: bool = True) -> dict:
     """The per-layer kernels' layout: "{i}.{name}" of LAYER_WEIGHTS (q/k/v_w, _b unpacked when not `packed`) in
     `dtype`, LayerNorm weights in fp32, and final_w, final_b."""
@@ -96,11 +125,12 @@ class DerivedWeights:
     Holds no reference to the model (each method takes it), so that dropping the model frees its tables at once.
     """
 
-    __slots__ = ("params", "inference", "aliases", "unwatched", "versions", "tables", "screen")
+    __slots__ = ("params", "inference", "shared", "aliases", "unwatched", "versions", "tables", "screen")
 
     def __init__(self):
         self.params = None  # the parameters, listed once: the module tree is too slow to walk on every call
         self.inference = False  # some parameter is an inference tensor: only addresses count
+        self.shared = False  # every parameter shares one version counter (share_one_counter): it alone is read
         self.aliases = ()  # a plain tensor per watched parameter, sharing its version counter (see `now`)
         self.unwatched = ()  # the parameters that are no WatchedParameter: their addresses count too
         self.versions = None  # the weights' identity (`now`) the tables were derived from
@@ -121,21 +151,29 @@ class DerivedWeights:
         if self.inference:
             return tuple(map(torch.Tensor.data_ptr, self.params))
         unwatched = self.unwatched
+        if self.shared and not unwatched:  # the model-wide counter: every seen edit moves it
+            return self.aliases[0]._version
         return (tuple(map(_version_of, self.aliases)), tuple(map(torch.Tensor.data_ptr, unwatched)),
                 tuple(map(_version_of, unwatched)))
 
     def _list(self, model) -> None:
         self.params = list(model.parameters())
         self.inference = any(p.is_inference() for p in self.params)
+        self.shared = bool(self.params) and not self.inference and _one_counter(self.params)
         if self.tables:
             _watch(self.params)
         self._alias()
 
     def _alias(self) -> None:
         """Aliases of the watched parameters' current storages, taken again after each edit (none holds a replaced
-        storage); the other parameters are read themselves."""
-        self.aliases = tuple(p.detach() for p in self.params if isinstance(p, WatchedParameter))
+        storage); the other parameters are read themselves. With one shared counter, one alias reads it."""
+        watched = [p for p in self.params if isinstance(p, WatchedParameter)]
+        self.aliases = tuple(p.detach() for p in (watched[:1] if self.shared else watched))
         self.unwatched = tuple(p for p in self.params if not isinstance(p, WatchedParameter))
+
+    def moved(self, model) -> bool:
+        """Whether the weights moved since the tables were derived (`refresh` derives them again)."""
+        return self.now(model) != self.versions
 
     def refresh(self, model) -> bool:
         """Derive every table again, in place, when the weights moved since they were derived; measure the fp16

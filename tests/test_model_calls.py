@@ -109,3 +109,36 @@ def test_a_caller_can_capture_the_model_on_another_stream():
         torch.cuda.synchronize()
         assert torch.equal(y, want)
         assert torch.equal(opt(x, mask), want)  # and an eager call after it, on the default stream
+
+
+def test_a_known_call_skips_the_checks_and_anything_new_is_checked(monkeypatch):
+    """The second call of a signature is one lookup: no input check, no memory plan; a mask of another dtype, a new
+    memory cap or edited weights take the checked path again, and bad inputs still get their named errors."""
+    from shapewise.model import optimized
+
+    cfg = cfg_of(CFG)
+    _, opt = build_pair(cfg, "triton")  # a route of derived weights (the interpreter on a CPU)
+    x, mask = make_inputs(cfg, "holes")
+    checks = []
+    real = optimized.check_inputs
+    monkeypatch.setattr(optimized, "check_inputs", lambda *a: (checks.append(1), real(*a)))
+    with torch.no_grad():
+        want = opt(x, mask)
+        assert len(checks) == 1
+        for _ in range(3):
+            assert torch.equal(opt(x, mask), want)
+        assert len(checks) == 1 and opt.last_memory_plan.num_chunks == 1
+        with pytest.raises(TypeError, match="valid_token_mask must have dtype torch.bool"):
+            opt(x, mask.to(torch.uint8))
+        with pytest.raises(ValueError, match="valid_token_mask has shape"):
+            opt(x, mask[:, :-1])
+        with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+            opt(x.numpy(), mask)
+        assert len(checks) == 4
+        opt.memory_budget_bytes = 10**12
+        opt(x, mask)
+        assert len(checks) == 5
+        opt(x, mask)
+        assert len(checks) == 5
+        opt.layers[0].ffn_in.bias.add_(1.0)  # the weights moved: derived again on the checked path
+        assert not torch.equal(opt(x, mask), want) and len(checks) == 6

@@ -101,6 +101,8 @@ def test_parameter_data_swap_after_first_forward(route):
         check_official(fresh(x), opt(x), f"route={route} after param.data swap")
     held = opt._weights  # the weight check's aliases follow the parameters' storages: none holds a replaced one
     watched = [p.data_ptr() for p in opt.parameters() if isinstance(p, WatchedParameter)]
+    if held.shared:  # one counter for every parameter: one alias reads it
+        watched = watched[:1]
     assert [a.data_ptr() for a in held.aliases] == (watched if held.params else [])
 
 
@@ -198,3 +200,55 @@ def test_global_flags_untouched(route):
     opt(x)
     assert flags == (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
                      torch.get_float32_matmul_precision(), torch.is_grad_enabled())
+
+
+def _counter_moves(opt, edit) -> bool:
+    """Whether `edit()` moves the model's weight identity as the per-call check reads it."""
+    weights = opt._weights
+    before = weights.now(opt)
+    edit()
+    return weights.now(opt) != before
+
+
+def test_the_weight_check_reads_one_counter_and_every_seen_edit_moves_it():
+    """Constructed, every parameter shares one version counter: with the derived tables built (every parameter
+    watched) the check reads one integer, and each edit the weights module lists as seen moves it, also after a
+    conversion."""
+    cfg = cfg_of(CFG_MAIN)
+    opt = UserOptimizedTransformer(cfg)
+    from shapewise.model.weights import per_layer
+
+    opt._weights.table(opt, "fp16", per_layer)
+    assert opt._weights.shared and isinstance(opt._weights.now(opt), int)
+    params = dict(opt.named_parameters())
+    other = BaselineTransformer(cfg)
+    with torch.no_grad():
+        assert _counter_moves(opt, lambda: params["layers.1.ffn_out.bias"].mul_(2))
+        assert _counter_moves(opt, lambda: params["final_norm.weight"].data.copy_(torch.ones(cfg.d_model)))
+        assert _counter_moves(opt, lambda: setattr(params["layers.0.norm1.bias"], "data", torch.zeros(cfg.d_model)))
+        assert _counter_moves(opt, lambda: opt.load_state_dict(other.state_dict()))
+        assert not _counter_moves(opt, lambda: None)
+        opt.to(torch.float64)  # a conversion swaps every storage and keeps the counter
+        opt._weights.table(opt, "fp16", per_layer)
+        assert opt._weights.shared and isinstance(opt._weights.now(opt), int)
+        assert _counter_moves(opt, lambda: dict(opt.named_parameters())["layers.0.ffn_in.weight"].add_(1))
+    assert all(p.data_ptr() != q.data_ptr() for p, q in zip(opt.parameters(), list(opt.parameters())[1:]))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "assign"])
+def test_parameters_that_do_not_share_the_counter_are_walked(how):
+    """A deep copy, or `load_state_dict(assign=True)`, brings parameters with counters of their own: the check walks
+    them one by one, and an edit of any one is still seen by the forward."""
+    cfg = cfg_of(CFG_SEQ7)
+    ref, opt = build_pair(cfg, "sdpa")
+    x, _ = make_inputs(cfg, "none")
+    from shapewise.model.weights import per_layer
+
+    if how == "deepcopy":
+        opt = copy.deepcopy(opt)
+    else:
+        opt.load_state_dict({k: v.clone() for k, v in ref.state_dict().items()}, strict=True, assign=True)
+    opt._weights.table(opt, "fp16", per_layer)
+    assert not opt._weights.shared and isinstance(opt._weights.now(opt), tuple)
+    with torch.no_grad():
+        assert _counter_moves(opt, lambda: dict(opt.named_parameters())["layers.0.attention.v_proj.bias"].add_(1))
