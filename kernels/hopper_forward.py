@@ -51,6 +51,7 @@ try:  # Gluon ships with Triton >= 3.5; without it (or without a Hopper GPU) `wh
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton import knobs
+    from triton.backends.nvidia.driver import make_tensordesc_arg
     from triton.runtime import driver
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
@@ -729,10 +730,17 @@ class PreparedLaunch:
     here (Triton's JIT launch binds and specializes every argument again on each call). It serves inputs of the
     signature it was prepared with (shape, dtype, device, a mask or none) whose layout is the one the kernel was
     specialized on, contiguous and 16-byte aligned: `serves(x, mask)` says whether; the same keywords as
-    `hopper_forward` otherwise (`out` excepted: each call returns a new tensor)."""
+    `hopper_forward` otherwise (`out` excepted: each call returns a new tensor).
 
-    __slots__ = ("programs", "values", "at_x", "at_out", "at_mask", "shape", "dtype", "device", "stream", "run",
-                 "function", "metadata", "kernel")
+    A call hands Triton's C launcher the argument list as its wrapper would expand it, built once: the weight
+    stream's TMA descriptor encoded here (the stream is refreshed in place, so its address holds), every other
+    tensor as its address; per call only x's, the mask's and the output's addresses are written in. `direct` is
+    None where this Triton's launcher is not reachable that way (`_c_launcher`); a call then goes through the
+    compiled kernel's `run`, which encodes the descriptor and resolves every pointer again, as it does while a
+    profiler's launch hooks are set."""
+
+    __slots__ = ("programs", "values", "at_x", "at_out", "at_mask", "shape", "dtype", "device", "index", "stream",
+                 "run", "function", "metadata", "kernel", "direct", "direct_at")
 
     def __init__(self, x, w, *, num_heads, causal, mask=None, desc=None, programs=None, overlap=True,
                  pipeline=False, split=False, scratch=None):
@@ -761,9 +769,38 @@ class PreparedLaunch:
         self.at_mask = names.index("Mask") if mask is not None else None
         for i in self.at_x + self.at_out + ([] if self.at_mask is None else [self.at_mask]):
             values[i] = None  # filled each call: the first call's tensors are not held
-        self.values = values
-        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+        self.values = values  # holds every tensor the direct launch passes by address
+        self.shape, self.dtype, self.device, self.index = x.shape, x.dtype, x.device, x.device.index
         self.stream = driver.active.get_current_stream  # the device's current stream, as a Triton launch reads it
+        self.direct, self.direct_at = self._direct()
+
+    def _direct(self):
+        """(the C launcher's argument list with None where a call writes, {"x"|"out"|"mask": its indices}), or
+        (None, None) where the C launcher is not reachable."""
+        found = _c_launcher(self.run)
+        if found is None:
+            return None, None
+        launch, cooperative, pdl = found
+        tensordesc_meta = iter(getattr(self.kernel.metadata, "tensordesc_meta", None) or ())
+        per_call = {i: "x" for i in self.at_x} | {i: "out" for i in self.at_out}
+        if self.at_mask is not None:
+            per_call[self.at_mask] = "mask"
+        # the C launcher's leading arguments: grid, stream (written per call), function, cooperative and PDL
+        # flags, no global or profile scratch, the packed metadata, no launch metadata and no hooks
+        head = [launch, self.programs, 1, 1, None, self.function, cooperative, pdl, None, None, self.metadata, None,
+                None, None]
+        args, at = head, {"x": [], "out": [], "mask": []}
+        for i, v in enumerate(self.values):
+            if i in per_call:
+                at[per_call[i]].append(len(args))
+                args.append(None)
+            elif isinstance(v, TensorDescriptor):
+                args.extend(make_tensordesc_arg(v, next(tensordesc_meta, None)))
+            elif isinstance(v, torch.Tensor):
+                args.append(v.data_ptr())
+            else:
+                args.append(v)
+        return args, at
 
     @staticmethod
     def serves(x, mask) -> bool:
@@ -772,6 +809,19 @@ class PreparedLaunch:
 
     def __call__(self, x, mask=None):
         out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        hooked = not (_no_calls(enter) and _no_calls(leave))  # the launcher skips hooks given as None
+        if self.direct is not None and not hooked:
+            args, at = self.direct.copy(), self.direct_at
+            args[4] = self.stream(self.index)
+            for name, tensor in (("x", x), ("out", out), ("mask", mask)):
+                if at[name]:
+                    address = tensor.data_ptr()
+                    for i in at[name]:
+                        args[i] = address
+            launch = args[0]
+            launch(*args[1:])
+            return out
         values = self.values.copy()
         for i in self.at_x:
             values[i] = x
@@ -779,14 +829,32 @@ class PreparedLaunch:
             values[i] = out
         if self.at_mask is not None:
             values[self.at_mask] = mask  # bool and int8 share their bytes: the launcher reads the address alone
-        stream = self.stream(self.device.index)
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        if _no_calls(enter) and _no_calls(leave):  # the launcher skips hooks given as None
-            meta = enter = leave = None
-        else:  # a profiler's hooks see this launch as they see a JIT launch
+        stream = self.stream(self.index)
+        if hooked:  # a profiler's hooks see this launch as they see a JIT launch
             meta = self.kernel.launch_metadata((self.programs,), stream, *values)
+        else:
+            meta = enter = leave = None
         self.run(self.programs, 1, 1, stream, self.function, self.metadata, meta, enter, leave, *values)
         return out
+
+
+def _c_launcher(run):
+    """(Triton's C launch function under `run`, the compiled kernel's launcher, its cooperative-grid and PDL
+    flags), or None. In Triton 3.6 `run` is a CudaLauncher whose `launch` is the C function, or a Python wrapper
+    that expands tensor descriptors around it (a closure over `launcher`); a launcher that allocates global or
+    profile scratch per launch is not served. Private to Triton: tests/test_hopper_forward.py fails when a GPU
+    run finds none."""
+    if getattr(run, "global_scratch_size", None) != 0 or getattr(run, "profile_scratch_size", None) != 0:
+        return None
+    launch = getattr(run, "launch", None)
+    code = getattr(launch, "__code__", None)
+    if code is not None:  # the descriptor wrapper: the C function is its closure's `launcher`
+        if "launcher" not in code.co_freevars:
+            return None
+        launch = launch.__closure__[code.co_freevars.index("launcher")].cell_contents
+    if launch is None or not callable(launch) or hasattr(launch, "__code__"):
+        return None
+    return launch, run.launch_cooperative_grid, run.launch_pdl
 
 
 def _no_calls(hook) -> bool:

@@ -249,6 +249,95 @@ def test_a_prepared_launch_passes_each_calls_tensors_in_the_kernels_order(monkey
         hf.PreparedLaunch(x.transpose(0, 1), packed, num_heads=2, causal=True, mask=mask)
 
 
+class _CLaunch:
+    """Triton's C launch function: a callable without Python code, recording its arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+class _FakeLauncher:
+    """Triton 3.6's CudaLauncher as PreparedLaunch reads it: no scratch, its flags, `launch` the descriptor
+    wrapper (a closure over the C function `launcher`), and the call the JIT path makes."""
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self):
+        self.c_launch, self.calls = _CLaunch(), []
+        launcher = self.c_launch
+
+        def launch(*args):  # what wrap_handle_tensordesc returns: expands descriptors, then the C function
+            return launcher(*args)
+
+        self.launch = launch
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+@pytest.mark.skipif(hf.gluon is None, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_a_prepared_launch_hands_the_c_launcher_addresses_and_a_descriptor_encoded_once(monkeypatch, split,
+                                                                                        with_mask):
+    """The C launcher gets the argument list Triton's wrapper would expand, built once: the weight descriptor
+    encoded at preparation only, every other tensor as its address; per call x's, the mask's and a new output's
+    addresses in their places. With a profiler's launch hook set, the launch goes through `run` as a JIT launch."""
+    cfg, ref, x, mask, _ = _case((2, 100 if split else 40, 32, 2, 48, 2), True, "holes")
+    mask = mask if with_mask else None
+    packed = _packed(ref, cfg, torch.float16)
+    fake = _FakeKernel()
+    launcher = fake.compiled.run = _FakeLauncher()
+    fake.compiled.metadata = types.SimpleNamespace(tensordesc_meta=[{"swizzle": 128}])
+    encoded = []
+    monkeypatch.setattr(hf, "make_tensordesc_arg", lambda desc, meta: (encoded.append((desc, meta)), [
+        "encoded map", *desc.shape, *desc.strides])[1])
+    monkeypatch.setattr(hf, "_hopper_forward_fwd", fake)
+    monkeypatch.setattr(hf, "_on_hopper", lambda device: True)
+    monkeypatch.setattr(hf.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(hf.torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        multi_processor_count=132))
+    monkeypatch.setattr(hf, "driver", types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_stream=lambda index: 1234)))
+    scratch = hf.split_scratch(2, 2, 2, 16, "cpu") if split else None
+    launch = hf.PreparedLaunch(x, packed, num_heads=2, causal=True, mask=mask, programs=4, split=split,
+                               scratch=scratch)
+    (_, args), = fake.warmed
+    names = fake.arg_names
+    assert launch.direct is not None and len(encoded) == 1 and encoded[0][1] == {"swizzle": 128}
+    desc = args["w_desc"]
+    expanded = []  # the kernel's parameters in order, the descriptor as its encoding, tensors as addresses
+    for name in names:
+        v = args[name]
+        expanded.extend(["encoded map", *desc.shape, *desc.strides] if v is desc else
+                        [v.data_ptr() if isinstance(v, torch.Tensor) else v])
+    at = {n: names.index(n) for n in ("X", "Y", "Mask", "KV", "Flags")}
+    shift = len(desc.shape) + len(desc.strides)  # parameters after the descriptor move by its expansion
+    place = {n: i + (shift if i > names.index("w_desc") else 0) for n, i in at.items()}
+    for call in range(2):
+        x2 = torch.randn_like(x)
+        m2 = None if mask is None else mask.clone()
+        y = launch(x2, m2)
+        head, values = launcher.c_launch.calls[-1][:13], launcher.c_launch.calls[-1][13:]
+        # grid, stream, function, cooperative and PDL flags, no scratch, metadata, no launch metadata or hooks
+        assert head == (4, 1, 1, 1234, "function", False, True, None, None, "metadata", None, None, None)
+        assert len(values) == len(expanded)
+        assert values[place["X"]] == x2.data_ptr() and values[place["Y"]] == y.data_ptr()
+        assert values[place["Mask"]] == (m2.data_ptr() if with_mask else y.data_ptr())
+        others = ("KV", "Flags") if split else ()
+        for name in others:
+            assert values[place[name]] == scratch[name.lower()].data_ptr(), name
+        per_call = {place[n] for n in ("X", "Y", "Mask") + (() if split else ("KV", "Flags"))}
+        assert all(v == expanded[i] for i, v in enumerate(values) if i not in per_call)
+    assert len(encoded) == 1 and launcher.calls == []  # no descriptor encoded, no JIT path, per call
+    monkeypatch.setattr(hf.knobs.runtime, "launch_enter_hook", lambda *a: None)
+    launch(x2, m2)
+    assert len(launcher.calls) == 1 and len(launcher.c_launch.calls) == 2
+
+
 @pytest.mark.skipif(hf.gluon is None, reason="this Triton has no Gluon")
 def test_the_kernel_builds_for_sm90_with_wgmma_and_tma():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -478,6 +567,7 @@ def test_a_prepared_launch_equals_the_jit_launch(mask_kind, split):
     mc = None if mask is None else mask.cuda()
     keywords = dict(num_heads=2, causal=True, split=split, scratch=scratch)
     launch = hf.PreparedLaunch(x.cuda(), packed, mask=mc, **keywords)
+    assert launch.direct is not None  # this Triton's C launcher reached (kernels.hopper_forward._c_launcher)
     for trial in range(3):
         xc = x.cuda() if trial == 0 else torch.randn_like(x.cuda())
         got = launch(xc, mc)
