@@ -15,7 +15,10 @@ launch queue never fills), the host's wall time per call, median over batches:
 - `replay`: CUDAGraph.replay() of the graph that reads the inputs in place;
 - `copy_out`: the clone of the graph's output buffer;
 - `eager`: the route's runner without its graph (its launches and its output's allocation, as `cuda_graph` off runs it;
-  on route `hopper` the signature's prepared launch).
+  on route `hopper` the signature's prepared launch);
+- on a route launched through its signature's prepared launch (route `hopper` with `prepared_launch`): `prepared`,
+  the PreparedLaunch's call alone (the output's allocation and one launch), and `empty`, the output's allocation
+  alone (torch.empty of the output's shape).
 `gpu_us`: the GPU's time per call of the whole call in the same batches (CUDA events), as benchmarks.host_path
 measures it.
 """
@@ -26,6 +29,7 @@ import torch
 from benchmarks.common import (CUDA, ReturnsInput, device_name, official, parser, require_cuda, row_numbers, setup,
                                write_json)
 from benchmarks.host_path import per_call_us
+from benchmarks.switch_ab import policy_change, set_policy
 
 
 def host_us(fn, calls, repeats):
@@ -52,6 +56,10 @@ def parts(shape_row, calls, repeats):
             model._paths[key] = runner
         out["weight_check"] = host_us(lambda: model._weights.refresh(model), calls, repeats)
         out["runner"] = host_us(lambda: runner(model, x, mask), calls, repeats)
+        launch = getattr(runner, "launch", None)
+        if launch is not None:
+            out["prepared"] = host_us(lambda: launch(x, mask), calls, repeats)
+            out["empty"] = host_us(lambda: torch.empty(x.shape, dtype=x.dtype, device=x.device), calls, repeats)
         if direct is not None:
             graph, _, static_out = direct
             out["replay"] = host_us(graph.replay, calls, repeats)
@@ -65,13 +73,16 @@ def main():
     p.add_argument("--rows", default="1,9,12", help="official rows (captured routes)")
     p.add_argument("--calls", type=int, default=50, help="calls per batch")
     p.add_argument("--repeats", type=int, default=20, help="batches per part")
+    p.add_argument("--policy", action="append", default=[], help="SECTION.KEY=JSON: a routing-policy entry set")
     args = p.parse_args()
     require_cuda()
-    result = {"device": device_name(CUDA), "torch": torch.__version__, "rows": {}}
+    set_policy(policy_change(args.policy))
+    result = {"device": device_name(CUDA), "torch": torch.__version__, "policy": args.policy, "rows": {}}
     for n in row_numbers(args.rows):
         rec = parts(official(n), args.calls, args.repeats)
         result["rows"][n] = rec
-        parts_us = ("call", "gpu_us", "before_runner", "weight_check", "runner", "replay", "copy_out", "eager")
+        parts_us = ("call", "gpu_us", "before_runner", "weight_check", "runner", "replay", "copy_out", "eager",
+                    "prepared", "empty")
         print(f"official row {n}: " + ", ".join(f"{k} {rec[k]} us" for k in parts_us if k in rec)
               + f"; {rec['route']}", flush=True)
         write_json(args.out, result)

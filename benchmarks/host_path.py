@@ -1,6 +1,7 @@
 """Host time per call against GPU time per call of the official call `model(x, mask)`, per official row.
 
 Usage (CUDA machine): python -m benchmarks.host_path [OUT.json] [--rows 2,3,7,12] [--calls 50] [--repeats 20]
+                          [--official] [--policy SECTION.KEY=JSON ...] [--label TEXT]
 
 A call is host-bound when the host needs longer to issue it than the GPU needs to run it: then the GPU waits and
 the call's median follows the host. Per row (the launch-bound rows by default), after 20 calls that compile and
@@ -9,6 +10,11 @@ synchronize so that the launch queue never fills and blocks the host. Per batch,
 until the last call returns (perf_counter), the GPU's the time between a CUDA event pair around the same calls;
 the medians over batches, per call, are `host_us` and `gpu_us`, and `host_bound` is host_us > gpu_us. Nothing is
 synchronized inside a batch. The models and inputs are the pipeline's (the row's weights and its first trial).
+
+`--official` also times each row as the official harness does: the reference and the optimized model, 20 warm-up
+calls each, then 3 rounds alternating them, 100 calls of each a round, a CUDA event pair around every call and no
+synchronization between calls; `official_ms` holds each model's median over its 300 calls and the speedup.
+`--policy` sets a routing-policy entry for the run; `--label` names the code measured (a commit) in the file.
 """
 from __future__ import annotations
 
@@ -17,7 +23,11 @@ import time
 
 import torch
 
-from benchmarks.common import CUDA, device_name, official, parser, require_cuda, row_numbers, setup, write_json
+from benchmarks.common import (CUDA, alternating_rounds, device_name, official, parser, pooled_median, require_cuda,
+                               row_numbers, setup, write_json)
+from benchmarks.switch_ab import policy_change, set_policy
+
+OFFICIAL = {"warmup": 20, "rounds": 3, "calls": 100}  # the official harness's protocol
 
 
 def per_call_us(fn, calls, repeats):
@@ -40,14 +50,22 @@ def per_call_us(fn, calls, repeats):
     return statistics.median(host), statistics.median(gpu)
 
 
-def host_and_gpu_us(shape_row, calls, repeats):
-    _, _, model, x, mask = setup(shape_row, CUDA, reference=False)
+def host_and_gpu_us(shape_row, calls, repeats, official_protocol=False):
+    _, reference, model, x, mask = setup(shape_row, CUDA, reference=official_protocol)
     out = {"row": shape_row["id"], "calls": calls, "repeats": repeats}
     with torch.inference_mode():
         for _ in range(20):
             model(x, mask)
         out["route"] = str(model.last_route)
         out["host_us"], out["gpu_us"] = per_call_us(lambda: model(x, mask), calls, repeats)
+        if official_protocol:
+            fns = {"reference": lambda: reference(x, mask), "optimized": lambda: model(x, mask)}
+            for fn in fns.values():
+                for _ in range(OFFICIAL["warmup"]):
+                    fn()
+            times = alternating_rounds(fns, CUDA, OFFICIAL["rounds"], OFFICIAL["calls"])
+            out["official_ms"] = {name: pooled_median(rounds) for name, rounds in times.items()}
+            out["official_ms"]["speedup"] = out["official_ms"]["reference"] / out["official_ms"]["optimized"]
     out["host_bound"] = out["host_us"] > out["gpu_us"]
     return out
 
@@ -57,13 +75,19 @@ def main():
     p.add_argument("--rows", default="2,3,7,12", help="official rows (default: the launch-bound ones)")
     p.add_argument("--calls", type=int, default=50, help="calls per batch")
     p.add_argument("--repeats", type=int, default=20, help="batches per row")
+    p.add_argument("--official", action="store_true", help="also the official harness's medians (and the reference's)")
+    p.add_argument("--policy", action="append", default=[], help="SECTION.KEY=JSON: a routing-policy entry set")
+    p.add_argument("--label", default="", help="what code is measured (a commit), recorded in the file")
     args = p.parse_args()
     require_cuda()
-    result = {"device": device_name(CUDA), "torch": torch.__version__, "rows": {}}
+    set_policy(policy_change(args.policy))
+    result = {"device": device_name(CUDA), "torch": torch.__version__, "label": args.label, "policy": args.policy,
+              "official_protocol": OFFICIAL if args.official else None, "rows": {}}
     for n in row_numbers(args.rows):
-        rec = host_and_gpu_us(official(n), args.calls, args.repeats)
+        rec = host_and_gpu_us(official(n), args.calls, args.repeats, args.official)
         result["rows"][n] = rec
-        print(f"official row {n}: host {rec['host_us']:.1f} us, GPU {rec['gpu_us']:.1f} us per call"
+        median = f", official median {rec['official_ms']['optimized'] * 1e3:.1f} us" if args.official else ""
+        print(f"official row {n}: host {rec['host_us']:.1f} us, GPU {rec['gpu_us']:.1f} us per call{median}"
               f"{' (host-bound)' if rec['host_bound'] else ''}; {rec['route']}", flush=True)
         write_json(args.out, result)
 
