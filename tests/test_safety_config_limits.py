@@ -1,7 +1,7 @@
 """The limits of the YAML the pipeline reads besides manifests: a config loaded by Snakemake (whose loader keeps
 aliases) is checked by shapewise.limits.check_loaded, which stops an alias bomb after a bounded number of steps;
 the shipped config and manifests pass the strict reader (shapewise.limits.load_yaml). The config schema's patterns
-refuse a value ending in a newline."""
+refuse a value ending in a newline, and its `commit` is a full commit id, the one verify can check."""
 
 import time
 from pathlib import Path
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shapewise import limits, paths
+from shapewise import limits, paths, provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 # Five levels of thirty aliases: 30^5 = 24 300 000 strings once expanded, seven levels deep.
@@ -81,3 +81,14 @@ def test_value_with_a_trailing_newline_is_refused(key, value):
     message = config_error(**{key: with_newline(value)})
     assert message is not None and f"instance[{key!r}]" in message and repr(with_newline(value)) in message
 
+
+@pytest.mark.parametrize("commit", [FULL_COMMIT, FULL_COMMIT[:7], FULL_COMMIT[:39], FULL_COMMIT + "0", "a" * 64,
+                                    FULL_COMMIT.upper(), "HEAD"])
+def test_schema_takes_exactly_the_commits_verify_can_check(commit, tmp_path):
+    """Config `commit` goes into the report's provenance; verify checks the inputs against it only when it is a
+    full commit id, so the schema refuses a short one rather than let the report be checked against the working
+    tree."""
+    taken_by_schema = config_error(commit=commit) is None
+    _, why = provenance.commit_known(tmp_path, commit)
+    assert taken_by_schema == ("is not a full commit id" not in why), why
+    assert taken_by_schema == (commit in (FULL_COMMIT, "a" * 64))
