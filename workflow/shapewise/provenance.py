@@ -211,8 +211,8 @@ def _field_problems(record):
         return [f"not a provenance record: a JSON {type(record).__name__} where an object belongs"]
     problems = [f"field {name!r} missing: a provenance record holds {', '.join(REQUIRED)}"
                 for name in REQUIRED if name not in record]
-    fmt = record.get("format", FORMATS[0])
-    if type(fmt) is not int or fmt not in FORMATS:
+    fmt = record.get("format")
+    if "format" in record and (type(fmt) is not int or fmt not in FORMATS):
         problems.append(f"format {fmt!r:.60}: not a format this shapewise reads (the integers "
                         f"{', '.join(map(str, FORMATS))})")
     if type(record.get("dirty")) not in (type(None), bool):
@@ -266,7 +266,7 @@ def _report_files(report_dir):
 
 
 def _unlisted(report_dir, entries):
-    """Problems ("artifact not listed in provenance.json: path") of the report's files the entries leave out."""
+    """Problems ("artifact not listed in provenance.json ...: path") of the report's files the entries leave out."""
     listed = {PurePosixPath(entry["path"]).as_posix() for entry in entries}
     return [f"artifact not listed in provenance.json (a report lists all its files): {report_dir / name}"
             for name in sorted(_report_files(report_dir) - listed)]
