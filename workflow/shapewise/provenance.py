@@ -356,7 +356,8 @@ def verify(report_dir, artifacts_only=False, out=print):
     if unusable:
         for problem in unusable:
             out(f"verify: {manifest}: {problem}")
-        out(f"verify: FAILED: {manifest}: {len(unusable)} problems in the record; no file was read")
+        noun = "problem" if len(unusable) == 1 else "problems"
+        out(f"verify: FAILED: {manifest}: {len(unusable)} {noun} in the record; no file was read")
         return 1
     fmt = record["format"]
     root = report_dir / record["root"]
