@@ -9,7 +9,7 @@ from shapewise import provenance
 from shapewise.cli import main as cli_main
 
 INPUTS = ["model/a.py", "shapes/s.yaml"]
-ARTIFACTS = ["summary.csv", "data/timing/r1.json"]
+ARTIFACTS = ["report.md", "report.html", "summary.csv", "data/timing/r1.json"]
 
 
 def git(repo, *args):
@@ -31,6 +31,8 @@ def repo(tmp_path, monkeypatch):
     report = tmp_path / "reports" / "r"
     (report / "data" / "timing").mkdir(parents=True)
     (report / "summary.csv").write_text("id,status\nr1,pass\n")
+    (report / "report.md").write_text("# r\n")
+    (report / "report.html").write_text("<h1>r</h1>\n")
     (report / "data" / "timing" / "r1.json").write_text("{}\n")
     return tmp_path
 

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from shapewise import limits, manifest, paths
+from shapewise.cli import main as cli_main
 from shapewise.manifest import ManifestError, load_manifest, load_manifests
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -203,6 +204,16 @@ def test_periodic_rule_is_snakemakes():
                                     "a b", "tab\tid", "", "x.json", "caf\u00e9"])
 def test_id_with_markup_or_path_separators(tmp_path, row_id):
     assert "field id" in refused(write_rows(tmp_path, [dict(GOOD, id=row_id)]))
+
+
+def test_id_with_a_trailing_newline(tmp_path, capsys):
+    """A pattern's `$` matches before a final newline in Python's re.search (the schema validator's): "tiny-1\\n"
+    would pass and then break the file names and wildcards the pipeline makes of it."""
+    path = write_rows(tmp_path, [dict(GOOD, id="tiny-1\n")])
+    assert "row 'tiny-1\\n': field id: 'tiny-1\\n' does not match" in refused(path)
+    assert cli_main(["validate", str(path)]) == 1
+    assert f"{path}: row 'tiny-1\\n': field id" in capsys.readouterr().err
+    assert load_manifest(write_rows(tmp_path, [dict(GOOD, id="tiny-1")]))
 
 
 @pytest.mark.parametrize("field", ["batch_size", "seq_len", "d_model", "num_heads", "ffn_dim", "num_layers"])

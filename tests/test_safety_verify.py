@@ -1,30 +1,36 @@
 """`shapewise verify` reads nothing outside the report: an artifact path that is absolute, climbs with `..` or
 leaves through a symbolic link, an input outside the root, a root that is not above the report, or an entry
-without a path is refused before any file is hashed. The committed reports still verify."""
+without a path is refused before any file is hashed. A record that is not one (a field missing or of another
+type) is refused naming the field, and one that leaves out a file of the report itself fails naming the file.
+The committed reports still verify."""
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
-from shapewise import limits, provenance
+from shapewise import limits, paths, provenance
 from shapewise.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
+OWN_FILES = ["report.html", "report.md", "summary.csv"]  # a report's own files, as the record sorts them
 
 
 @pytest.fixture
 def report_dir(tmp_path, monkeypatch):
-    """reports/r of a checkout without git: one artifact, one input, a valid record."""
+    """reports/r of a checkout without git: the report's own files, one input, a valid record."""
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
     (tmp_path / "shapes").mkdir()
     (tmp_path / "shapes" / "s.yaml").write_text("- {id: r1}\n")
     out = tmp_path / "reports" / "r"
     out.mkdir(parents=True)
     (out / "summary.csv").write_text("id,status\nr1,pass\n")
+    (out / "report.md").write_text("# r\n")
+    (out / "report.html").write_text("<h1>r</h1>\n")
     (tmp_path.parent / f"{tmp_path.name}-secret.txt").write_text("not part of any report\n")
-    provenance.write(out, ["shapes/s.yaml"], ["summary.csv"], root=tmp_path)
+    provenance.write(out, ["shapes/s.yaml"], OWN_FILES, root=tmp_path)
     return out
 
 
@@ -104,7 +110,7 @@ def test_root_that_is_not_above_the_report_is_refused(report_dir, root):
 def test_entry_without_a_usable_path_or_hash_is_a_clear_error(report_dir, entry, says):
     edit(report_dir, lambda r: r["artifacts"].append(entry))
     rc, text = verify(report_dir)
-    assert rc == 1 and "artifact #2" in text and says in text
+    assert rc == 1 and f"artifact #{len(OWN_FILES) + 1}" in text and says in text
 
 
 def test_entries_that_are_not_a_list(report_dir):
@@ -174,3 +180,93 @@ def test_path_with_a_control_character_is_refused(report_dir, capsys):
     edit(report_dir, lambda r: r["artifacts"].append({"path": "x\x1b[2J.csv", "sha256": "0" * 64}))
     rc, text = verify(report_dir)
     assert rc == 1 and "holds a control character" in text and "\x1b" not in text
+
+
+# ------------------------------------------------------------------ what a record must hold
+
+
+@pytest.mark.parametrize("fmt", [2.0, True, "2", None, [2]])
+def test_format_that_is_not_an_integer_is_refused(report_dir, fmt):
+    """2.0 and true compare equal to a format; the record must hold the integer."""
+    edit(report_dir, lambda r: r.update(format=fmt))
+    rc, text = verify(report_dir)
+    assert rc == 1 and f"provenance.json: format {fmt!r}: not a format this shapewise reads" in text, text
+    assert "no file was read" in text
+
+
+def test_format_as_a_float_in_an_empty_directory_fails(tmp_path):
+    (tmp_path / "provenance.json").write_text('{"format": 2.0, "root": "..", "inputs": [], "artifacts": []}')
+    rc, text = verify(tmp_path)
+    assert rc == 1 and "format 2.0" in text
+
+
+@pytest.mark.parametrize("field", provenance.REQUIRED)
+def test_missing_field_is_named(report_dir, field):
+    edit(report_dir, lambda r: r.pop(field))
+    rc, text = verify(report_dir)
+    assert rc == 1 and f"provenance.json: field {field!r} missing" in text, text
+
+
+@pytest.mark.parametrize("field, value, says", [("inputs", "shapes/s.yaml", "inputs: a list of entries expected"),
+                                                ("artifacts", 5, "artifacts: a list of entries expected"),
+                                                ("dirty", "no", "dirty 'no': true, false or null expected"),
+                                                ("root", ["..", ".."], "root ['..', '..']")])
+def test_field_of_another_type_is_named(report_dir, capsys, field, value, says):
+    edit(report_dir, lambda r: r.update({field: value}))
+    assert cli_main(["verify", str(report_dir)]) == 1
+    out = capsys.readouterr().out
+    assert says in out and "provenance.json" in out and "FAILED" in out
+
+
+def test_integer_longer_than_python_reads_is_named(report_dir, capsys):
+    """Python refuses to convert an integer of more than sys.get_int_max_str_digits() digits (a ValueError)."""
+    path = report_dir / "provenance.json"
+    path.write_text(path.read_text().replace('"bytes": ', '"bytes": ' + "1" * 5000, 1))
+    assert cli_main(["verify", str(report_dir)]) == 1
+    out = capsys.readouterr().out
+    assert f"{path}: field inputs[0].bytes: an integer longer than the {sys.get_int_max_str_digits()} digits" \
+        in out
+
+
+@pytest.mark.parametrize("left_out", OWN_FILES)
+def test_record_without_a_report_file_fails(report_dir, left_out):
+    """A record that leaves a report file out would verify with that file changed."""
+    edit(report_dir, lambda r: r.update(artifacts=[e for e in r["artifacts"] if e["path"] != left_out]))
+    (report_dir / left_out).write_text("changed\n")
+    rc, text = verify(report_dir)
+    assert rc == 1 and f"artifact not listed in provenance.json (a report lists all its files): " \
+                       f"{report_dir / left_out}" in text, text
+
+
+def test_record_without_artifacts_fails_naming_each_report_file(report_dir):
+    edit(report_dir, lambda r: r.update(artifacts=[]))
+    (report_dir / "report.html").write_text("<h1>forged</h1>\n")
+    rc, text = verify(report_dir)
+    assert rc == 1 and all(f"not listed in provenance.json (a report lists all its files): {report_dir / name}"
+                           in text for name in OWN_FILES), text
+
+
+def test_report_file_deleted_and_dropped_from_the_record_fails(report_dir):
+    (report_dir / "report.html").unlink()
+    edit(report_dir, lambda r: r.update(artifacts=[e for e in r["artifacts"] if e["path"] != "report.html"]))
+    rc, text = verify(report_dir)
+    assert rc == 1 and f"not listed in provenance.json (a report lists all its files): {report_dir / 'report.html'}" \
+        in text
+
+
+@pytest.mark.parametrize("directory", paths.REPORT_DIRS)
+def test_file_in_a_report_directory_must_be_listed(report_dir, directory):
+    (report_dir / directory / "sub").mkdir(parents=True)
+    (report_dir / directory / "sub" / "x.json").write_text("{}\n")
+    rc, text = verify(report_dir)
+    assert rc == 1 and f"{report_dir / directory / 'sub' / 'x.json'}" in text and "not listed" in text
+    provenance.write(report_dir, ["shapes/s.yaml"], [*OWN_FILES, f"{directory}/sub/x.json"],
+                     root=report_dir.parent.parent)
+    assert verify(report_dir)[0] == 0
+
+
+def test_report_directory_that_is_a_link_is_named_not_followed(report_dir):
+    os.symlink(secret(report_dir).parent, report_dir / "data")
+    rc, text = verify(report_dir)
+    assert rc == 1 and f"not listed in provenance.json (a report lists all its files): {report_dir / 'data'}" in text
+    assert secret(report_dir).name not in text

@@ -3,7 +3,8 @@
 A manifest (YAML) and the JSON files a command is handed (a sweep or routing policy for `shapewise tune`, a
 report's provenance.json) are read through `load_yaml` / `load_json`, which check, before anything is built
 from them: the file exists and is a regular file, its size (MAX_YAML_BYTES, MAX_JSON_BYTES), that it is UTF-8,
-its nesting depth (MAX_YAML_DEPTH, MAX_JSON_DEPTH), that no key is written twice in one mapping, and for YAML
+its nesting depth (MAX_YAML_DEPTH, MAX_JSON_DEPTH), that no key is written twice in one mapping, for JSON that
+every integer is one Python converts (at most sys.get_int_max_str_digits() digits), and for YAML
 that it has no alias (`*name`, also what a merge key `<<: *name` uses): an alias shares a node, and a few nested
 ones expand exponentially in whatever walks the data afterwards (validation, JSON, a deep copy). Every violation
 is an InputFileError whose message starts with the file's name (and the line, for YAML).
@@ -16,6 +17,7 @@ here imports torch.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import yaml
@@ -160,8 +162,16 @@ def load_json(path, what, max_bytes=MAX_JSON_BYTES):
             out[key] = value
         return out
 
+    too_long = object()  # in place of an integer longer than Python converts (sys.get_int_max_str_digits())
+
+    def integer(digits):
+        try:
+            return int(digits)
+        except ValueError:
+            return too_long
+
     try:
-        data = json.loads(text, object_pairs_hook=pairs)
+        data = json.loads(text, object_pairs_hook=pairs, parse_int=integer)
     except json.JSONDecodeError as exc:
         raise InputFileError(f"{path}: not valid JSON ({exc.msg}; line {exc.lineno}, column {exc.colno})") \
             from None
@@ -169,4 +179,22 @@ def load_json(path, what, max_bytes=MAX_JSON_BYTES):
         raise InputFileError(f"{path}: nested deeper than {MAX_JSON_DEPTH} levels") from None
     if _depth(data) > MAX_JSON_DEPTH:
         raise InputFileError(f"{path}: nested deeper than {MAX_JSON_DEPTH} levels")
+    if (where := _place_of(data, too_long)) is not None:
+        raise InputFileError(f"{path}: {where}: an integer longer than the {sys.get_int_max_str_digits()} digits "
+                             f"Python reads")
     return data
+
+
+def _place_of(value, target):
+    """Where `target` (that very object) sits in a JSON value, as `key[2].key` (`the top level` for the value
+    itself), or None; without recursion."""
+    stack = [(value, "")]
+    while stack:
+        item, where = stack.pop()
+        if item is target:
+            return where or "the top level"
+        if isinstance(item, dict):
+            stack.extend((child, f"{where}.{key}" if where else f"field {key}") for key, child in item.items())
+        elif isinstance(item, list):
+            stack.extend((child, f"{where}[{index}]") for index, child in enumerate(item))
+    return None

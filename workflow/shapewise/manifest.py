@@ -59,7 +59,7 @@ TENSORS = {
 }
 # Snakemake's PeriodicityDetector refuses a wildcard value that ends in one part repeated this many times.
 PERIODIC_REPEATS = 20
-_PERIODIC = re.compile(r"(.+?)\1{%d,}$" % (PERIODIC_REPEATS - 1))
+_PERIODIC = re.compile(r"(.+?)\1{%d,}\Z" % (PERIODIC_REPEATS - 1))
 
 
 def _is_integer(checker, instance):

@@ -68,6 +68,11 @@ def per_shape(shape: str) -> dict:
 
 # A report directory keeps a copy of every result it drew from under data/, laid out as under results/.
 REPORT_DATA = "data"
+REPORT_FIGURES = "figures"  # the report's figures (shapewise.report_figures)
+REPORT_SOURCES = "candidates"  # each measured candidate's files, candidates/<name>/<file> (shapewise.report_candidates)
+# The directories a report job fills. With REPORT_FILES they are what the job owns in a report directory: it
+# replaces them whole, and provenance.json lists every file in them, since a file it left out could change unseen.
+REPORT_DIRS = (REPORT_DATA, REPORT_FIGURES, REPORT_SOURCES)
 
 
 def in_report(result_path: str) -> str:

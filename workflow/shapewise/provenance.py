@@ -21,6 +21,11 @@ Format 2 adds the git state of the checkout the report was produced from:
 `verify` then checks the inputs against the commit's git objects rather than
 the working tree, so a report stays verifiable after the sources move on.
 
+A record holds `format` (an integer of FORMATS), `root` (text), `inputs` and `artifacts` (lists); verify names
+any of them that is missing or of another type before it reads a file. The artifacts include the report's own
+files: paths.REPORT_FILES (but provenance.json) and every file under paths.REPORT_DIRS; verify fails a report
+whose record leaves one out, since that file could then change unseen.
+
 Every path of a record must stay inside its base: an artifact a relative path
 under the report directory, an input a relative path under the root, and the
 root a directory that holds the report directory; no `..` part, no absolute
@@ -47,11 +52,12 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 
-from shapewise import limits
+from shapewise import limits, paths
 from shapewise.inventory import sha256_file
 
 FORMAT = 2
 FORMATS = (1, 2)  # the formats verify understands
+REQUIRED = ("format", "root", "inputs", "artifacts")  # the fields of every format
 CONTENT_FIELD = "content_sha256"  # a result's digest of its own content (seal)
 
 
@@ -197,6 +203,23 @@ def write(report_dir, inputs, artifacts, root=".", commit=None, candidates=()):
     return record
 
 
+def _field_problems(record):
+    """What makes `record` no provenance record verify reads, one clause per field: not a JSON object, a REQUIRED
+    field missing, a format that is not an integer of FORMATS (2.0 and true compare equal to one), a `dirty` that
+    is not a boolean or null."""
+    if not isinstance(record, dict):
+        return [f"not a provenance record: a JSON {type(record).__name__} where an object belongs"]
+    problems = [f"field {name!r} missing: a provenance record holds {', '.join(REQUIRED)}"
+                for name in REQUIRED if name not in record]
+    fmt = record.get("format")
+    if "format" in record and (type(fmt) is not int or fmt not in FORMATS):
+        problems.append(f"format {fmt!r:.60}: not a format this shapewise reads (the integers "
+                        f"{', '.join(map(str, FORMATS))})")
+    if type(record.get("dirty")) not in (type(None), bool):
+        problems.append(f"dirty {record['dirty']!r:.60}: true, false or null expected")
+    return problems
+
+
 def _record_problems(report_dir, record):
     """What makes a record unusable before any file is hashed: a root that is not a directory above the report
     (only '..' parts), an entry that is not {"path", "sha256"}, a path outside its base."""
@@ -222,6 +245,31 @@ def _record_problems(report_dir, record):
             if problem:
                 problems.append(f"{kind} #{number} {problem}")
     return problems
+
+
+def _report_files(report_dir):
+    """The paths a report directory's record must list, since a file it leaves out could change unseen: the
+    report's own files (paths.REPORT_FILES but provenance.json), whether or not they exist, and every entry under
+    its directories (paths.REPORT_DIRS) that is not a directory; a symbolic link to a directory is such an entry,
+    never followed."""
+    names = {name for key, name in paths.REPORT_FILES.items() if key != "provenance"}
+    for top in paths.REPORT_DIRS:
+        start = report_dir / top
+        if start.is_symlink() or (start.exists() and not start.is_dir()):
+            names.add(top)  # where its directory belongs: listed like any file, never followed
+            continue
+        for dirpath, dirnames, filenames in os.walk(start):
+            here = Path(dirpath).relative_to(report_dir)
+            names.update((here / name).as_posix() for name in filenames)
+            names.update((here / name).as_posix() for name in dirnames if (Path(dirpath) / name).is_symlink())
+    return names
+
+
+def _unlisted(report_dir, entries):
+    """Problems ("artifact not listed in provenance.json ...: path") of the report's files the entries leave out."""
+    listed = {PurePosixPath(entry["path"]).as_posix() for entry in entries}
+    return [f"artifact not listed in provenance.json (a report lists all its files): {report_dir / name}"
+            for name in sorted(_report_files(report_dir) - listed)]
 
 
 def _check_files(kind, base, entries):
@@ -301,28 +349,23 @@ def verify(report_dir, artifacts_only=False, out=print):
         return 1
     try:
         record = limits.load_json(manifest, "provenance record")
-        fmt = record["format"]
-        record["root"], record["inputs"], record["artifacts"]
     except limits.InputFileError as exc:
         out(f"verify: FAILED: {exc}")
         return 1
-    except (KeyError, TypeError) as exc:
-        out(f"verify: FAILED: {manifest} is not a provenance record ({type(exc).__name__}: {exc})")
-        return 1
-    if fmt not in FORMATS:
-        out(f"verify: FAILED: {manifest} has format {fmt!r}; this shapewise reads formats {FORMATS}")
-        return 1
-    unusable = _record_problems(report_dir, record)
+    unusable = _field_problems(record) or _record_problems(report_dir, record)
     if unusable:
         for problem in unusable:
             out(f"verify: {manifest}: {problem}")
-        out(f"verify: FAILED: {manifest} lists {len(unusable)} unusable entries; no file was read")
+        noun = "problem" if len(unusable) == 1 else "problems"
+        out(f"verify: FAILED: {manifest}: {len(unusable)} {noun} in the record; no file was read")
         return 1
+    fmt = record["format"]
     root = report_dir / record["root"]
 
     problems = _check_files("artifact", report_dir, record["artifacts"])
     n_art = len(record["artifacts"])
     out(f"verify: artifacts: {n_art - len(problems)} of {n_art} match")
+    problems += _unlisted(report_dir, record["artifacts"])
     problems += _check_seals(report_dir, record["artifacts"])
     if not artifacts_only:
         commit = record.get("commit") if fmt >= 2 else None

@@ -274,8 +274,7 @@ def replace_into(staged, outdir):
             shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
-REPORT_ENTRIES = ("data", "figures", report_candidates.SOURCES, "report.md", "report.html", "summary.csv",
-                  "provenance.json")
+REPORT_ENTRIES = (*paths.REPORT_DIRS, *paths.REPORT_FILES.values())
 
 
 def render(inputs, outdir):

@@ -21,7 +21,7 @@ from shapewise import candidates, identity, paths
 from shapewise.report_data import check_identity, check_run_settings, copy_into, geomean, read_result, row_record
 
 SHAPEWISE = candidates.SHAPEWISE  # the `candidate` column's value for shapewise's own rows
-SOURCES = "candidates"  # where a report keeps each candidate's files: candidates/<name>/<file>
+SOURCES = paths.REPORT_SOURCES  # where a report keeps each candidate's files: candidates/<name>/<file>
 
 
 def regenerate(name, row_id):

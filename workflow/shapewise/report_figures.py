@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from shapewise import paths
+
 ROW_INCHES = 0.32  # height per bar
 MIN_HEIGHT = 2.6
 
@@ -191,7 +193,7 @@ def make_all(frame, items, switches, outdir, candidate_frame=None):
     """Write the figures under outdir/figures; {name: relative path} of those made. With candidates
     (`candidate_frame`, report_candidates.records), the speedup and latency figures show every one of them
     beside shapewise."""
-    fig_dir = Path(outdir) / "figures"
+    fig_dir = Path(outdir) / paths.REPORT_FIGURES
     fig_dir.mkdir(parents=True, exist_ok=True)
     multi = frame["machine_index"].nunique() > 1
     made = {}
@@ -201,16 +203,16 @@ def make_all(frame, items, switches, outdir, candidate_frame=None):
             speedup_by_candidate(frame, candidate_frame, fig_dir / "speedup.png", multi)
         else:
             speedup(frame, fig_dir / "speedup.png", multi)
-        made["speedup"] = "figures/speedup.png"
+        made["speedup"] = f"{paths.REPORT_FIGURES}/speedup.png"
     if frame["optimized_median_ms"].notna().any() or (
             with_candidates and candidate_frame["optimized_median_ms"].notna().any()):
         if with_candidates:
             latency_by_candidate(frame, candidate_frame, fig_dir / "latency.png", multi)
         else:
             latency(frame, fig_dir / "latency.png", multi)
-        made["latency"] = "figures/latency.png"
+        made["latency"] = f"{paths.REPORT_FIGURES}/latency.png"
     abl = [i for i in items if i["data"]["ablation"].get("status") == "ok"]
     if abl and switches:
         ablation(abl, switches, fig_dir / "ablation.png")
-        made["ablation"] = "figures/ablation.png"
+        made["ablation"] = f"{paths.REPORT_FIGURES}/ablation.png"
     return made
