@@ -1,12 +1,9 @@
 # shapewise evidence pipeline. Run `snakemake --cores all`; see README.md.
 #
 # The global name `workflow` below is Snakemake's own object; our Python is the
-# package `shapewise` in workflow/shapewise/ (imported from this checkout first;
-# its subpackages shapewise.model and shapewise.kernels are model/ and kernels/).
-
-import sys
-
-sys.path.insert(0, f"{workflow.basedir}/workflow")
+# installed package `shapewise` (`python3 -m pip install -e .` of this checkout:
+# workflow/shapewise/, with model/ and kernels/ as shapewise.model and
+# shapewise.kernels).
 
 from snakemake.utils import min_version, validate
 

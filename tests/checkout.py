@@ -7,10 +7,10 @@ import shutil
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# model/ and kernels/ travel too: the implementation fingerprint hashes the working directory's copies, and the
-# jobs import the package from the copy's workflow/ (which finds model/ and kernels/ beside it).
-PIPELINE_FILES = ("Snakefile", "pyproject.toml", "workflow", "model", "kernels", "config", "shapes",
-                  "reports/templates", "profiles")
+# model/ and kernels/ travel too: the implementation fingerprint hashes the working directory's copies (the jobs
+# run the installed package, this checkout's).
+PIPELINE_FILES = ("Snakefile", "pyproject.toml", "setup.py", "workflow", "model", "kernels", "config", "shapes",
+                  "profiles")
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".snakemake", "results")
 
 

@@ -7,7 +7,6 @@ whether CUDA exists first is safe.
 """
 
 import os
-import sys
 
 import torch
 
@@ -15,12 +14,6 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     # No GPU: run Triton kernels on the CPU through the interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-# The project is used from a checkout (not necessarily pip-installed): the package `shapewise` lives under
-# workflow/ (pyproject.toml's pytest `pythonpath` says so too; this covers running a test file on its own).
-_WORKFLOW = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workflow")
-if _WORKFLOW not in sys.path:
-    sys.path.insert(0, _WORKFLOW)
 
 import random  # noqa: E402
 

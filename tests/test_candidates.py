@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shapewise import candidates
+from shapewise import candidates, paths
 from shapewise.manifest import normalize_row, row_json
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +56,7 @@ def test_a_bad_entry_is_named(value, says):
 
 
 def test_names_follow_the_row_id_pattern_of_the_shapes_schema_and_the_config_schema_says_the_same():
-    schema = yaml.safe_load((ROOT / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    schema = yaml.safe_load(paths.CONFIG_SCHEMA.read_text())
     mapping, string, _ = schema["properties"]["candidates"]["oneOf"]
     assert mapping["propertyNames"]["pattern"] == candidates.name_pattern()
     assert string["pattern"].count(candidates.name_pattern()[1:-1] + "=") == 2  # the first entry, then each next

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from shapewise import gpuslots
+from shapewise import gpuslots, paths
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / "workflow"
@@ -373,6 +373,11 @@ def test_cpu_jobs_take_no_slot(tmp_path):
     assert device == "cuda" and not gpuslots._HELD
 
 
+def _job_lock_dir(tmp_path):
+    """The lock directory of a job that runs in tmp_path: a run's GPU locks live under its working directory."""
+    return tmp_path / gpuslots.lock_dir().relative_to(paths.ROOT)
+
+
 def _job_on_one_fake_gpu(tmp_path, step, *args):
     """`shapewise job STEP --device cuda ARGS` started on a fake 1-GPU pipeline pool, its output read line by line."""
     return subprocess.Popen([sys.executable, "-m", "shapewise", "job", step, "--device", "cuda", *args],
@@ -383,8 +388,7 @@ def _job_on_one_fake_gpu(tmp_path, step, *args):
 def test_cli_job_takes_its_slot_before_torch(tmp_path):
     """`shapewise job` on a fake 1-GPU pool whose GPU is held: the job waits, before importing torch."""
     pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
-    lock_dir = gpuslots.lock_dir()
-    held = gpuslots.acquire(pool, lock_dir)
+    held = gpuslots.acquire(pool, _job_lock_dir(tmp_path))
     try:
         proc = _job_on_one_fake_gpu(tmp_path, "fingerprint", "--kind", "environment", "--dag-digest", "x",
                                     "--root", str(ROOT), "--out", str(tmp_path / "fp.json"))
@@ -430,7 +434,7 @@ def test_a_sharing_job_of_a_heavy_row_takes_its_gpu_alone_and_says_why(tmp_path)
     that another job shares, it asks for the GPU alone (and waits for the sharer), before importing torch."""
     pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
     preflight = _preflight(tmp_path / "preflight.json", reference={"fits": False, "estimate_bytes": 1e14})
-    sharer = gpuslots.acquire(pool, gpuslots.lock_dir(), mode=gpuslots.SHARED)
+    sharer = gpuslots.acquire(pool, _job_lock_dir(tmp_path), mode=gpuslots.SHARED)
     try:
         proc = _job_on_one_fake_gpu(tmp_path, "accuracy", "--row", "{}", "--preflight", str(preflight),
                                     "--chunked", "{}", "--out", str(tmp_path / "acc.json"))

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from shapewise import cli, gpuslots, jobserver
+from shapewise import cli, gpuslots, jobserver, paths
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / "workflow"
@@ -166,7 +166,8 @@ def test_a_server_that_could_not_start_is_written_down(tmp_path):
     try:
         env = _env(name)
         key = jobserver.server_key("cpu", {k: v for k, v in env.items()}, cwd=str(tmp_path))
-        failed = jobserver._state_paths(name, key)["failed"]
+        # the job's state directory is the run's: under the working directory it runs in
+        failed = tmp_path / jobserver._state_paths(name, key)["failed"].relative_to(paths.ROOT)
         failed.parent.mkdir(parents=True, exist_ok=True)
         failed.write_text("the job server did not start: refused: 2 threads after importing\n")
         done, result = _preflight(tmp_path, "failed", env)

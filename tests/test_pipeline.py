@@ -56,8 +56,7 @@ def planned_jobs(workdir, *args, env=None):
 
 
 def shapewise(workdir, *args):
-    env = dict(os.environ, PYTHONPATH=str(workdir / "workflow"))  # the copy's package, not the installed one
-    return subprocess.run([sys.executable, "-m", "shapewise", *args], cwd=workdir, env=env,
+    return subprocess.run([sys.executable, "-m", "shapewise", *args], cwd=workdir,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -285,7 +284,6 @@ def test_results_from_different_gpus_are_reported_apart(workdir):
     data["environment"]["machine_key"] = "Another GPU model | software 000000000000"
     timing.write_text(json.dumps(provenance.seal(data)))  # sealed as a job of that machine would have written it
     try:
-        env = dict(os.environ, PYTHONPATH=str(workdir / "workflow"))
         # what the report rule handed the plain run's report: its rows are the manifest's as they are now
         # (other tests' runs, dry ones included, wrote other inputs files: a baseline, passed variables, candidates)
         from shapewise.manifest import load_manifest, row_json
@@ -297,7 +295,7 @@ def test_results_from_different_gpus_are_reported_apart(workdir):
                      if [row_json(r["row"]) for r in d["rows"]] == rows and not d["pass_env"]
                      and not d["baseline"] and not d["candidates"]}.values()
         done = subprocess.run([sys.executable, "-m", "shapewise.report", "--inputs", str(inputs), "--outdir",
-                               "results/report-mixed"], cwd=workdir, env=env, capture_output=True, text=True,
+                               "results/report-mixed"], cwd=workdir, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
         md = (workdir / "results" / "report-mixed" / "report.md").read_text()

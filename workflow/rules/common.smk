@@ -25,6 +25,14 @@ from shapewise import provenance as sw_provenance
 from shapewise import settings as sw_settings
 
 BASEDIR = Path(workflow.basedir).resolve()
+# The package's source in this checkout: the digests below hash it, the jobs run the installed package.
+PACKAGE_SOURCE = BASEDIR / "workflow" / "shapewise"
+if sw_paths.PACKAGE != PACKAGE_SOURCE:
+    print(
+        f"note: the jobs run shapewise installed from {sw_paths.PACKAGE}, not from this checkout "
+        "(`python3 -m pip install -e .` here installs this one)",
+        file=sys.stderr,
+    )
 
 
 wildcard_constraints:
@@ -88,9 +96,7 @@ IMPL_DIGEST = sw_inventory.implementation(BASEDIR)["digest"]
 DIGESTS = {"environment": ENV_DIGEST, "implementation": IMPL_DIGEST}
 # The measuring code itself: editing it reruns the measurements, editing the
 # report code does not.
-HARNESS_FILES = sorted((BASEDIR / "workflow" / "shapewise" / "jobs").glob("*.py")) + [
-    BASEDIR / "workflow" / "shapewise" / "roofline.py"
-]
+HARNESS_FILES = sorted((PACKAGE_SOURCE / "jobs").glob("*.py")) + [PACKAGE_SOURCE / "roofline.py"]
 HARNESS_DIGEST = sw_inventory.digest_of({p.name: sw_inventory.sha256_file(p) for p in HARNESS_FILES if p.is_file()})
 
 FINGERPRINTS = dict(sw_paths.FINGERPRINTS)
@@ -175,8 +181,8 @@ def res(name):
     return pick
 
 
-# The job commands: our package, from this checkout, with the Python that runs
-# Snakemake. A job that resolves to the CPU switches on TRITON_INTERPRET=1
+# The job commands: the installed package, with the Python that runs Snakemake
+# (so the one that imported shapewise above). A job that resolves to the CPU switches on TRITON_INTERPRET=1
 # itself (shapewise.cli) before anything imports triton.
 #
 # Lints that stay (.ci/lint.py accepts exactly these):
@@ -190,9 +196,8 @@ def res(name):
 # - The rules name no conda environment or container, because every job runs
 #   this Python, whose packages the environment fingerprint records, and
 #   another software stack would measure something other than what it says.
-_env = f"PYTHONPATH={shlex.quote(str(BASEDIR / 'workflow'))}${{PYTHONPATH:+:$PYTHONPATH}}"
-JOB = f"{_env} {shlex.quote(sys.executable)} -m shapewise job"
-REPORT = f"{_env} {shlex.quote(sys.executable)} -m shapewise.report"
+JOB = f"{shlex.quote(sys.executable)} -m shapewise job"
+REPORT = f"{shlex.quote(sys.executable)} -m shapewise.report"
 
 
 def job_shell(step, options, out="{output}", impl="{IMPL_DIGEST}"):
@@ -254,8 +259,8 @@ CANDIDATE_DIGESTS = {name: sw_candidates.digest(path, BASEDIR) for name, path in
 # The candidate jobs' own code and the reference's: editing either reruns every candidate's jobs.
 _CANDIDATE_HARNESS = (
     HARNESS_FILES
-    + sorted((BASEDIR / "workflow" / "shapewise" / "jobs" / "candidate").glob("*.py"))
-    + [BASEDIR / "workflow" / "shapewise" / "candidates.py"]
+    + sorted((PACKAGE_SOURCE / "jobs" / "candidate").glob("*.py"))
+    + [PACKAGE_SOURCE / "candidates.py"]
     + sw_candidates.reference_files(BASEDIR)
 )
 CANDIDATE_HARNESS_DIGEST = sw_inventory.digest_of(

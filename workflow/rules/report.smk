@@ -32,7 +32,7 @@ rule report:
         candidates=CANDIDATE_TARGETS,
         manifests=MANIFESTS,
         config=[p for p in [sw_paths.CONFIG_FILE] if Path(p).is_file()],
-        templates=sorted(os.path.relpath(p) for p in sw_paths.TEMPLATES.glob("*.j2")),
+        templates=sorted(os.path.relpath(p, BASEDIR) for p in (PACKAGE_SOURCE / "templates").glob("*.j2")),
         baseline=[f"{config['baseline']}/{sw_paths.REPORT_FILES['summary']}"] if config["baseline"] else [],
     output:
         **{key: update(f"{sw_paths.REPORT_DIR}/{name}") for key, name in sw_paths.REPORT_FILES.items()},

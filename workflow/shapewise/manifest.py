@@ -1,6 +1,6 @@
 """Shape manifests: loading, schema validation, cross-field checks, defaults.
 
-A manifest is a YAML list of rows (see workflow/schemas/shapes.schema.yaml).
+A manifest is a YAML list of rows (see workflow/shapewise/schemas/shapes.schema.yaml).
 Every problem is reported as "<file>: row <id>: field <name>: <what is wrong>"
 and all problems of all files are collected before raising, so a user fixes
 them in one go. Nothing here imports torch: Snakemake calls it at parse time.

@@ -1,20 +1,22 @@
 """Where things are: the one owner of every path the pipeline, the CLI and the report use.
 
-Repository files (schemas, manifests, templates) are found from this file's place in the checkout; results
-are relative to the working directory Snakemake runs in (the checkout's root).
+The package's own files (schemas, templates) are found beside this module, in a checkout as in an installed
+wheel. Everything else is relative to the working directory: Snakemake's, the checkout's root, where the
+pipeline runs (its config, manifests and results) and keeps its state under .snakemake/.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent.parent  # the checkout: Snakefile, model/, kernels/, workflow/, ...
-SCHEMAS = ROOT / "workflow" / "schemas"
+PACKAGE = Path(__file__).resolve().parent
+SCHEMAS = PACKAGE / "schemas"
 SHAPES_SCHEMA = SCHEMAS / "shapes.schema.yaml"
 CONFIG_SCHEMA = SCHEMAS / "config.schema.yaml"
+TEMPLATES = PACKAGE / "templates"
+# The run's directory: the working directory where shapewise is first imported (Snakemake's, and each job's),
+# absolute so that a later change of directory moves none of the run's state.
+ROOT = Path.cwd()
 CONFIG_FILE = "config/config.yaml"  # the pipeline's config, relative to the root (Snakemake's working directory)
-SHAPES_DIR = ROOT / "shapes"
-OFFICIAL_MANIFEST = SHAPES_DIR / "official.yaml"
-TEMPLATES = ROOT / "reports" / "templates"
 
 RESULTS = "results"
 # The per-shape steps, in the order the report reads them; each writes one JSON file per row.
@@ -36,6 +38,9 @@ TRITON_CACHE = ROOT / ".snakemake" / "triton-cache"
 def manifest(name: str) -> str:
     """The manifest file of a manifest name (`official` -> shapes/official.yaml), relative to the root."""
     return f"shapes/{name}.yaml"
+
+
+OFFICIAL_MANIFEST = manifest("official")
 
 
 def _result_under(base: str, step: str, shape: str) -> str:

@@ -1,5 +1,6 @@
-"""The pipeline's configuration beside Snakemake's own validation: its schema (workflow/schemas/config.schema.yaml)
-owns every key, choice and default; the Snakefile, the rules and the `shapewise` command ask this module.
+"""The pipeline's configuration beside Snakemake's own validation: its schema
+(workflow/shapewise/schemas/config.schema.yaml) owns every key, choice and default; the Snakefile, the rules and
+the `shapewise` command ask this module.
 
 Nothing here imports torch: the Snakefile calls it on every `snakemake` call.
 """

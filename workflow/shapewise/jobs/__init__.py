@@ -1,0 +1,1 @@
+"""The pipeline's jobs, one module per step (`python -m shapewise job STEP`, shapewise.cli)."""
