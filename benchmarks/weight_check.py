@@ -10,8 +10,7 @@ of `calls` calls, the fastest batch's wall time per call, of
 - `before_runner`: model(x, mask), the forward's path up to its runner;
 - `weight_check`: DerivedWeights.refresh alone (nothing moved: the comparison of the weights' identity);
 - `identity`: DerivedWeights.now alone (reading that identity).
-The code measured is the `shapewise` this process imports, so running the script with another checkout's
-`workflow/` first on PYTHONPATH measures that checkout.
+The code measured is the `shapewise` this process imports (the installed one), and the file records its commit.
 """
 from __future__ import annotations
 
