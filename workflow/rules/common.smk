@@ -38,7 +38,7 @@ if sw_paths.PACKAGE != PACKAGE_SOURCE:
 wildcard_constraints:
     shape="[A-Za-z0-9][A-Za-z0-9_-]*",
     kind="environment|implementation",
-    candidate=sw_candidates.name_pattern().strip("^$"),
+    candidate=sw_candidates.name_body(),
 
 
 # DEVICE_ARG is what the jobs get: cuda or cpu when the user says so

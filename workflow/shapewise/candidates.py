@@ -72,6 +72,16 @@ def name_pattern() -> str:
     return schema["items"]["properties"]["id"]["pattern"]
 
 
+def name_body() -> str:
+    """`name_pattern` without its anchors (`^`, and `(?!\\n)$`: the end, not before a final newline), to be
+    embedded in a longer pattern (the NAME=PATH string form, Snakemake's wildcard constraint)."""
+    pattern = name_pattern()
+    end = "(?!\\n)$"
+    if not (pattern.startswith("^") and pattern.endswith(end)):
+        raise ValueError(f"{paths.SHAPES_SCHEMA}: the id pattern {pattern!r} must start with ^ and end with {end}")
+    return pattern[1:-len(end)]
+
+
 def parse(value, root=".") -> dict:
     """{name: path} of config `candidates`: a mapping, or the command line's "NAME=PATH,NAME=PATH" string; None
     or empty: no candidate. Each path must be a .py file or a directory with __init__.py (relative paths are
