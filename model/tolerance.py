@@ -31,6 +31,10 @@ class Comparison:
 
 def compare_outputs(reference: torch.Tensor, optimized: torch.Tensor, rtol: float, atol: float) -> Comparison:
     """Element passes if both are finite and |opt - ref| <= atol or |opt - ref| <= rtol * |ref|."""
+    for name, tensor in (("reference", reference), ("optimized", optimized)):
+        if type(tensor) is not torch.Tensor:  # a subclass's __torch_function__ would answer the arithmetic below
+            raise TypeError(f"compare_outputs: the {name} output is a {type(tensor).__module__}."
+                            f"{type(tensor).__qualname__}, not a plain torch.Tensor")
     if reference.shape != optimized.shape:
         raise ValueError(f"compare_outputs: reference shape {tuple(reference.shape)} != optimized shape "
                          f"{tuple(optimized.shape)}")

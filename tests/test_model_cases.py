@@ -98,3 +98,20 @@ def test_compare_outputs_rule_boundaries():
 
 def test_tolerances_constants():
     assert TOLERANCES == {"official": {"atol": 2e-3, "rtol": 2e-2}, "strict": {"atol": 1e-3, "rtol": 1e-2}}
+
+
+def test_compare_outputs_refuses_an_output_that_is_not_a_plain_tensor():
+    """A torch.Tensor subclass could answer the comparison's own arithmetic (its __torch_function__): it is refused
+    by name, on either side."""
+
+    class Agreeable(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            return torch.zeros(())
+
+    ref = torch.randn(2, 3, 4)
+    forged = (ref + 1.0).as_subclass(Agreeable)
+    for args in ((ref, forged), (forged, ref)):
+        with pytest.raises(TypeError, match="Agreeable, not a plain torch.Tensor"):
+            compare_outputs(*args, rtol=0.02, atol=0.002)
+    assert compare_outputs(ref, ref.clone(), rtol=0.02, atol=0.002).passed
