@@ -8,9 +8,6 @@ Routes (ROUTE_SPECS: each route's module, which runs it, and what it needs):
 - `graph`: the `triton` route captured once per input signature in a CUDA graph and replayed. CUDA only.
 - `fused`: one Triton kernel per layer (kernels/fused_layer.py) where a sequence fits on chip (the kernel's
   `why_unsupported` says where), fp16/bf16 operands; captured in a CUDA graph on CUDA.
-- `megakernel`: the whole forward in one Triton kernel (kernels/megakernel.py), one program per sequence, where the
-  policy's `megakernel.max_seq_len_x_d_model` covers the shape (null: never unasked), fp16/bf16 operands; captured
-  in a CUDA graph on CUDA.
 - `hopper`: the whole forward in one Gluon kernel (kernels/hopper_forward.py: wgmma, a TMA weight ring, the
   residual stream in registers), one program per sequence, on sm_90 only, where the policy's `hopper` entry covers
   the shape (`max_seq_len`, `min_batch`, `max_heads`; `max_seq_len` null: never unasked), fp16 operands; captured
@@ -63,7 +60,6 @@ ROUTE_SPECS = {
     "triton": RouteSpec("route_triton", kernels=True, pdl=True),
     "graph": RouteSpec("route_triton", kernels=True, cuda_only=True, captured=True, pdl=True),
     "fused": RouteSpec("route_fused", kernels=True, captured=True, pdl=True),
-    "megakernel": RouteSpec("route_megakernel", kernels=True, captured=True),
     "hopper": RouteSpec("route_hopper", kernels=True, cuda_only=True, captured=True, sm=9),
 }
 ROUTES = tuple(ROUTE_SPECS)
@@ -105,7 +101,7 @@ class Route:
     forced: bool = False
     attention: str = "triton"  # attention inside the triton/graph routes: our kernel, PyTorch SDPA, or "hopper"
     # (kernels/attention_hopper.py, from the policy's attention.hopper_from_seq_len on sm_90)
-    launch: tuple = ()  # fused: (block_m, num_warps, num_stages); megakernel: route_megakernel.LAUNCH_FIELDS (policy)
+    launch: tuple = ()  # fused: (block_m, num_warps, num_stages) (policy)
     kv_precompute: bool = False  # fused route: keys/values computed once per layer by a second kernel (policy)
     key_block: int = 0  # fused route with kv_precompute: keys per online-softmax step (policy; 0: the whole sequence)
     ffn_block: int = 0  # fused route: FFN columns per step (policy; 0: the kernel's default)
@@ -199,22 +195,6 @@ def _fused_pays(shape: Shape) -> bool:
     return (shape.tokens * shape.d_model <= fused["max_tokens_x_d_model"] and shape.tokens >= lo
             and (per_sequence is None or shape.seq_len * shape.d_model <= per_sequence)
             and (hi is None or shape.tokens <= hi) and (heads is None or shape.num_heads <= heads))
-
-
-def _megakernel_route(precision: str, reason: str, forced: bool = False) -> Route:
-    from .route_megakernel import LAUNCH_FIELDS
-
-    launch = POLICY["megakernel"]["launch"]
-    return Route("megakernel", precision, reason, forced=forced, launch=tuple(launch[f] for f in LAUNCH_FIELDS))
-
-
-def _megakernel_pays(shape: Shape) -> bool:
-    """Whether the policy expects the megakernel to beat the per-layer routes here: seq_len*d_model up to
-    `megakernel.max_seq_len_x_d_model` (null: never) and batch_size*seq_len up to `megakernel.max_tokens` (null or
-    absent: no bound)."""
-    mk = POLICY["megakernel"]
-    most, tokens = mk["max_seq_len_x_d_model"], mk.get("max_tokens")
-    return most is not None and shape.seq_len * shape.d_model <= most and (tokens is None or shape.tokens <= tokens)
 
 
 def _hopper_pays(shape: Shape) -> bool:
@@ -332,8 +312,8 @@ def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool, cap
 
 
 def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: str | None = None,
-                 interpret: bool | None = None, allow_fused: bool = True, allow_megakernel: bool = True,
-                 allow_hopper: bool = True, capability=None) -> Route:
+                 interpret: bool | None = None, allow_fused: bool = True, allow_hopper: bool = True,
+                 capability=None) -> Route:
     """Pick the route for one input signature. Pure: reads only its arguments and the policy data.
 
     `forced` (a route name, or None/"auto") is honoured or refused with RouteUnavailable, never replaced.
@@ -353,8 +333,6 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
             raise RouteUnavailable(why)
         if forced == "fused":
             return _fused_route("fused", _precision_for(forced, dt, shape), "forced by the caller", shape, forced=True)
-        if forced == "megakernel":
-            return _megakernel_route(_precision_for(forced, dt, shape), "forced by the caller", forced=True)
         if forced == "hopper":
             return _hopper_route(_precision_for(forced, dt, shape), "forced by the caller", shape, forced=True)
         return _with_split_layer(Route(forced, _precision_for(forced, dt, shape), "forced by the caller", forced=True),
@@ -371,11 +349,6 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
             and not why_unavailable("hopper", shape, dtype, device, interpret, capability)):
         return _hopper_route("fp16", f"one sequence's residual stream in registers: the whole forward in one Gluon "
                                      f"kernel (seq_len {shape.seq_len} <= {POLICY['hopper']['max_seq_len']})", shape)
-    if allow_megakernel and _megakernel_pays(shape) and not why_unavailable("megakernel", shape, dtype, device,
-                                                                            interpret):
-        return _megakernel_route(_precision_for("megakernel", dt, shape),
-                                 f"one sequence's working set on chip: the whole forward in one kernel "
-                                 f"(seq_len*d = {shape.seq_len * shape.d_model})")
     if allow_fused and _fused_pays(shape) and not why_unavailable("fused", shape, dtype, device, interpret):
         return _fused_route("fused", _precision_for("fused", dt, shape),
                             f"short, narrow, launch-bound shape: one kernel per layer (tokens*d = {size})", shape)

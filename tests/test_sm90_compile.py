@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from shapewise.kernels import attention, fused_layer, layer_tail, layernorm, mask, megakernel
+    from shapewise.kernels import attention, fused_layer, layer_tail, layernorm, mask
 
     FLOATS = ("qk_scale", "eps")
 
@@ -93,22 +93,14 @@ SCRIPT = textwrap.dedent('''
                          dict(BLOCK_ROWS=4, BLOCK_D=128, HAS_BRANCH=True, WRITE_RESIDUAL=True, PDL=int(f["HAS_ROW_MASK"]),
                               **f), 4, 1)
         done.append(f"_add_layernorm_fwd {f}")
-    # the whole forward at the policy's launch (model/routing_policy.json, megakernel.launch), official rows' shape
-    whole = dict(X=fp32, Y=fp32, Mask=i8, Res=fp32, QKV=fp16, Att=fp16, Wqkv=fp16, Bqkv=fp32, Wo=fp16, Bo=fp32,
-                 Win=fp16, Bin=fp32, Wout=fp16, Bout=fp32, N1w=fp32, N1b=fp32, N2w=fp32, N2b=fp32, NFw=fp32, NFb=fp32)
-    for has_mask, causal in ((False, True), (True, True), (True, False)):
-        consts = dict(NUM_HEADS=4, HEAD_DIM=32, BLOCK_H=4, BLOCK_HD=32, BLOCK_D=128, BLOCK_F=64, BLOCK_M=64,
-                      BLOCK_N=32, BLOCK_A=64, BLOCK_C=128, MASK_BLOCK=128, IS_CAUSAL=causal, HAS_MASK=has_mask)
-        compile_for_h200(megakernel._megakernel_fwd, whole, consts, 4, 2)
-        done.append(f"_megakernel_fwd mask={has_mask} causal={causal}")
     print("compiled", len(done), "kernels:", "; ".join(done))
 ''')
 
 
 # attention 4 (the last: a mask with its own loop), mask summary 1, ln_kv 2 x 2 (PDL off and on), layer tail 4 + 2
-# (the next layer's QKV folded in), persistent layer tail 4, fused layer 6 x 3, add+LayerNorm 2, megakernel 3; each
-# PDL kernel compiled with PDL on in some of its variants
-N_KERNELS = 4 + 1 + 2 * 2 + 4 + 2 + 4 + 6 * 3 + 2 + 3
+# (the next layer's QKV folded in), persistent layer tail 4, fused layer 6 x 3, add+LayerNorm 2; each PDL kernel
+# compiled with PDL on in some of its variants
+N_KERNELS = 4 + 1 + 2 * 2 + 4 + 2 + 4 + 6 * 3 + 2
 
 
 def _compiler_available():
