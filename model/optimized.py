@@ -46,8 +46,6 @@ OPTIMIZATIONS = (
     "split_layer",  # where the policy says so: a layer as LN+QKV, our attention and one tail kernel (off: unfused)
     "pdl",  # on sm_90+: a forward's kernels after its first launch early and wait in-kernel (off: each launches when
     # the one before it has finished)
-    "fold_qkv",  # where the policy says so: a split layer's tail also computes the next layer's LN1 + QKV (off: ln_qkv)
-    "persistent_tail",  # where the policy says so: split-layer tails as one program per SM, weights loaded once
     "hopper_forward",  # where the policy says so, on sm_90: the whole forward in one Gluon kernel (off: the per-layer
     # routes)
     "hopper_split",  # where the policy says so: the Hopper forward with two programs a causal sequence (off: one)

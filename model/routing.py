@@ -107,8 +107,6 @@ class Route:
     ffn_block: int = 0  # fused route: FFN columns per step (policy; 0: the kernel's default)
     split_layer: bool = False  # triton/graph routes: each layer as ln_qkv, our attention and layer_tail (policy)
     pdl: bool = False  # kernels after the forward's first launch with programmatic dependent launch (`with_pdl`)
-    fold_qkv: bool = False  # split layer: each tail but the last also computes the next layer's LN1 + QKV (policy)
-    persistent_tail: bool = False  # split layer: tails that do not fold run persistent, weights loaded once (policy)
     eager: bool = False  # a captured route launched eagerly here: policy `hopper.eager_min_batch`, or beyond
     # `graph.max_tokens_x_d_model` (`_hopper_route`)
     split_sequence: bool = False  # hopper route: two programs a causal sequence (policy `hopper.split_max_batch`)
@@ -121,7 +119,6 @@ class Route:
         kv = " kv=precomputed" if self.kv_precompute else ""
         blocks = "".join(f" {n}={v}" for n, v in (("key_block", self.key_block), ("ffn_block", self.ffn_block)) if v)
         split = " split-layer" if self.split_layer else ""
-        split += (" fold-qkv" if self.fold_qkv else "") + (" persistent-tail" if self.persistent_tail else "")
         pdl = " pdl" if self.pdl else ""
         eager = " eager" if self.eager else ""
         split += " split-sequence" if self.split_sequence else ""
@@ -244,11 +241,7 @@ def _hopper_route(precision: str, reason: str, shape: Shape, forced: bool = Fals
 def _with_split_layer(route: Route, shape: Shape) -> Route:
     """The triton/graph `route` with the split layer where the policy's `split_layer.max_d_model` (null: never)
     covers d_model, batch_size*seq_len is at least `split_layer.min_tokens` (null or absent: any), the operands
-    are fp16/bf16 and the attention is our kernel; else `route` itself. With `split_layer.fold_next_qkv` (absent:
-    false) each layer's tail but the last also computes the next layer's LayerNorm 1 and QKV projection; with
-    `split_layer.persistent_tail` (absent: false) the tails that do not fold run as the persistent kernel, where it
-    serves the shape."""
-    from shapewise.kernels.layer_tail import why_persistent_unsupported
+    are fp16/bf16 and the attention is our kernel; else `route` itself."""
     from shapewise.kernels.layer_tail import why_unsupported as tail_unsupported  # the kernel owns its limits
 
     split = POLICY["split_layer"]
@@ -257,13 +250,8 @@ def _with_split_layer(route: Route, shape: Shape) -> Route:
             or route.attention != "triton" or route.precision not in ("fp16", "bf16")
             or tail_unsupported(shape.d_model)):
         return route
-    fold = bool(split.get("fold_next_qkv", False))
-    persistent = bool(split.get("persistent_tail", False)) and not why_persistent_unsupported(shape.d_model,
-                                                                                              shape.ffn_dim)
-    return replace(route, split_layer=True, fold_qkv=fold, persistent_tail=persistent,
-                   reason=route.reason + f"; split layer (d_model <= {most}, tokens >= {fewest})"
-                   + ("; the next layer's LN1 + QKV in each tail" if fold else "")
-                   + ("; persistent tails" if persistent else ""))
+    return replace(route, split_layer=True,
+                   reason=route.reason + f"; split layer (d_model <= {most}, tokens >= {fewest})")
 
 
 def with_pdl(route: Route, capability) -> Route:
