@@ -169,11 +169,6 @@ def _launch_of(entry: dict) -> tuple:
     return (entry["block_m"], entry["num_warps"], entry["num_stages"])
 
 
-def fused_launch(shape: Shape) -> tuple:
-    """The fused kernel's (block_m, num_warps, num_stages) for this shape, from the policy."""
-    return _launch_of(_fused_entry(shape))
-
-
 def _fused_route(name: str, precision: str, reason: str, shape: Shape, forced: bool = False) -> Route:
     entry = _fused_entry(shape)  # one lookup gives the launch, kv_precompute and the block sizes
     return Route(name, precision, reason, forced=forced, launch=_launch_of(entry),
