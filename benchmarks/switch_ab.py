@@ -7,7 +7,7 @@ Usage (CUDA machine): python -m benchmarks.switch_ab [OUT.json] [--switch pdl|no
 
 Per row: the optimized model as routed and a second one on the same weights with `--switch` (a name of
 `optimized.OPTIMIZATIONS`) off, on the pipeline's weights and first-trial inputs (the official call's all-True mask).
-`--policy split_layer.fold_next_qkv=true` sets a routing-policy entry for the run (both models), so a switch that
+`--policy split_layer.min_tokens=1024` sets a routing-policy entry for the run (both models), so a switch that
 the committed policy leaves off can be measured on; `--policy-on hopper.eager_min_batch=1` sets one only while the first
 model picks its routes (its first call), so the two differ by that entry (with `--switch none`, by it alone).
 `--release`: where a kernel launched with PDL lets the next one
@@ -69,7 +69,7 @@ def row_result(shape_row, device, switch, rounds, calls, policy_on=()):
 
 
 def policy_change(texts):
-    """[(section, key, value)] from "split_layer.fold_next_qkv=true" texts (values JSON)."""
+    """[(section, key, value)] from "split_layer.min_tokens=1024" texts (values JSON)."""
     changes = []
     for text in texts:
         target, sep, value = text.partition("=")

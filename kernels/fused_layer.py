@@ -359,11 +359,6 @@ def why_unsupported(seq_len: int, d_model: int, num_heads: int) -> str | None:
     return None
 
 
-def supports(seq_len: int, d_model: int, num_heads: int) -> bool:
-    """Whether `fused_layer` serves this shape."""
-    return why_unsupported(seq_len, d_model, num_heads) is None
-
-
 def _block_size(name: str, value, default: int, most: int) -> int:
     """A launcher's tile size: `default` for None, else a power of two of at least 16 (the smallest dot tile),
     capped at `most` (the padded size of the dimension it tiles)."""

@@ -16,8 +16,7 @@ import triton.language as tl
 
 from ..model.reference import LAYER_NORM_EPS
 from .pdl import launch_options, pdl_release_end, pdl_release_start, pdl_wait
-from .tiles import (MAX_D_MODEL, MIN_D_MODEL, PROJECT_BLOCK_N, _ffn_residual, _gelu_exact, _layer_norm_rows, _mm,
-                    _project_rows, _store_rows)
+from .tiles import MAX_D_MODEL, MIN_D_MODEL, _ffn_residual, _mm, _store_rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -52,13 +51,9 @@ def _layer_tail_fwd(
     Mask,  # pointer to int8 [N], 1 = valid token; read when HAS_MASK
     Wo, Bo, Win, Bin, Wout, Bout,  # out-projection [d, d], FFN in [ffn, d] and out [d, ffn] weights, biases
     N2w, N2b, NFw, NFb,  # LayerNorm 2 and final LayerNorm weight/bias [d] (fp32); NF read when FINAL_NORM
-    Wqkv, Bqkv, N1w, N1b,  # with NEXT_QKV: the next layer's packed QKV weight [3d, d] and bias, its LayerNorm 1 [d]
-    QKV,  # with NEXT_QKV: pointer to the next layer's q, k and v [N, 3d] (operand dtype)
     n_tokens, d_model, ffn_dim, eps,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
     HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr,
-    NEXT_QKV: tl.constexpr,  # also the next layer's LayerNorm 1 and QKV projection of the rows written (ln_qkv's math)
-    BLOCK_N: tl.constexpr,  # with NEXT_QKV: QKV columns per step
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py): weights first, then the wait
 ):
     pdl_release_start(PDL)
@@ -78,54 +73,8 @@ def _layer_tail_fwd(
                        BLOCK_F)
     # rows index the flat [N, d] output and [N] mask: one "sequence" (b = 0), row stride d_model, mask stride 1, of
     # n_tokens rows whose mask is read as it is (no prefix summary)
-    stored = _store_rows(x2, Y, Mask, 0, 0, d_model, 1, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps, n_tokens,
-                         True, HAS_MASK, FINAL_NORM, False)
-    if NEXT_QKV:  # from the rows as stored (invalid ones 0; fp32, no final norm), as the next layer's ln_qkv reads them
-        h1 = _layer_norm_rows(stored, N1w, N1b, cols, col_ok, d_model, eps).to(Wqkv.dtype.element_ty)
-        _project_rows(h1, Wqkv, Bqkv, QKV, rows, row_ok, 3 * d_model, cols, col_ok, d_model, 0, 0, 3 * d_model,
-                      BLOCK_N)
-    pdl_release_end(PDL)
-
-
-@triton.jit
-def _layer_tail_persistent_fwd(
-    O, X, Y, Mask, Wo, Bo, Win, Bin, Wout, Bout, N2w, N2b, NFw, NFb,  # as for _layer_tail_fwd
-    n_tokens, d_model, ffn_dim, eps,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_F: tl.constexpr,  # ffn_dim's power of two: the whole FFN in one step
-    HAS_MASK: tl.constexpr, FINAL_NORM: tl.constexpr,
-    STAGES: tl.constexpr,  # token blocks whose loads are in flight at once
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
-):
-    """_layer_tail_fwd's math as a persistent kernel: a program loads the out-projection and both FFN weights once
-    (loop-invariant dot operands, which the compiler keeps in shared memory) and takes token blocks program_id,
-    program_id + num_programs, ... with their loads pipelined, instead of every block loading every weight."""
-    pdl_release_start(PDL)
-    cols = tl.arange(0, BLOCK_D)
-    col_ok = cols < d_model
-    fcol = tl.arange(0, BLOCK_F)
-    f_ok = fcol < ffn_dim
-    # W_o^T [d, d], W_in^T [d, ffn], W_out^T [ffn, d]: element (j, n) of each is the weight's [n, j]
-    wo = tl.load(Wo + cols[None, :] * d_model + cols[:, None], mask=col_ok[:, None] & col_ok[None, :], other=0.0)
-    w_in = tl.load(Win + fcol[None, :] * d_model + cols[:, None], mask=col_ok[:, None] & f_ok[None, :], other=0.0)
-    w_out = tl.load(Wout + cols[None, :] * ffn_dim + fcol[:, None], mask=f_ok[:, None] & col_ok[None, :], other=0.0)
-    bo = tl.load(Bo + cols, mask=col_ok, other=0.0).to(tl.float32)
-    b_in = tl.load(Bin + fcol, mask=f_ok, other=0.0).to(tl.float32)
-    b_out = tl.load(Bout + cols, mask=col_ok, other=0.0).to(tl.float32)
-    op_ty = Wo.dtype.element_ty
-    pdl_wait(PDL)
-    for blk in tl.range(tl.program_id(0), tl.cdiv(n_tokens, BLOCK_M), tl.num_programs(0), num_stages=STAGES):
-        rows = (blk * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # below n_tokens in int32; offsets in int64
-        row_ok = rows < n_tokens
-        tile_ok = row_ok[:, None] & col_ok[None, :]
-        o = tl.load(O + rows[:, None] * d_model + cols[None, :], mask=tile_ok, other=0.0)
-        x = tl.load(X + rows[:, None] * d_model + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32)
-        x1 = x + _mm(o.to(op_ty), wo) + bo[None, :]
-        h2 = _layer_norm_rows(x1, N2w, N2b, cols, col_ok, d_model, eps).to(op_ty)
-        t = _gelu_exact(_mm(h2, w_in) + b_in[None, :])  # padding FFN columns: GELU(0) = 0
-        x2 = x1 + _mm(t.to(op_ty), w_out) + b_out[None, :]
-        _store_rows(x2, Y, Mask, 0, 0, d_model, 1, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps, n_tokens,
-                    True, HAS_MASK, FINAL_NORM, False)
+    _store_rows(x2, Y, Mask, 0, 0, d_model, 1, NFw, NFb, rows, row_ok, cols, col_ok, d_model, eps, n_tokens,
+                True, HAS_MASK, FINAL_NORM, False)
     pdl_release_end(PDL)
 
 
@@ -145,31 +94,6 @@ TAIL_BLOCK_M = (64, 32, 16)
 TAIL_MIN_PROGRAMS = 128
 
 
-# The persistent tail (`layer_tail(persistent=True)`, docs/decisions.md#persistent-tail): 32-token blocks, 8 warps and
-# two blocks in flight compile for sm_90 without spills, the three weights in shared memory (132 KB at d_model and
-# ffn_dim 128); its shared memory bounds the FFN at PERSISTENT_MAX_FFN. One program per SM; under the interpreter
-# INTERPRETER_PROGRAMS, so that each program takes several blocks.
-PERSISTENT_BLOCK_M = 32
-PERSISTENT_NUM_WARPS = 8
-PERSISTENT_STAGES = 2
-PERSISTENT_MAX_FFN = 128
-INTERPRETER_PROGRAMS = 3
-
-
-def why_persistent_unsupported(d_model: int, ffn_dim: int) -> str | None:
-    """Why the persistent tail cannot serve this layer, or None when it can."""
-    why = why_unsupported(d_model)
-    if why is None and max(16, triton.next_power_of_2(ffn_dim)) > PERSISTENT_MAX_FFN:
-        why = f"the persistent layer tail serves ffn_dim <= {PERSISTENT_MAX_FFN}, got ffn_dim={ffn_dim}"
-    return why
-
-
-def _persistent_programs(device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return INTERPRETER_PROGRAMS
-
-
 def tail_block_m(n_tokens: int) -> int:
     """The default tokens per program of a layer_tail launch over n_tokens tokens (TAIL_BLOCK_M, TAIL_MIN_PROGRAMS)."""
     for block_m in TAIL_BLOCK_M:
@@ -179,20 +103,14 @@ def tail_block_m(n_tokens: int) -> int:
 
 
 def layer_tail(o, x, w, *, mask=None, final=None, out_dtype=None, block_m=None, ffn_block=32, num_warps=None,
-               num_stages=3, pdl=False, next_layer=None, persistent=False):
+               num_stages=3, pdl=False):
     """The layer after attention: `o` [B, S, d] (the attention output, weights' dtype) and `x` [B, S, d] (the
     residual into the layer), both contiguous; `w` with o_w, o_b, in_w, in_b, out_w, out_b (fp16/bf16) and n2_w,
     n2_b (fp32), as for fused_layer. Returns the fp32 residual [B, S, d], or with `final=(weight, bias)` the final
     LayerNorm of it in `out_dtype` (default x's dtype). Rows where `mask` (bool [B, S]) is False are 0.
     Default launch: `tail_block_m` tokens (64 from 8192 tokens), 4 warps, 32 FFN columns per step, 3 stages: the
     fastest measured on the H200 at d_model 128 (docs/decisions.md#split-layer). pdl: launch with programmatic
-    dependent launch (kernels/pdl.py), for a kernel that follows another of the same forward.
-    next_layer: the next layer's weights (qkv_w, qkv_b, n1_w, n1_b, as for ln_qkv): the same launch also computes
-    what `ln_qkv(out, next_layer)` would, and returns (out, qkv), qkv [B, S, 3d] in the weights' dtype; the next
-    layer then needs no ln_qkv launch and no read of the residual it writes. Not with `final`.
-    persistent: one program per SM loads the weights once and loops over token blocks (`_layer_tail_persistent_fwd`;
-    PERSISTENT_BLOCK_M tokens, PERSISTENT_NUM_WARPS warps by default; ffn_dim up to PERSISTENT_MAX_FFN). Not with
-    next_layer."""
+    dependent launch (kernels/pdl.py), for a kernel that follows another of the same forward."""
     B, S, d = x.shape
     why = why_unsupported(d)
     if why:
@@ -209,46 +127,17 @@ def layer_tail(o, x, w, *, mask=None, final=None, out_dtype=None, block_m=None, 
         raise ValueError("layer_tail: weight shapes do not match d_model/ffn_dim")
     if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, S)):
         raise ValueError(f"layer_tail: mask must be bool [B, S]={B, S}, got {mask.dtype} {tuple(mask.shape)}")
-    if persistent:
-        why = why_persistent_unsupported(d, ffn)
-        if why:
-            raise ValueError(f"layer_tail: {why}")
-        if next_layer is not None:
-            raise ValueError("layer_tail: persistent and next_layer exclude each other (the persistent tail's shared "
-                             "memory holds three weight matrices, not four)")
-    if next_layer is not None:
-        if final is not None:
-            raise ValueError("layer_tail: next_layer (the next layer's LayerNorm 1 and QKV) and final (the last "
-                             "layer's norm) exclude each other")
-        if next_layer["qkv_w"].shape != (3 * d, d) or next_layer["qkv_w"].dtype != op:
-            raise ValueError(f"layer_tail: next_layer's qkv_w must be {op} [3d, d] = [{3 * d}, {d}], got "
-                             f"{next_layer['qkv_w'].dtype} {tuple(next_layer['qkv_w'].shape)}")
     out = torch.empty((B, S, d), device=x.device, dtype=torch.float32 if final is None else out_dtype or x.dtype)
     m = mask.contiguous().view(torch.int8) if mask is not None else out
     nf_w, nf_b = final if final is not None else (w["n2_w"], w["n2_b"])
     n_tokens = B * S
     ffn_pad = max(16, triton.next_power_of_2(ffn))
-    if persistent:
-        block_m = block_m or PERSISTENT_BLOCK_M
-        programs = min(triton.cdiv(n_tokens, block_m), _persistent_programs(x.device))
-        _layer_tail_persistent_fwd[(programs,)](
-            o, x, out, m, w["o_w"], w["o_b"], w["in_w"], w["in_b"], w["out_w"], w["out_b"], w["n2_w"], w["n2_b"],
-            nf_w, nf_b, n_tokens, d, ffn, LAYER_NORM_EPS,
-            BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_F=ffn_pad, HAS_MASK=mask is not None,
-            FINAL_NORM=final is not None, STAGES=PERSISTENT_STAGES, num_warps=num_warps or PERSISTENT_NUM_WARPS,
-            num_stages=PERSISTENT_STAGES, **launch_options(pdl, "layer_tail"),
-        )
-        return out
-    nxt = next_layer if next_layer is not None else {"qkv_w": w["o_w"], "qkv_b": w["o_b"], "n1_w": w["n2_w"],
-                                                     "n1_b": w["n2_b"]}  # placeholders, never read
-    qkv = torch.empty((B, S, 3 * d), device=x.device, dtype=op) if next_layer is not None else out
     block_m = block_m or tail_block_m(n_tokens)
     _layer_tail_fwd[(triton.cdiv(n_tokens, block_m),)](
         o, x, out, m, w["o_w"], w["o_b"], w["in_w"], w["in_b"], w["out_w"], w["out_b"], w["n2_w"], w["n2_b"],
-        nf_w, nf_b, nxt["qkv_w"], nxt["qkv_b"], nxt["n1_w"], nxt["n1_b"], qkv, n_tokens, d, ffn, LAYER_NORM_EPS,
+        nf_w, nf_b, n_tokens, d, ffn, LAYER_NORM_EPS,
         BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_F=min(ffn_block, ffn_pad),
-        HAS_MASK=mask is not None, FINAL_NORM=final is not None, NEXT_QKV=next_layer is not None,
-        BLOCK_N=PROJECT_BLOCK_N, num_warps=num_warps or 4, num_stages=num_stages,
+        HAS_MASK=mask is not None, FINAL_NORM=final is not None, num_warps=num_warps or 4, num_stages=num_stages,
         **launch_options(pdl, "layer_tail"),
     )
-    return out if next_layer is None else (out, qkv)
+    return out

@@ -15,19 +15,6 @@ from .pdl import launch_options, pdl_release_end, pdl_release_start, pdl_wait
 
 
 # ----------------------------------------------------------------------------------------------
-# Plain torch reference
-# ----------------------------------------------------------------------------------------------
-def add_layernorm_reference(residual, branch, weight, bias, *, eps=LAYER_NORM_EPS, out_dtype=torch.float32, row_mask=None):
-    x = residual.double() if branch is None else residual.double() + branch.double()
-    if row_mask is not None:
-        x = x.masked_fill(~row_mask.to(x.device)[..., None], 0.0)
-    y = torch.nn.functional.layer_norm(x, (x.shape[-1],), weight.double(), bias.double(), eps)
-    if row_mask is not None:
-        y = y.masked_fill(~row_mask.to(x.device)[..., None], 0.0)
-    return x.float(), y.to(out_dtype)
-
-
-# ----------------------------------------------------------------------------------------------
 # Triton kernel
 # ----------------------------------------------------------------------------------------------
 @triton.jit

@@ -10,7 +10,7 @@ from . import INTERPRET
 
 MIN_D_MODEL = 16  # the smallest tile Triton's dot takes
 MAX_D_MODEL = 128  # the widest token row one tile holds
-PROJECT_BLOCK_N = 64  # output columns per step where a launcher runs _project_rows (ln_qkv, the layer tail's fold)
+PROJECT_BLOCK_N = 64  # output columns per step where a launcher runs _project_rows (ln_qkv)
 # Triton 3.6's interpreter computes garbage for bf16 dots: there the (already bf16-rounded) operands are multiplied
 # in fp32, which gives the tensor cores' products (exact products, fp32 sums). Every kernel's bf16 dot asks this.
 DOT_BF16_IN_FP32 = tl.constexpr(INTERPRET)
@@ -89,7 +89,7 @@ def _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows,
     (Mask[b * stride_mb + r] == 0) as 0, after the final LayerNorm when FINAL_NORM. Where the mask is a prefix
     (not_prefix False) the rows below key_len are the valid ones and the mask is not read; elsewhere (not_prefix
     True, key_len the number of rows) the mask says. BRANCH: the mask's load in a branch on not_prefix instead of
-    a load predicated off for a prefix. Returns the tile as stored, before its cast to Y's dtype."""
+    a load predicated off for a prefix."""
     if HAS_MASK:
         if BRANCH:
             row_valid = rows < key_len
@@ -105,4 +105,3 @@ def _store_rows(x2, Y, Mask, b, stride_yb, stride_ys, stride_mb, NFw, NFb, rows,
             x2 = tl.where(row_valid[:, None], x2, 0.0)
     y_ptrs = Y + b * stride_yb + rows[:, None] * stride_ys + cols[None, :]
     tl.store(y_ptrs, x2.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-    return x2

@@ -44,11 +44,8 @@ OPTIMIZATIONS = (
     "packed_qkv",  # one QKV GEMM over a packed weight (off: three GEMMs)
     "direct_input",  # a captured graph reads the caller's x and mask in place once their addresses repeat (off: copy in)
     "split_layer",  # where the policy says so: a layer as LN+QKV, our attention and one tail kernel (off: unfused)
-    "megakernel",  # where the policy says so: the whole forward in one Triton kernel (off: the per-layer routes)
     "pdl",  # on sm_90+: a forward's kernels after its first launch early and wait in-kernel (off: each launches when
     # the one before it has finished)
-    "fold_qkv",  # where the policy says so: a split layer's tail also computes the next layer's LN1 + QKV (off: ln_qkv)
-    "persistent_tail",  # where the policy says so: split-layer tails as one program per SM, weights loaded once
     "hopper_forward",  # where the policy says so, on sm_90: the whole forward in one Gluon kernel (off: the per-layer
     # routes)
     "hopper_split",  # where the policy says so: the Hopper forward with two programs a causal sequence (off: one)
@@ -219,7 +216,6 @@ class UserOptimizedTransformer(BaselineTransformer):
         capability = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
         route = select_route(shape, x.dtype, x.device, "none" if mask is None else "general", forced=self.route,
                              allow_fused="fused_layer" not in self.disabled,
-                             allow_megakernel="megakernel" not in self.disabled,
                              allow_hopper="hopper_forward" not in self.disabled,
                              capability=capability)
         if not ROUTE_SPECS[route.name].kernels:

@@ -115,9 +115,7 @@ class KernelForward:
 class SplitLayerForward:
     """Each layer as three kernels: LayerNorm 1 with the packed QKV projection, our attention, and the rest of the
     layer (out-projection, residual, LayerNorm 2, FFN, residual, zeroed rows; the final LayerNorm last). With a mask,
-    layer 0's projection also writes the mask's summary, which every layer's attention reads. With `fold_qkv` each
-    tail but the last also writes the next layer's q, k and v: two kernels per layer after the first. With
-    `persistent_tail` the tails that do not fold run as the persistent kernel (kernels/layer_tail.py)."""
+    layer 0's projection also writes the mask's summary, which every layer's attention reads."""
 
     uses_weights = True
 
@@ -137,22 +135,19 @@ class SplitLayerForward:
         cfg = model.config
         B, S, d = x.shape
         res = x.contiguous()
-        prefix = qkv = None
+        prefix = None
         pdl = self.route.pdl  # every kernel but the forward's first
         for i, wi in enumerate(self.layers):
             if i == 0 and mask is not None:
                 qkv, prefix = self.ln_qkv(res, wi, mask=mask)
-            elif qkv is None:  # layer 0, or the tail before did not compute this layer's q, k and v
+            else:
                 qkv = self.ln_qkv(res, wi, pdl=pdl and i > 0)
             q, k, v = qkv.view(B, S, 3, cfg.num_heads, cfg.head_dim).unbind(2)
             o = self.flash_attention(q, k, v, causal=cfg.causal, key_mask=mask, precision=self.route.precision,
                                      mask_prefix_lengths=prefix, pdl=pdl)
             last = i == cfg.num_layers - 1
-            fold = self.route.fold_qkv and not last
             res = self.layer_tail(o.view(B, S, d), res, wi, mask=mask, final=self.final if last else None,
-                                  out_dtype=x.dtype, pdl=pdl, next_layer=self.layers[i + 1] if fold else None,
-                                  persistent=self.route.persistent_tail and not fold)
-            res, qkv = res if fold else (res, None)
+                                  out_dtype=x.dtype, pdl=pdl)
         return res
 
 
@@ -164,11 +159,7 @@ def settle(route, x, disabled):
     """The split layer only with its switches on and fp16/bf16 operands; else the unfused layer, and why."""
     if route.split_layer and (route.precision not in ("fp16", "bf16") or disabled & set(SPLIT_NEEDS)):
         off = sorted(disabled & set(SPLIT_NEEDS)) or [f"{route.precision} operands"]
-        route = replace(route, split_layer=False, fold_qkv=False, persistent_tail=False,
-                        reason=route.reason + f"; no split layer: {', '.join(off)}")
-    for name in ("fold_qkv", "persistent_tail"):
-        if getattr(route, name) and name in disabled:
-            route = replace(route, **{name: False}, reason=route.reason + f"; {name} disabled")
+        route = replace(route, split_layer=False, reason=route.reason + f"; no split layer: {', '.join(off)}")
     if route.attention == "hopper" and ("hopper_attention" in disabled or route.precision != "fp16"):
         # the Gluon kernel takes fp16 operands: otherwise (and switched off) the attention the policy had before it
         why = "hopper_attention disabled" if "hopper_attention" in disabled else f"{route.precision} operands"
@@ -179,8 +170,7 @@ def settle(route, x, disabled):
 
 def switches(route) -> set:
     if route.split_layer:  # each switch of SPLIT_NEEDS turns it off
-        return (set(SPLIT_NEEDS) | ({"fold_qkv"} if route.fold_qkv else set())
-                | ({"persistent_tail"} if route.persistent_tail else set()))
+        return set(SPLIT_NEEDS)
     return ({"fused_layernorm", "packed_qkv"} | ({"flash_attention"} if route.attention == "triton" else set())
             | ({"hopper_attention"} if route.attention == "hopper" else set()))
 

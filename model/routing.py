@@ -8,9 +8,6 @@ Routes (ROUTE_SPECS: each route's module, which runs it, and what it needs):
 - `graph`: the `triton` route captured once per input signature in a CUDA graph and replayed. CUDA only.
 - `fused`: one Triton kernel per layer (kernels/fused_layer.py) where a sequence fits on chip (the kernel's
   `why_unsupported` says where), fp16/bf16 operands; captured in a CUDA graph on CUDA.
-- `megakernel`: the whole forward in one Triton kernel (kernels/megakernel.py), one program per sequence, where the
-  policy's `megakernel.max_seq_len_x_d_model` covers the shape (null: never unasked), fp16/bf16 operands; captured
-  in a CUDA graph on CUDA.
 - `hopper`: the whole forward in one Gluon kernel (kernels/hopper_forward.py: wgmma, a TMA weight ring, the
   residual stream in registers), one program per sequence, on sm_90 only, where the policy's `hopper` entry covers
   the shape (`max_seq_len`, `min_batch`, `max_heads`; `max_seq_len` null: never unasked), fp16 operands; captured
@@ -63,7 +60,6 @@ ROUTE_SPECS = {
     "triton": RouteSpec("route_triton", kernels=True, pdl=True),
     "graph": RouteSpec("route_triton", kernels=True, cuda_only=True, captured=True, pdl=True),
     "fused": RouteSpec("route_fused", kernels=True, captured=True, pdl=True),
-    "megakernel": RouteSpec("route_megakernel", kernels=True, captured=True),
     "hopper": RouteSpec("route_hopper", kernels=True, cuda_only=True, captured=True, sm=9),
 }
 ROUTES = tuple(ROUTE_SPECS)
@@ -105,14 +101,12 @@ class Route:
     forced: bool = False
     attention: str = "triton"  # attention inside the triton/graph routes: our kernel, PyTorch SDPA, or "hopper"
     # (kernels/attention_hopper.py, from the policy's attention.hopper_from_seq_len on sm_90)
-    launch: tuple = ()  # fused: (block_m, num_warps, num_stages); megakernel: route_megakernel.LAUNCH_FIELDS (policy)
+    launch: tuple = ()  # fused: (block_m, num_warps, num_stages) (policy)
     kv_precompute: bool = False  # fused route: keys/values computed once per layer by a second kernel (policy)
     key_block: int = 0  # fused route with kv_precompute: keys per online-softmax step (policy; 0: the whole sequence)
     ffn_block: int = 0  # fused route: FFN columns per step (policy; 0: the kernel's default)
     split_layer: bool = False  # triton/graph routes: each layer as ln_qkv, our attention and layer_tail (policy)
     pdl: bool = False  # kernels after the forward's first launch with programmatic dependent launch (`with_pdl`)
-    fold_qkv: bool = False  # split layer: each tail but the last also computes the next layer's LN1 + QKV (policy)
-    persistent_tail: bool = False  # split layer: tails that do not fold run persistent, weights loaded once (policy)
     eager: bool = False  # a captured route launched eagerly here: policy `hopper.eager_min_batch`, or beyond
     # `graph.max_tokens_x_d_model` (`_hopper_route`)
     split_sequence: bool = False  # hopper route: two programs a causal sequence (policy `hopper.split_max_batch`)
@@ -125,7 +119,6 @@ class Route:
         kv = " kv=precomputed" if self.kv_precompute else ""
         blocks = "".join(f" {n}={v}" for n, v in (("key_block", self.key_block), ("ffn_block", self.ffn_block)) if v)
         split = " split-layer" if self.split_layer else ""
-        split += (" fold-qkv" if self.fold_qkv else "") + (" persistent-tail" if self.persistent_tail else "")
         pdl = " pdl" if self.pdl else ""
         eager = " eager" if self.eager else ""
         split += " split-sequence" if self.split_sequence else ""
@@ -176,11 +169,6 @@ def _launch_of(entry: dict) -> tuple:
     return (entry["block_m"], entry["num_warps"], entry["num_stages"])
 
 
-def fused_launch(shape: Shape) -> tuple:
-    """The fused kernel's (block_m, num_warps, num_stages) for this shape, from the policy."""
-    return _launch_of(_fused_entry(shape))
-
-
 def _fused_route(name: str, precision: str, reason: str, shape: Shape, forced: bool = False) -> Route:
     entry = _fused_entry(shape)  # one lookup gives the launch, kv_precompute and the block sizes
     return Route(name, precision, reason, forced=forced, launch=_launch_of(entry),
@@ -199,22 +187,6 @@ def _fused_pays(shape: Shape) -> bool:
     return (shape.tokens * shape.d_model <= fused["max_tokens_x_d_model"] and shape.tokens >= lo
             and (per_sequence is None or shape.seq_len * shape.d_model <= per_sequence)
             and (hi is None or shape.tokens <= hi) and (heads is None or shape.num_heads <= heads))
-
-
-def _megakernel_route(precision: str, reason: str, forced: bool = False) -> Route:
-    from .route_megakernel import LAUNCH_FIELDS
-
-    launch = POLICY["megakernel"]["launch"]
-    return Route("megakernel", precision, reason, forced=forced, launch=tuple(launch[f] for f in LAUNCH_FIELDS))
-
-
-def _megakernel_pays(shape: Shape) -> bool:
-    """Whether the policy expects the megakernel to beat the per-layer routes here: seq_len*d_model up to
-    `megakernel.max_seq_len_x_d_model` (null: never) and batch_size*seq_len up to `megakernel.max_tokens` (null or
-    absent: no bound)."""
-    mk = POLICY["megakernel"]
-    most, tokens = mk["max_seq_len_x_d_model"], mk.get("max_tokens")
-    return most is not None and shape.seq_len * shape.d_model <= most and (tokens is None or shape.tokens <= tokens)
 
 
 def _hopper_pays(shape: Shape) -> bool:
@@ -264,11 +236,7 @@ def _hopper_route(precision: str, reason: str, shape: Shape, forced: bool = Fals
 def _with_split_layer(route: Route, shape: Shape) -> Route:
     """The triton/graph `route` with the split layer where the policy's `split_layer.max_d_model` (null: never)
     covers d_model, batch_size*seq_len is at least `split_layer.min_tokens` (null or absent: any), the operands
-    are fp16/bf16 and the attention is our kernel; else `route` itself. With `split_layer.fold_next_qkv` (absent:
-    false) each layer's tail but the last also computes the next layer's LayerNorm 1 and QKV projection; with
-    `split_layer.persistent_tail` (absent: false) the tails that do not fold run as the persistent kernel, where it
-    serves the shape."""
-    from shapewise.kernels.layer_tail import why_persistent_unsupported
+    are fp16/bf16 and the attention is our kernel; else `route` itself."""
     from shapewise.kernels.layer_tail import why_unsupported as tail_unsupported  # the kernel owns its limits
 
     split = POLICY["split_layer"]
@@ -277,13 +245,8 @@ def _with_split_layer(route: Route, shape: Shape) -> Route:
             or route.attention != "triton" or route.precision not in ("fp16", "bf16")
             or tail_unsupported(shape.d_model)):
         return route
-    fold = bool(split.get("fold_next_qkv", False))
-    persistent = bool(split.get("persistent_tail", False)) and not why_persistent_unsupported(shape.d_model,
-                                                                                              shape.ffn_dim)
-    return replace(route, split_layer=True, fold_qkv=fold, persistent_tail=persistent,
-                   reason=route.reason + f"; split layer (d_model <= {most}, tokens >= {fewest})"
-                   + ("; the next layer's LN1 + QKV in each tail" if fold else "")
-                   + ("; persistent tails" if persistent else ""))
+    return replace(route, split_layer=True,
+                   reason=route.reason + f"; split layer (d_model <= {most}, tokens >= {fewest})")
 
 
 def with_pdl(route: Route, capability) -> Route:
@@ -332,8 +295,8 @@ def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool, cap
 
 
 def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: str | None = None,
-                 interpret: bool | None = None, allow_fused: bool = True, allow_megakernel: bool = True,
-                 allow_hopper: bool = True, capability=None) -> Route:
+                 interpret: bool | None = None, allow_fused: bool = True, allow_hopper: bool = True,
+                 capability=None) -> Route:
     """Pick the route for one input signature. Pure: reads only its arguments and the policy data.
 
     `forced` (a route name, or None/"auto") is honoured or refused with RouteUnavailable, never replaced.
@@ -353,8 +316,6 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
             raise RouteUnavailable(why)
         if forced == "fused":
             return _fused_route("fused", _precision_for(forced, dt, shape), "forced by the caller", shape, forced=True)
-        if forced == "megakernel":
-            return _megakernel_route(_precision_for(forced, dt, shape), "forced by the caller", forced=True)
         if forced == "hopper":
             return _hopper_route(_precision_for(forced, dt, shape), "forced by the caller", shape, forced=True)
         return _with_split_layer(Route(forced, _precision_for(forced, dt, shape), "forced by the caller", forced=True),
@@ -371,11 +332,6 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
             and not why_unavailable("hopper", shape, dtype, device, interpret, capability)):
         return _hopper_route("fp16", f"one sequence's residual stream in registers: the whole forward in one Gluon "
                                      f"kernel (seq_len {shape.seq_len} <= {POLICY['hopper']['max_seq_len']})", shape)
-    if allow_megakernel and _megakernel_pays(shape) and not why_unavailable("megakernel", shape, dtype, device,
-                                                                            interpret):
-        return _megakernel_route(_precision_for("megakernel", dt, shape),
-                                 f"one sequence's working set on chip: the whole forward in one kernel "
-                                 f"(seq_len*d = {shape.seq_len * shape.d_model})")
     if allow_fused and _fused_pays(shape) and not why_unavailable("fused", shape, dtype, device, interpret):
         return _fused_route("fused", _precision_for("fused", dt, shape),
                             f"short, narrow, launch-bound shape: one kernel per layer (tokens*d = {size})", shape)

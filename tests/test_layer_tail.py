@@ -31,13 +31,10 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["per-block", "persistent"])
 @pytest.mark.parametrize("final", [False, True], ids=["layer", "last-layer"])
 @pytest.mark.parametrize("mask_kind", ["none", "holes", "one_empty"])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-def test_layer_tail_matches_fp64(shape, mask_kind, final, persistent):
-    """Per block, and persistent (weights loaded once per program, token blocks in a loop: 3 programs under the
-    interpreter, so most take several blocks, the last one ragged), which also agrees with the per-block kernel."""
+def test_layer_tail_matches_fp64(shape, mask_kind, final):
     B, S, d, H, ffn = SHAPES[shape]
     w = weights(d, ffn, torch.float16, seed=11)
     x = torch.randn(B, S, d, device=DEVICE)
@@ -46,10 +43,6 @@ def test_layer_tail_matches_fp64(shape, mask_kind, final, persistent):
     norm = ((1 + 0.1 * torch.randn(d)).to(DEVICE), (0.1 * torch.randn(d)).to(DEVICE)) if final else None
     y = layer_tail(o, x, w, mask=mask, final=norm, out_dtype=torch.float32, block_m=16, ffn_block=16)
     want = layer_tail_reference(o, x, w, mask=mask, final=norm)
-    if persistent:
-        per_block = y
-        y = layer_tail(o, x, w, mask=mask, final=norm, out_dtype=torch.float32, block_m=16, persistent=True)
-        assert (y - per_block).abs().max().item() <= 2e-3
     check(y, want, torch.float16)
     if mask is not None and (~mask).any():
         assert y[~mask].abs().max().item() == 0.0, "invalid rows are not exactly zero"
@@ -141,38 +134,6 @@ def test_split_layer_is_the_layer(shape, mask_kind):
     check(y, want, torch.float16)
 
 
-@pytest.mark.parametrize("mask_kind", ["none", "holes", "one_empty"])
-@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-def test_layer_tail_folds_the_next_layers_ln_qkv(shape, mask_kind):
-    """With next_layer the tail also returns the next layer's q, k and v: ln_qkv of the residual it wrote (invalid
-    rows 0), against fp64 from that residual, and the residual itself unchanged by the fold (bit for bit)."""
-    B, S, d, H, ffn = SHAPES[shape]
-    w, nxt = weights(d, ffn, torch.float16, seed=14), weights(d, ffn, torch.float16, seed=15)
-    x = torch.randn(B, S, d, device=DEVICE)
-    o = torch.randn(B, S, d, device=DEVICE).to(torch.float16)
-    mask = make_mask(mask_kind, B, S)
-    y, qkv = layer_tail(o, x, w, mask=mask, block_m=16, ffn_block=16, next_layer=nxt)
-    assert torch.equal(y, layer_tail(o, x, w, mask=mask, block_m=16, ffn_block=16))
-    assert qkv.shape == (B, S, 3 * d) and qkv.dtype == torch.float16
-    h = torch.nn.functional.layer_norm(y.double(), (d,), nxt["n1_w"].double(), nxt["n1_b"].double(), 1e-5)
-    want = h @ nxt["qkv_w"].double().t() + nxt["qkv_b"].double()
-    atol, rtol = TOL[torch.float16]
-    assert ((qkv.double() - want).abs() <= atol + rtol * want.abs()).all()
-    assert (qkv.float() - ln_qkv(y, nxt).float()).abs().max().item() <= 2e-3  # the same math, other tiles
-
-
-def test_persistent_layer_tail_limits_are_named():
-    B, S, d, H, ffn = SHAPES["S33-hd16"]
-    w = weights(d, 256, torch.float16)
-    x = torch.randn(B, S, d, device=DEVICE)
-    o = torch.randn(B, S, d, device=DEVICE).to(torch.float16)
-    with pytest.raises(ValueError, match="persistent layer tail serves ffn_dim <= 128, got ffn_dim=256"):
-        layer_tail(o, x, w, persistent=True)
-    w = weights(d, ffn, torch.float16)
-    with pytest.raises(ValueError, match="persistent and next_layer exclude each other"):
-        layer_tail(o, x, w, persistent=True, next_layer=w)
-
-
 def test_bad_inputs_are_named():
     B, S, d, H, ffn = SHAPES["S7-d48-H3"]
     w = weights(d, ffn, torch.float16)
@@ -188,10 +149,6 @@ def test_bad_inputs_are_named():
         layer_tail(o, x, w, mask=torch.ones(B, S, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="ln_qkv: qkv_w must be"):
         ln_qkv(x, {**w, "qkv_w": w["qkv_w"].float()})
-    with pytest.raises(ValueError, match="next_layer .* and final .* exclude each other"):
-        layer_tail(o, x, w, final=(w["n1_w"], w["n1_b"]), next_layer=w)
-    with pytest.raises(ValueError, match="next_layer's qkv_w must be"):
-        layer_tail(o, x, w, next_layer={**w, "qkv_w": w["qkv_w"][:d]})
 
 
 
@@ -217,3 +174,29 @@ def test_the_split_layer_benchmark_runs_on_a_tiny_row(tmp_path):
     for key in ("accuracy_model", "accuracy_split"):
         assert row[key]["official"]["failed_elements"] == 0, row[key]
     assert row["split_median_ms"] > 0 and row["model_median_ms"] > 0
+
+
+@pytest.mark.parametrize("how", [["--switch", "split_layer", "--policy", "split_layer.min_tokens=null"],
+                                 ["--switch", "none", "--policy", "split_layer.max_d_model=null",
+                                  "--policy-on", "split_layer.max_d_model=128"]],
+                         ids=["switch", "policy-on"])
+def test_the_switch_benchmark_runs_the_split_layer_on_a_tiny_row(tmp_path, how):
+    """benchmarks/switch_ab.py as a user runs it (`python -m`) on its tiny CPU row, with a policy entry set for the
+    run and the switch off in the second model, or set while the first picks its route alone: the first model
+    takes the split layer, the second does not, and the first passes the official check."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "ab.json"
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(root / "workflow"), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "benchmarks.switch_ab", str(out), "--tiny", *how], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (rec,) = json.loads(out.read_text())["rows"]
+    assert " split-layer" in rec["route"] and " split-layer" not in rec["route_off"], rec
+    assert rec["accuracy"]["official"]["failed_elements"] == 0

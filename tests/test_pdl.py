@@ -31,7 +31,7 @@ def test_kernel_routes_take_pdl_from_sm90(name):
     assert with_pdl(route, None) == route
 
 
-@pytest.mark.parametrize("name", ["reference", "sdpa", "megakernel"])
+@pytest.mark.parametrize("name", ["reference", "sdpa", "hopper"])
 def test_routes_without_pdl_kernels_stay_as_they_are(name):
     route = Route(name, "fp16", "r")
     assert with_pdl(route, HOPPER) == route

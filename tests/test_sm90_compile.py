@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from shapewise.kernels import attention, fused_layer, layer_tail, layernorm, mask, megakernel
+    from shapewise.kernels import attention, fused_layer, layer_tail, layernorm, mask
 
     FLOATS = ("qk_scale", "eps")
 
@@ -60,20 +60,12 @@ SCRIPT = textwrap.dedent('''
                          dict(BLOCK_T=64, BLOCK_D=128, BLOCK_N=64, MASK_BLOCK=128, **f), 4, 1)
         done.append(f"_ln_kv_fwd {f}")
     tail = dict(O=fp16, X=fp32, Y=fp32, Mask=i8, Wo=fp16, Bo=fp16, Win=fp16, Bin=fp16, Wout=fp16, Bout=fp16,
-                N2w=fp32, N2b=fp32, NFw=fp32, NFb=fp32, Wqkv=fp16, Bqkv=fp16, N1w=fp32, N1b=fp32, QKV=fp16)
-    # the four mask / final-norm variants, then the next layer's LN1 + QKV folded in (not with the final norm)
-    for f in flags("HAS_MASK", "FINAL_NORM") + [dict(HAS_MASK=m, FINAL_NORM=False, NEXT_QKV=True) for m in (0, 1)]:
-        f["PDL"] = int(f["HAS_MASK"] and not f["FINAL_NORM"])
-        f.setdefault("NEXT_QKV", False)
-        compile_for_h200(layer_tail._layer_tail_fwd, tail, dict(BLOCK_M=64, BLOCK_D=128, BLOCK_F=32, BLOCK_N=64, **f),
-                         4, 3)
-        done.append(f"_layer_tail_fwd {f}")
-    persistent = {k: v for k, v in tail.items() if k not in ("Wqkv", "Bqkv", "N1w", "N1b", "QKV")}
+                N2w=fp32, N2b=fp32, NFw=fp32, NFb=fp32)
+    # the four mask / final-norm variants
     for f in flags("HAS_MASK", "FINAL_NORM"):
         f["PDL"] = int(f["HAS_MASK"] and not f["FINAL_NORM"])
-        compile_for_h200(layer_tail._layer_tail_persistent_fwd, persistent,
-                         dict(BLOCK_M=32, BLOCK_D=128, BLOCK_F=128, STAGES=2, **f), 8, 2)
-        done.append(f"_layer_tail_persistent_fwd {f}")
+        compile_for_h200(layer_tail._layer_tail_fwd, tail, dict(BLOCK_M=64, BLOCK_D=128, BLOCK_F=32, **f), 4, 3)
+        done.append(f"_layer_tail_fwd {f}")
     layer = dict(tail, Wqkv=fp16, Bqkv=fp16, N1w=fp32, N1b=fp32, KV=fp16)
     # without a mask; with one: the summary computed, computed and written, read; then the row-mask switch on
     # (ROW_MASK_BRANCH) with the summary written and read
@@ -93,22 +85,13 @@ SCRIPT = textwrap.dedent('''
                          dict(BLOCK_ROWS=4, BLOCK_D=128, HAS_BRANCH=True, WRITE_RESIDUAL=True, PDL=int(f["HAS_ROW_MASK"]),
                               **f), 4, 1)
         done.append(f"_add_layernorm_fwd {f}")
-    # the whole forward at the policy's launch (model/routing_policy.json, megakernel.launch), official rows' shape
-    whole = dict(X=fp32, Y=fp32, Mask=i8, Res=fp32, QKV=fp16, Att=fp16, Wqkv=fp16, Bqkv=fp32, Wo=fp16, Bo=fp32,
-                 Win=fp16, Bin=fp32, Wout=fp16, Bout=fp32, N1w=fp32, N1b=fp32, N2w=fp32, N2b=fp32, NFw=fp32, NFb=fp32)
-    for has_mask, causal in ((False, True), (True, True), (True, False)):
-        consts = dict(NUM_HEADS=4, HEAD_DIM=32, BLOCK_H=4, BLOCK_HD=32, BLOCK_D=128, BLOCK_F=64, BLOCK_M=64,
-                      BLOCK_N=32, BLOCK_A=64, BLOCK_C=128, MASK_BLOCK=128, IS_CAUSAL=causal, HAS_MASK=has_mask)
-        compile_for_h200(megakernel._megakernel_fwd, whole, consts, 4, 2)
-        done.append(f"_megakernel_fwd mask={has_mask} causal={causal}")
     print("compiled", len(done), "kernels:", "; ".join(done))
 ''')
 
 
-# attention 4 (the last: a mask with its own loop), mask summary 1, ln_kv 2 x 2 (PDL off and on), layer tail 4 + 2
-# (the next layer's QKV folded in), persistent layer tail 4, fused layer 6 x 3, add+LayerNorm 2, megakernel 3; each
-# PDL kernel compiled with PDL on in some of its variants
-N_KERNELS = 4 + 1 + 2 * 2 + 4 + 2 + 4 + 6 * 3 + 2 + 3
+# attention 4 (the last: a mask with its own loop), mask summary 1, ln_kv 2 x 2 (PDL off and on), layer tail 4,
+# fused layer 6 x 3, add+LayerNorm 2; each PDL kernel compiled with PDL on in some of its variants
+N_KERNELS = 4 + 1 + 2 * 2 + 4 + 6 * 3 + 2
 
 
 def _compiler_available():

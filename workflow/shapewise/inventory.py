@@ -191,15 +191,3 @@ def machine_key(env):
     hardware = env.get("gpu_name") or f"CPU {env.get('cpu')}"
     software = digest_of({k: env.get(k) for k in ("torch", "triton", "python", "driver", "packages_sha256")})
     return f"{hardware}{SOFTWARE_SEPARATOR}{software[:12]}"
-
-
-def write_if_changed(path, text: str) -> bool:
-    """Write `text` unless the file already holds exactly it; True when written."""
-    path = Path(path)
-    if path.is_file() and path.read_text() == text:
-        return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return True

@@ -178,7 +178,7 @@ def route_label(detail, route=None):
     `triton+sdpa`, `reference (forced)`).
 
     `detail` is Route.as_dict() from a result (fields beyond name, launch, kv_precompute, key_block, ffn_block,
-    split_layer, fold_qkv, persistent_tail, attention, pdl and forced are ignored); without it the route string's
+    split_layer, attention, pdl and forced are ignored); without it the route string's
     name (before the first '/') is used; None without either."""
     if isinstance(detail, dict) and detail.get("name"):
         label = str(detail["name"])
@@ -192,10 +192,6 @@ def route_label(detail, route=None):
                 label += f"+{short}{detail[field]}"
         if detail.get("split_layer"):
             label += "+split"
-        if detail.get("fold_qkv"):
-            label += "+fold"
-        if detail.get("persistent_tail"):
-            label += "+ptail"
         attention = detail.get("attention")
         if attention and attention != "triton":
             label += f"+{attention}"
