@@ -6,6 +6,7 @@ previous report kept on failure, a resource-skip row, summary.csv's columns, the
 import copy
 import csv
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -211,6 +212,9 @@ def test_report_renders_every_row_and_summary_columns(run):
     html = (out / "report.html").read_text()
     md = (out / "report.md").read_text()
     assert "resource-skip" in html and "t-03" in html
+    text = re.sub(r"<[^>]+>", "", re.sub(r"(?s)<style>.*?</style>", "", html))
+    joined = re.findall(r".{0,20}(?:[a-z]\.[A-Z][a-z]|%\)[a-z]).{0,20}", text)  # a sentence across the template's
+    assert not joined, joined  # lines keeps its space ("target.The", "%)of")
     # a profile captured beside another job on its GPU says its kernel times are upper bounds; the others do not
     shared = "captured beside 1 other job(s) on its GPU: its kernel times are upper bounds"
     assert f"- t-01: _fused_layer_fwd ({shared})\n- t-02: " in md and md.count(shared) == 1 and html.count(shared) == 1
