@@ -737,13 +737,13 @@ class PreparedLaunch:
     tensor as its address; per call only x's, the mask's and the output's addresses are written in. `direct` is
     None where this Triton's launcher is not reachable that way (`_c_launcher`); a call then goes through the
     compiled kernel's `run`, which encodes the descriptor and resolves every pointer again, as it does while a
-    profiler's launch hooks are set."""
+    profiler's launch hooks are set, or with `direct=False`."""
 
     __slots__ = ("programs", "values", "at_x", "at_out", "at_mask", "shape", "dtype", "device", "index", "stream",
                  "run", "function", "metadata", "kernel", "direct", "direct_at")
 
     def __init__(self, x, w, *, num_heads, causal, mask=None, desc=None, programs=None, overlap=True,
-                 pipeline=False, split=False, scratch=None):
+                 pipeline=False, split=False, scratch=None, direct=True):
         if not _aligned(x, mask):
             raise ValueError("PreparedLaunch: x and the mask must be contiguous and 16-byte aligned (the layout the "
                              "kernel is specialized on); hopper_forward serves any layout")
@@ -772,7 +772,7 @@ class PreparedLaunch:
         self.values = values  # holds every tensor the direct launch passes by address
         self.shape, self.dtype, self.device, self.index = x.shape, x.dtype, x.device, x.device.index
         self.stream = driver.active.get_current_stream  # the device's current stream, as a Triton launch reads it
-        self.direct, self.direct_at = self._direct()
+        self.direct, self.direct_at = self._direct() if direct else (None, None)
 
     def _direct(self):
         """(the C launcher's argument list with None where a call writes, {"x"|"out"|"mask": its indices}), or

@@ -51,7 +51,7 @@ class HopperForward:
         keywords = dict(num_heads=cfg.num_heads, causal=cfg.causal, mask=mask, desc=self.desc, split=split,
                         scratch=self.scratch)
         if self.route.prepared_launch and launch is None and self.prepared_launch.serves(x, mask):
-            self.launch = self.prepared_launch(x, self.weights, **keywords)
+            self.launch = self.prepared_launch(x, self.weights, direct=self.route.direct_launch, **keywords)
             return self.launch(x, mask)
         return self.hopper_forward(x, self.weights, **keywords)
 

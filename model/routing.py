@@ -111,6 +111,8 @@ class Route:
     # `graph.max_tokens_x_d_model` (`_hopper_route`)
     split_sequence: bool = False  # hopper route: two programs a causal sequence (policy `hopper.split_max_batch`)
     prepared_launch: bool = False  # hopper route: eager through its signature's PreparedLaunch (eager_min_batch)
+    direct_launch: bool = False  # prepared launch: Triton's C launcher called with an argument list built once
+    # (policy `hopper.direct_launch`; off: through the compiled kernel's `run`)
 
     def __str__(self) -> str:
         how = "forced" if self.forced else "auto"
@@ -123,6 +125,7 @@ class Route:
         eager = " eager" if self.eager else ""
         split += " split-sequence" if self.split_sequence else ""
         eager += " prepared-launch" if self.prepared_launch else ""
+        eager += " direct-launch" if self.direct_launch else ""
         return f"{self.name}/{self.precision}{attn}{launch}{kv}{blocks}{split}{pdl}{eager} ({how}: {self.reason})"
 
     def as_dict(self) -> dict:  # JSON-ready: the launch tuple as a list
@@ -206,7 +209,8 @@ def _hopper_route(precision: str, reason: str, shape: Shape, forced: bool = Fals
     graph's buffer a large one: row 6, 308 µs of 5.55 ms); through the signature's prepared launch
     (`Route.prepared_launch`, `kernels.hopper_forward.PreparedLaunch`: no output copy, and a launch of the
     compiled kernel where Triton's JIT launch binds every argument again) where `hopper.eager_min_batch` (null or
-    absent: never) covers the batch: a kernel long enough to hide the host's launch. Two programs a sequence where
+    absent: never) covers the batch: a kernel long enough to hide the host's launch; that launch calls Triton's C
+    launcher with an argument list built once where `hopper.direct_launch` is true (`Route.direct_launch`). Two programs a sequence where
     `hopper.split_max_batch` (null or absent: never) covers the batch, `hopper.split_max_head_dim` (null or absent:
     any) the head width, and the kernel's split serves the shape: a batch that leaves SMs idle."""
     route = Route("hopper", precision, reason, forced=forced)
@@ -222,9 +226,10 @@ def _hopper_route(precision: str, reason: str, shape: Shape, forced: bool = Fals
                 f"; two programs a sequence (batch {shape.batch_size} <= {most_split})"))
     fewest_eager = hopper.get("eager_min_batch")
     if fewest_eager is not None and shape.batch_size >= fewest_eager:
-        return replace(route, eager=True, prepared_launch=True, reason=route.reason + (
+        direct = bool(hopper.get("direct_launch", False))
+        return replace(route, eager=True, prepared_launch=True, direct_launch=direct, reason=route.reason + (
             f"; launched eagerly (batch {shape.batch_size} >= {fewest_eager}: a prepared launch, no graph, no "
-            f"output copy)"))
+            f"output copy{', its argument list built once' if direct else ''})"))
     most = POLICY["graph"]["max_tokens_x_d_model"]
     size = shape.tokens * shape.d_model
     if size <= most:

@@ -586,12 +586,15 @@ def test_a_prepared_launch_equals_the_jit_launch(mask_kind, split):
 
 @pytest.mark.gpu
 @needs_hopper
-def test_route_launches_eagerly_where_the_policy_says_so(monkeypatch):
-    """Policy `hopper.eager_min_batch` covering the batch: no graph, the signature's prepared launch, a new output per call; an input at an
-    address the kernel was not specialized on runs the JIT launch; a weight edit is seen."""
+@pytest.mark.parametrize("direct", [False, True])
+def test_route_launches_eagerly_where_the_policy_says_so(monkeypatch, direct):
+    """Policy `hopper.eager_min_batch` covering the batch: no graph, the signature's prepared launch (through the C
+    launcher where `hopper.direct_launch` says so), a new output per call; an input at an address the kernel was
+    not specialized on runs the JIT launch; a weight edit is seen."""
     from shapewise.model import routing
 
-    monkeypatch.setitem(routing.POLICY, "hopper", {**routing.POLICY["hopper"], "eager_min_batch": 1, "min_batch": 1})
+    monkeypatch.setitem(routing.POLICY, "hopper", {**routing.POLICY["hopper"], "eager_min_batch": 1, "min_batch": 1,
+                                                   "direct_launch": direct})
     cfg = cfg_of((6, 128, 128, 4, 128, 2))
     ref, opt = build_pair(cfg, "auto")
     ref, opt = ref.cuda(), opt.cuda()
@@ -603,6 +606,7 @@ def test_route_launches_eagerly_where_the_policy_says_so(monkeypatch):
     assert opt.last_route.name == "hopper" and opt.last_route.eager and opt._graphs.holders == []
     runner = opt._paths[(x.shape, x.dtype, x.device, False)]
     assert runner.launch is not None and len({y.data_ptr() for y in ys}) == 3
+    assert (runner.launch.direct is not None) == direct and opt.last_route.direct_launch == direct
     for y in ys:
         check_official(want, y.cpu(), "route hopper, prepared launch")
     shifted = torch.empty(x.numel() + 1, device="cuda")[1:].view(x.shape)  # 4 bytes past an aligned address

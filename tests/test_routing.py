@@ -376,11 +376,12 @@ def test_split_layer_has_a_token_floor(monkeypatch):
 # hopper: built for sm_90 alone, picked unasked only where the policy's hopper entry covers the shape
 # ----------------------------------------------------------------------------------------------
 def _hopper_policy(monkeypatch, max_seq_len=128, min_batch=None, max_heads=None, split_max_batch=None,
-                   split_max_head_dim=None, eager_min_batch=None):
+                   split_max_head_dim=None, eager_min_batch=None, direct_launch=False):
     monkeypatch.setitem(routing.POLICY, "hopper", {"max_seq_len": max_seq_len, "min_batch": min_batch,
                                                    "max_heads": max_heads, "split_max_batch": split_max_batch,
                                                    "split_max_head_dim": split_max_head_dim,
-                                                   "eager_min_batch": eager_min_batch})
+                                                   "eager_min_batch": eager_min_batch,
+                                                   "direct_launch": direct_launch})
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0), (10, 0), None])
@@ -443,6 +444,10 @@ def test_hopper_runs_eagerly_where_the_policy_covers_the_batch(monkeypatch):
     row1 = select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0))
     assert row1.name == "hopper" and row1.eager and row1.prepared_launch and "batch 64 >= 64" in row1.reason
     assert " eager prepared-launch (" in str(row1) and row1.as_dict()["prepared_launch"] is True
+    assert not row1.direct_launch  # policy hopper.direct_launch off: through the compiled kernel's run
+    _hopper_policy(monkeypatch, eager_min_batch=64, direct_launch=True)
+    row1 = select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0))
+    assert row1.direct_launch and " prepared-launch direct-launch (" in str(row1) and "built once" in row1.reason
     assert not {"cuda_graph", "direct_input"} & set(switches_used(row1, torch.float32, "cuda"))
     _hopper_policy(monkeypatch, eager_min_batch=1, split_max_batch=64)  # the split too: its scratch serves each launch
     both = select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0))
