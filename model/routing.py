@@ -210,9 +210,10 @@ def _hopper_route(precision: str, reason: str, shape: Shape, forced: bool = Fals
     (`Route.prepared_launch`, `kernels.hopper_forward.PreparedLaunch`: no output copy, and a launch of the
     compiled kernel where Triton's JIT launch binds every argument again) where `hopper.eager_min_batch` (null or
     absent: never) covers the batch: a kernel long enough to hide the host's launch; that launch calls Triton's C
-    launcher with an argument list built once where `hopper.direct_launch` is true (`Route.direct_launch`). Two programs a sequence where
-    `hopper.split_max_batch` (null or absent: never) covers the batch, `hopper.split_max_head_dim` (null or absent:
-    any) the head width, and the kernel's split serves the shape: a batch that leaves SMs idle."""
+    launcher with an argument list built once where `hopper.direct_launch` is true (`Route.direct_launch`). Two
+    programs a sequence where `hopper.split_max_batch` (null or absent: never) covers the batch,
+    `hopper.split_max_head_dim` (null or absent: any) the head width, and the kernel's split serves the shape: a
+    batch that leaves SMs idle."""
     route = Route("hopper", precision, reason, forced=forced)
     hopper = POLICY["hopper"]
     most_split, widest = hopper.get("split_max_batch"), hopper.get("split_max_head_dim")
