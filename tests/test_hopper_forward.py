@@ -196,6 +196,17 @@ class _FakeKernel:
         return self.compiled
 
 
+def _on_a_fake_hopper(monkeypatch, kernel):
+    """`kernel` as the Hopper forward's kernel, on a CPU posing as an H100 (132 SMs, current stream 1234)."""
+    monkeypatch.setattr(hf, "_hopper_forward_fwd", kernel)
+    monkeypatch.setattr(hf, "_on_hopper", lambda device: True)
+    monkeypatch.setattr(hf.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(hf.torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        multi_processor_count=132))
+    monkeypatch.setattr(hf, "driver", types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_stream=lambda index: 1234)))
+
+
 @pytest.mark.skipif(hf.gluon is None, reason="this Triton has no Gluon")
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("with_mask", [True, False])
@@ -207,13 +218,7 @@ def test_a_prepared_launch_passes_each_calls_tensors_in_the_kernels_order(monkey
     mask = mask if with_mask else None
     packed = _packed(ref, cfg, torch.float16)
     fake = _FakeKernel()
-    monkeypatch.setattr(hf, "_hopper_forward_fwd", fake)
-    monkeypatch.setattr(hf, "_on_hopper", lambda device: True)
-    monkeypatch.setattr(hf.torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(hf.torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
-        multi_processor_count=132))
-    monkeypatch.setattr(hf, "driver", types.SimpleNamespace(active=types.SimpleNamespace(
-        get_current_stream=lambda index: 1234)))
+    _on_a_fake_hopper(monkeypatch, fake)
     scratch = hf.split_scratch(2, 2, 2, 16, "cpu") if split else None
     launch = hf.PreparedLaunch(x, packed, num_heads=2, causal=True, mask=mask, programs=4, split=split,
                                scratch=scratch)
@@ -295,13 +300,7 @@ def test_a_prepared_launch_hands_the_c_launcher_addresses_and_a_descriptor_encod
     encoded = []
     monkeypatch.setattr(hf, "make_tensordesc_arg", lambda desc, meta: (encoded.append((desc, meta)), [
         "encoded map", *desc.shape, *desc.strides])[1])
-    monkeypatch.setattr(hf, "_hopper_forward_fwd", fake)
-    monkeypatch.setattr(hf, "_on_hopper", lambda device: True)
-    monkeypatch.setattr(hf.torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(hf.torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
-        multi_processor_count=132))
-    monkeypatch.setattr(hf, "driver", types.SimpleNamespace(active=types.SimpleNamespace(
-        get_current_stream=lambda index: 1234)))
+    _on_a_fake_hopper(monkeypatch, fake)
     scratch = hf.split_scratch(2, 2, 2, 16, "cpu") if split else None
     launch = hf.PreparedLaunch(x, packed, num_heads=2, causal=True, mask=mask, programs=4, split=split,
                                scratch=scratch)
