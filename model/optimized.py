@@ -280,7 +280,6 @@ class UserOptimizedTransformer(BaselineTransformer):
         self._weights.forget()
         self._drop_routes()
         self._memory_plans = {}
-        self._known = {}
         self._stream = None
         return super()._apply(fn, *args, **kwargs)
 
