@@ -740,7 +740,7 @@ class PreparedLaunch:
     profiler's launch hooks are set, or with `direct=False`."""
 
     __slots__ = ("programs", "values", "at_x", "at_out", "at_mask", "shape", "dtype", "device", "index", "stream",
-                 "run", "function", "metadata", "kernel", "direct", "direct_at")
+                 "run", "function", "metadata", "kernel", "c_launch", "direct", "direct_at")
 
     def __init__(self, x, w, *, num_heads, causal, mask=None, desc=None, programs=None, overlap=True,
                  pipeline=False, split=False, scratch=None, direct=True):
@@ -772,14 +772,14 @@ class PreparedLaunch:
         self.values = values  # holds every tensor the direct launch passes by address
         self.shape, self.dtype, self.device, self.index = x.shape, x.dtype, x.device, x.device.index
         self.stream = driver.active.get_current_stream  # the device's current stream, as a Triton launch reads it
-        self.direct, self.direct_at = self._direct() if direct else (None, None)
+        self.c_launch, self.direct, self.direct_at = self._direct() if direct else (None, None, None)
 
     def _direct(self):
-        """(the C launcher's argument list with None where a call writes, {"x"|"out"|"mask": its indices}), or
-        (None, None) where the C launcher is not reachable."""
+        """(the C launch function, its argument list with None where a call writes, {"x"|"out"|"mask": their
+        indices}), or (None, None, None) where the C launcher is not reachable."""
         found = _c_launcher(self.run)
         if found is None:
-            return None, None
+            return None, None, None
         launch, cooperative, pdl = found
         tensordesc_meta = iter(getattr(self.kernel.metadata, "tensordesc_meta", None) or ())
         per_call = {i: "x" for i in self.at_x} | {i: "out" for i in self.at_out}
@@ -787,8 +787,8 @@ class PreparedLaunch:
             per_call[self.at_mask] = "mask"
         # the C launcher's leading arguments: grid, stream (written per call), function, cooperative and PDL
         # flags, no global or profile scratch, the packed metadata, no launch metadata and no hooks
-        head = [launch, self.programs, 1, 1, None, self.function, cooperative, pdl, None, None, self.metadata, None,
-                None, None]
+        head = [self.programs, 1, 1, None, self.function, cooperative, pdl, None, None, self.metadata, None, None,
+                None]
         args, at = head, {"x": [], "out": [], "mask": []}
         for i, v in enumerate(self.values):
             if i in per_call:
@@ -800,7 +800,7 @@ class PreparedLaunch:
                 args.append(v.data_ptr())
             else:
                 args.append(v)
-        return args, at
+        return launch, args, at
 
     @staticmethod
     def serves(x, mask) -> bool:
@@ -813,14 +813,13 @@ class PreparedLaunch:
         hooked = not (_no_calls(enter) and _no_calls(leave))  # the launcher skips hooks given as None
         if self.direct is not None and not hooked:
             args, at = self.direct.copy(), self.direct_at
-            args[4] = self.stream(self.index)
+            args[3] = self.stream(self.index)
             for name, tensor in (("x", x), ("out", out), ("mask", mask)):
                 if at[name]:
                     address = tensor.data_ptr()
                     for i in at[name]:
                         args[i] = address
-            launch = args[0]
-            launch(*args[1:])
+            self.c_launch(*args)
             return out
         values = self.values.copy()
         for i in self.at_x:

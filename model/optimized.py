@@ -129,7 +129,7 @@ class UserOptimizedTransformer(BaselineTransformer):
         if known is not None and not self._streaming:
             key, plan, cap, fraction = known
             runner = self._paths.get(key)
-            if (runner is not None and cap == self.memory_budget_bytes and fraction == memory_fraction(x.device)
+            if (runner is not None and cap == self.memory_budget_bytes and fraction == memory_fraction(call[3])
                     and not (runner.uses_weights and self._weights.moved(self))):
                 _set_plain(self, "last_memory_plan", plan)
                 _set_plain(self, "last_route", runner.route)
