@@ -739,7 +739,7 @@ class PreparedLaunch:
     compiled kernel's `run`, which encodes the descriptor and resolves every pointer again, as it does while a
     profiler's launch hooks are set, or with `direct=False`."""
 
-    __slots__ = ("programs", "values", "at_x", "at_out", "at_mask", "shape", "dtype", "device", "index", "stream",
+    __slots__ = ("programs", "values", "at_x", "at_out", "at_mask", "index", "stream",
                  "run", "function", "metadata", "kernel", "c_launch", "direct", "direct_at")
 
     def __init__(self, x, w, *, num_heads, causal, mask=None, desc=None, programs=None, overlap=True,
@@ -770,7 +770,7 @@ class PreparedLaunch:
         for i in self.at_x + self.at_out + ([] if self.at_mask is None else [self.at_mask]):
             values[i] = None  # filled each call: the first call's tensors are not held
         self.values = values  # holds every tensor the direct launch passes by address
-        self.shape, self.dtype, self.device, self.index = x.shape, x.dtype, x.device, x.device.index
+        self.index = x.device.index
         self.stream = driver.active.get_current_stream  # the device's current stream, as a Triton launch reads it
         self.c_launch, self.direct, self.direct_at = self._direct() if direct else (None, None, None)
 
@@ -808,7 +808,7 @@ class PreparedLaunch:
         return _aligned(x, mask)
 
     def __call__(self, x, mask=None):
-        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        out = torch.empty_like(x)  # x as `serves` accepts it (contiguous): the output's shape, dtype and layout
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         hooked = not (_no_calls(enter) and _no_calls(leave))  # the launcher skips hooks given as None
         if self.direct is not None and not hooked:

@@ -37,11 +37,14 @@ class HopperForward:
         self.launch = None  # the signature's PreparedLaunch (route.prepared_launch), made on its first call with the
         # layout the kernel is specialized on
 
-    @torch.no_grad()
     def __call__(self, model, x, mask):
         launch = self.launch
         if launch is not None and launch.serves(x, mask):  # a runner serves one signature: the layout is what varies
-            return launch(x, mask)
+            return launch(x, mask)  # outside no_grad: a launch into a fresh output records nothing for autograd
+        return self._launch(model, x, mask)
+
+    @torch.no_grad()
+    def _launch(self, model, x, mask):
         if x.stride(-1) != 1:  # a view sliced along d_model: the kernel reads rows with unit stride
             x = x.contiguous()
         cfg = model.config
