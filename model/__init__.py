@@ -11,6 +11,7 @@ _OWNERS = {
     "parameter_count": "config",
     "BaselineTransformer": "reference",
     "check_inputs": "reference",
+    "check_parameters_match": "reference",
     "TOLERANCES": "tolerance",
     "Comparison": "tolerance",
     "compare_outputs": "tolerance",

@@ -29,7 +29,7 @@ from . import streamed
 from .captured import MAX_GRAPHS, CapturedForward, Captures
 from .config import TransformerConfig
 from .memory import available_bytes, memory_fraction, user_budget_bytes
-from .reference import BaselineTransformer, check_inputs
+from .reference import BaselineTransformer, check_inputs, check_parameters_match
 from .routing import (KERNEL_DTYPES, ROUTE_SPECS, ROUTES, RouteUnavailable, Shape, route_module, select_route,
                       with_pdl)
 from .weights import FP16_SAFE_ABS, DerivedWeights, share_one_counter
@@ -77,7 +77,9 @@ def switches_used(route, input_dtype, device_type: str) -> tuple:
     return tuple(name for name in OPTIMIZATIONS if name in used)
 
 
-_SUPPORTED = ", ".join(KERNEL_DTYPES[:-1]) + " and " + KERNEL_DTYPES[-1]  # the dtypes every route serves
+# The dtypes the routes serve, as the dtype error ends
+_SUPPORTED = (f"Supported: {', '.join(KERNEL_DTYPES[:-1])} and {KERNEL_DTYPES[-1]} on every route, any other floating "
+              f"dtype (float64) on the reference and sdpa routes")
 
 
 class UserOptimizedTransformer(BaselineTransformer):
@@ -187,18 +189,8 @@ class UserOptimizedTransformer(BaselineTransformer):
 
     def _check_device_and_dtype(self, x) -> None:
         """x on the parameters' device and in their dtype, checked on each signature's first call (the signature
-        holds both): one rule on every route (the reference's matmuls refuse a mix too)."""
-        weight = self.final_norm.weight
-        if x.dtype != weight.dtype:
-            raise TypeError(
-                f"UserOptimizedTransformer: x is {x.dtype} but the model's parameters are {weight.dtype}; pass x in "
-                f"the parameters' dtype or convert the model with .to(dtype). Supported: {_SUPPORTED} on every "
-                f"route, any other floating dtype (float64) on the reference and sdpa routes")
-        if x.device != weight.device:
-            held = " (a meta tensor holds no values)" if x.device.type == "meta" else ""
-            raise ValueError(f"UserOptimizedTransformer: x is on {x.device}{held} but the model's parameters are on "
-                             f"{weight.device}; pass x on {weight.device} or move the model with "
-                             f".to({str(x.device)!r})")
+        holds both): the reference's rule (reference.check_parameters_match), on every route."""
+        check_parameters_match(self, x, _SUPPORTED)
 
     def _runner(self, x, mask):
         """The runner of this input signature's route: its module's, captured in CUDA graphs where the route is."""
