@@ -122,6 +122,13 @@ class UserOptimizedTransformer(BaselineTransformer):
 
     def _forward(self, x, valid_token_mask):
         mask = valid_token_mask
+        # Gradients: asked for only where grad mode is on (never under no_grad or inference_mode, so the inference
+        # calls pay one C call) and by a training model or an x that requires grad; before the known-call lookup,
+        # which knows nothing of grad mode.
+        if torch.is_grad_enabled() and (self.training or getattr(x, "requires_grad", False)):
+            why = self._gradients_asked(x)
+            if why is not None:
+                return self._differentiable_forward(x, mask, why)
         try:  # everything check_inputs and the memory plan read of the inputs: a known one needs neither again
             call = (x.__class__, x.shape, x.dtype, x.device,
                     None if mask is None else (mask.__class__, mask.shape, mask.dtype, mask.device))
@@ -166,6 +173,36 @@ class UserOptimizedTransformer(BaselineTransformer):
                 self._known.pop(next(iter(self._known)))
             self._known[call] = (key, plan, cap, fraction)
         return self._run(runner, x, mask)
+
+    def _gradients_asked(self, x):
+        """Why this call (grad mode on) must record gradients, or None: x requires grad, or the model is in training
+        mode and a parameter requires grad (walked only then: eval() calls never pay for it)."""
+        if getattr(x, "requires_grad", False):
+            return "x requires grad"
+        if self.training and any(p.requires_grad for p in self.parameters()):
+            return "the model is in training mode and its parameters require grad"
+        return None
+
+    def _differentiable_forward(self, x, mask, why):
+        """The reference computation, which autograd records (the other routes are inference only: no backward of
+        their kernels, their derived weights detached), recorded in `last_route` with `why`; a forced route other
+        than `reference` is refused rather than replaced (docs/decisions.md#autograd-reference-route)."""
+        check_inputs(self.config, x, mask)
+        self._check_device_and_dtype(x)
+        if self.route not in ("auto", "reference"):
+            raise RouteUnavailable(
+                f"route {self.route!r} is forced but this call records gradients ({why}, grad enabled): only the "
+                f"reference route is differentiable; for route {self.route!r} call model.eval() (with an x that does "
+                f"not require grad) or run under torch.no_grad() or torch.inference_mode()")
+        cfg = self.config
+        shape = Shape(x.shape[0], x.shape[1], cfg.d_model, cfg.num_heads, cfg.ffn_dim, cfg.num_layers, cfg.causal)
+        route = select_route(shape, x.dtype, x.device, "none" if mask is None else "general", forced="reference")
+        reason = f"autograd: {why}; the reference computation is the differentiable route"
+        if self.route == "reference":
+            reason = f"forced by the caller; {reason}"
+        _set_plain(self, "last_memory_plan", None)
+        _set_plain(self, "last_route", replace(route, forced=self.route == "reference", reason=reason))
+        return BaselineTransformer.forward(self, x, mask)
 
     def _run(self, runner, x, mask):
         if x.is_cuda:
