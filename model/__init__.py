@@ -15,6 +15,7 @@ _OWNERS = {
     "TOLERANCES": "tolerance",
     "Comparison": "tolerance",
     "compare_outputs": "tolerance",
+    "describe_comparison": "tolerance",
     "generate_random_case": "cases",
     "padding_lengths": "cases",
     "chunked_reference_forward": "chunked",
