@@ -7,6 +7,11 @@ works. `forward` validates the input, plans its memory (model/streamed.py), pick
 sequence lives in its own module (routing.ROUTE_SPECS names it) with the state it needs, derived weights
 (model/weights.py) and, on CUDA, captured graphs (model/captured.py).
 
+Inference: in eval() with an x that does not require grad, or under no_grad or inference_mode, the routes serve and
+the output carries no gradient. A call that records gradients (grad mode on, and x requiring grad or a training model
+whose parameters require grad) runs the reference computation instead, which autograd records
+(docs/decisions.md#autograd-reference-route).
+
 Derived weights (packed QKV, operand-precision copies) are cached as plain attributes, never registered, and
 refreshed in place when their parameters change: model/weights.py says which edits are seen and which need
 `refresh_weights()`.
