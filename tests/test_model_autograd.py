@@ -144,3 +144,24 @@ def test_bad_input_in_training_mode_is_named_before_any_route():
     with pytest.raises(ValueError, match="valid_token_mask"):
         opt(x, torch.ones(x.shape[0], dtype=torch.bool))
     assert opt.last_route is None
+
+
+def test_a_training_loop_trains_as_the_reference_does():
+    """Three SGD steps on the optimized model, after it served an inference call (its parameters then watched and
+    sharing one version counter): the same weights as three steps on the reference."""
+    ref, opt, x, mask = _pair64()
+    with torch.no_grad():
+        opt(x, mask)
+    target = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    for model in (ref, opt):
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            sgd.zero_grad()
+            ((model(x, mask) - target) ** 2).mean().backward()
+            sgd.step()
+    assert opt.last_route.name == "reference"
+    for (name, p), q in zip(opt.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-12, rtol=1e-12, msg=lambda m: f"{name}: {m}")
+    with torch.no_grad():  # the inference route sees the trained weights (its softmax in fp32, as the contract's)
+        torch.testing.assert_close(opt(x, mask), ref(x, mask), atol=1e-6, rtol=1e-5)
+    assert opt.last_route.name == AUTO_CPU_ROUTE
