@@ -7,6 +7,11 @@ works. `forward` validates the input, plans its memory (model/streamed.py), pick
 sequence lives in its own module (routing.ROUTE_SPECS names it) with the state it needs, derived weights
 (model/weights.py) and, on CUDA, captured graphs (model/captured.py).
 
+Inference: in eval() with an x that does not require grad, or under no_grad or inference_mode, the routes serve and
+the output carries no gradient. A call that records gradients (grad mode on, and x requiring grad or a training model
+whose parameters require grad) runs the reference computation instead, which autograd records
+(docs/decisions.md#autograd-reference-route).
+
 Derived weights (packed QKV, operand-precision copies) are cached as plain attributes, never registered, and
 refreshed in place when their parameters change: model/weights.py says which edits are seen and which need
 `refresh_weights()`.
@@ -29,7 +34,7 @@ from . import streamed
 from .captured import MAX_GRAPHS, CapturedForward, Captures
 from .config import TransformerConfig
 from .memory import available_bytes, memory_fraction, user_budget_bytes
-from .reference import BaselineTransformer, check_inputs
+from .reference import BaselineTransformer, check_inputs, check_parameters_match
 from .routing import (KERNEL_DTYPES, ROUTE_SPECS, ROUTES, RouteUnavailable, Shape, route_module, select_route,
                       with_pdl)
 from .weights import FP16_SAFE_ABS, DerivedWeights, share_one_counter
@@ -53,6 +58,7 @@ OPTIMIZATIONS = (
     # (off: the attention the policy gives without it, SDPA at these lengths)
 )
 MAX_MEMORY_PLANS = 64  # memory plans a model keeps (one per input signature, cap and memory fraction)
+_grad_enabled = torch.is_grad_enabled  # read on every call: a module attribute's lookup costs it ~0.05 µs more
 # The current CUDA stream's handle, an int: one C call (`torch.cuda.current_stream` builds an object, ~10x as long)
 _stream_handle = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda index: torch.cuda.current_stream(index).cuda_stream)
@@ -77,7 +83,9 @@ def switches_used(route, input_dtype, device_type: str) -> tuple:
     return tuple(name for name in OPTIMIZATIONS if name in used)
 
 
-_SUPPORTED = ", ".join(KERNEL_DTYPES[:-1]) + " and " + KERNEL_DTYPES[-1]  # the dtypes every route serves
+# The dtypes the routes serve, as the dtype error ends
+_SUPPORTED = (f"Supported: {', '.join(KERNEL_DTYPES[:-1])} and {KERNEL_DTYPES[-1]} on every route, any other floating "
+              f"dtype (float64) on the reference and sdpa routes")
 
 
 class UserOptimizedTransformer(BaselineTransformer):
@@ -124,8 +132,17 @@ class UserOptimizedTransformer(BaselineTransformer):
             call = (x.__class__, x.shape, x.dtype, x.device,
                     None if mask is None else (mask.__class__, mask.shape, mask.dtype, mask.device))
             known = self._known.get(call)
+            # Gradients: asked for only where grad mode is on (never under no_grad or inference_mode: the inference
+            # calls pay one C call) and by a training model or an x that requires grad; read on every call, since
+            # the known calls know nothing of grad mode.
+            grads = _grad_enabled() and (self.training or x.requires_grad)
         except (AttributeError, TypeError):  # not tensors: check_inputs names what is wrong
             call = known = None
+            grads = False
+        if grads:
+            why = self._gradients_asked(x)
+            if why is not None:
+                return self._differentiable_forward(x, mask, why)
         if known is not None and not self._streaming:
             key, plan, cap, fraction = known
             runner = self._paths.get(key)
@@ -165,6 +182,36 @@ class UserOptimizedTransformer(BaselineTransformer):
             self._known[call] = (key, plan, cap, fraction)
         return self._run(runner, x, mask)
 
+    def _gradients_asked(self, x):
+        """Why this call (grad mode on) must record gradients, or None: x requires grad, or the model is in training
+        mode and a parameter requires grad (walked only then: eval() calls never pay for it)."""
+        if getattr(x, "requires_grad", False):  # a stand-in for a tensor: check_inputs names it
+            return "x requires grad"
+        if self.training and any(p.requires_grad for p in self.parameters()):
+            return "the model is in training mode and its parameters require grad"
+        return None
+
+    def _differentiable_forward(self, x, mask, why):
+        """The reference computation, which autograd records (the other routes are inference only: no backward of
+        their kernels, their derived weights detached), recorded in `last_route` with `why`; a forced route other
+        than `reference` is refused rather than replaced (docs/decisions.md#autograd-reference-route)."""
+        check_inputs(self.config, x, mask)
+        self._check_device_and_dtype(x)
+        if self.route not in ("auto", "reference"):
+            raise RouteUnavailable(
+                f"route {self.route!r} is forced but this call records gradients ({why}, grad enabled): only the "
+                f"reference route is differentiable; for route {self.route!r} call model.eval() (with an x that does "
+                f"not require grad) or run under torch.no_grad() or torch.inference_mode()")
+        cfg = self.config
+        shape = Shape(x.shape[0], x.shape[1], cfg.d_model, cfg.num_heads, cfg.ffn_dim, cfg.num_layers, cfg.causal)
+        route = select_route(shape, x.dtype, x.device, "none" if mask is None else "general", forced="reference")
+        reason = f"autograd: {why}; the reference computation is the differentiable route"
+        if self.route == "reference":
+            reason = f"forced by the caller; {reason}"
+        _set_plain(self, "last_memory_plan", None)
+        _set_plain(self, "last_route", replace(route, forced=self.route == "reference", reason=reason))
+        return BaselineTransformer.forward(self, x, mask)
+
     def _run(self, runner, x, mask):
         if x.is_cuda:
             handle = _stream_handle(x.get_device())
@@ -187,18 +234,8 @@ class UserOptimizedTransformer(BaselineTransformer):
 
     def _check_device_and_dtype(self, x) -> None:
         """x on the parameters' device and in their dtype, checked on each signature's first call (the signature
-        holds both): one rule on every route (the reference's matmuls refuse a mix too)."""
-        weight = self.final_norm.weight
-        if x.dtype != weight.dtype:
-            raise TypeError(
-                f"UserOptimizedTransformer: x is {x.dtype} but the model's parameters are {weight.dtype}; pass x in "
-                f"the parameters' dtype or convert the model with .to(dtype). Supported: {_SUPPORTED} on every "
-                f"route, any other floating dtype (float64) on the reference and sdpa routes")
-        if x.device != weight.device:
-            held = " (a meta tensor holds no values)" if x.device.type == "meta" else ""
-            raise ValueError(f"UserOptimizedTransformer: x is on {x.device}{held} but the model's parameters are on "
-                             f"{weight.device}; pass x on {weight.device} or move the model with "
-                             f".to({str(x.device)!r})")
+        holds both): the reference's rule (reference.check_parameters_match), on every route."""
+        check_parameters_match(self, x, _SUPPORTED)
 
     def _runner(self, x, mask):
         """The runner of this input signature's route: its module's, captured in CUDA graphs where the route is."""

@@ -40,6 +40,22 @@ def check_inputs(config: TransformerConfig, x: torch.Tensor, valid_token_mask) -
         raise ValueError(f"valid_token_mask is on {valid_token_mask.device} but x is on {x.device}")
 
 
+def check_parameters_match(model: nn.Module, x: torch.Tensor, supported: str = "") -> None:
+    """Raise a clear error, before any work, when x is not in the dtype or not on the device of `model`'s parameters
+    (its final LayerNorm's weight stands for them all: a model converted with .to() holds them alike), naming both;
+    `supported` ends the dtype error with what the caller serves. Without it a mix fails deep inside the math
+    ("mixed dtype (CPU)", "not on the expected device meta")."""
+    weight = model._modules["final_norm"]._parameters["weight"]  # past nn.Module.__getattr__ (~1 µs a call)
+    if x.dtype != weight.dtype:
+        raise TypeError(f"{type(model).__name__}: x is {x.dtype} but the model's parameters are {weight.dtype}; pass "
+                        f"x in the parameters' dtype or convert the model with .to(dtype)"
+                        + (f". {supported}" if supported else ""))
+    if x.device != weight.device:
+        held = " (a meta tensor holds no values)" if x.device.type == "meta" else ""
+        raise ValueError(f"{type(model).__name__}: x is on {x.device}{held} but the model's parameters are on "
+                         f"{weight.device}; pass x on {weight.device} or move the model with .to({str(x.device)!r})")
+
+
 class ReferenceAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int, causal: bool):
         super().__init__()
@@ -100,6 +116,7 @@ class BaselineTransformer(nn.Module):
 
     def forward(self, x: torch.Tensor, valid_token_mask=None) -> torch.Tensor:
         check_inputs(self.config, x, valid_token_mask)
+        check_parameters_match(self, x)
         for layer in self.layers:
             x = layer(x, valid_token_mask)
         x = self.final_norm(x)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 from model_helpers import cfg_of
-from shapewise.model import TOLERANCES, compare_outputs, generate_random_case
+from shapewise.model import TOLERANCES, compare_outputs, describe_comparison, generate_random_case
 
 
 def test_generate_random_case_reproducible_and_padded():
@@ -115,3 +115,28 @@ def test_compare_outputs_refuses_an_output_that_is_not_a_plain_tensor():
         with pytest.raises(TypeError, match="Agreeable, not a plain torch.Tensor"):
             compare_outputs(*args, rtol=0.02, atol=0.002)
     assert compare_outputs(ref, ref.clone(), rtol=0.02, atol=0.002).passed
+
+
+def test_non_finite_elements_are_counted_and_named():
+    """An optimized output of NaN (or inf) fails with its non-finite elements counted and named in the sentence,
+    never "max abs error 0" alone (the errors cover the finite pairs only)."""
+    ref = torch.zeros(2, 3)
+    all_nan = compare_outputs(ref, torch.full((2, 3), float("nan")), rtol=2e-2, atol=2e-3)
+    assert not all_nan.passed and all_nan.failed_elements == 6 and all_nan.nonfinite_elements == 6
+    assert all_nan.max_abs_error == 0.0  # nothing finite to measure
+    assert all_nan.describe() == ("6 of 6 elements outside the tolerance, 6 of them non-finite (NaN or inf in the "
+                                  "reference or the optimized output); no finite pair to measure an error on")
+    opt = ref.clone()
+    opt[0, 0], opt[0, 1], opt[1, 2] = float("inf"), float("nan"), 0.5
+    some = compare_outputs(ref, opt, rtol=2e-2, atol=2e-3)
+    assert some.failed_elements == 3 and some.nonfinite_elements == 2 and some.as_dict()["nonfinite_elements"] == 2
+    assert some.describe().startswith("3 of 6 elements outside the tolerance, 2 of them non-finite")
+    assert some.describe().endswith("max abs error over the finite pairs 0.5")
+    close = compare_outputs(ref, ref + 1e-3, rtol=2e-2, atol=2e-3)
+    assert close.passed and close.nonfinite_elements == 0
+    assert close.describe() == "0 of 6 elements outside the tolerance (max abs error 0.001)"
+    # a sum of several comparisons (as a job adds its trials up) reads the same way
+    summed = {k: all_nan.as_dict()[k] + close.as_dict()[k]
+              for k in ("failed_elements", "nonfinite_elements", "total_elements")}
+    assert describe_comparison({**summed, "max_abs_error": 0.001}).startswith(
+        "6 of 12 elements outside the tolerance, 6 of them non-finite")

@@ -124,6 +124,22 @@ def test_dtype_mix_is_one_clear_error_on_every_route(route, x_dtype, model_dtype
     assert str(x_dtype) in message and str(model_dtype) in message and "Supported: float32, float16 and bfloat16" in message
 
 
+@pytest.mark.parametrize("x_dtype, model_dtype", [(torch.float64, torch.float32), (torch.bfloat16, torch.float32),
+                                                  (torch.float32, torch.float16)])
+def test_reference_names_a_dtype_mix_before_any_work(x_dtype, model_dtype, monkeypatch):
+    """The reference refuses x in another dtype than its parameters by name (not "mixed dtype (CPU)" from inside
+    LayerNorm), before any layer runs, with the optimized model's wording (one check, reference.py's)."""
+    cfg = cfg_of(CFG_SEQ7)
+    ref, _ = build_pair(cfg)
+    ref = ref.to(model_dtype)
+    x, _ = make_inputs(cfg, "none")
+    monkeypatch.setattr(type(ref.layers[0]), "forward", lambda *a: pytest.fail("a layer ran before the check"))
+    with pytest.raises(TypeError) as info:
+        ref(x.to(x_dtype))
+    assert str(info.value) == (f"BaselineTransformer: x is {x_dtype} but the model's parameters are {model_dtype}; "
+                               f"pass x in the parameters' dtype or convert the model with .to(dtype)")
+
+
 @pytest.mark.parametrize("route", CPU_ROUTES)
 def test_dtype_mix_after_a_conversion_is_the_same_error(route):
     """The dtype is checked on a signature's first call: a model converted after serving float32 inputs refuses
@@ -163,7 +179,20 @@ def test_x_on_another_device_than_the_parameters_is_a_clear_error(route):
             opt(*args)
     assert opt.last_route is None and opt.last_memory_plan is None
     if route in ("reference", "sdpa"):
-        meta = UserOptimizedTransformer(cfg, route=route).to("meta")
+        meta = UserOptimizedTransformer(cfg, route=route).to("meta").eval()
         y = meta(x, mask)
         assert y.device.type == "meta" and y.shape == x.shape
         assert BaselineTransformer(cfg).to("meta")(x, mask).shape == y.shape
+
+
+@pytest.mark.parametrize("model_device, x_device", [("cpu", "meta"), ("meta", "cpu")])
+def test_reference_names_x_on_another_device_before_any_work(model_device, x_device, monkeypatch):
+    """x on another device than the reference's parameters: one ValueError naming both devices, before any layer
+    runs (not "Tensor on device cpu is not on the expected device meta!" from inside a matmul)."""
+    cfg = cfg_of(CFG_SEQ7)
+    ref = BaselineTransformer(cfg).to(model_device)
+    x = torch.randn(cfg.batch_size, cfg.seq_len, cfg.d_model, device=x_device)
+    monkeypatch.setattr(type(ref.layers[0]), "forward", lambda *a: pytest.fail("a layer ran before the check"))
+    with pytest.raises(ValueError, match=rf"^BaselineTransformer: x is on {x_device}\b.* but the model's parameters "
+                                         rf"are on {model_device}; pass x on {model_device}"):
+        ref(x)
