@@ -7,10 +7,10 @@ works. `forward` validates the input, plans its memory (model/streamed.py), pick
 sequence lives in its own module (routing.ROUTE_SPECS names it) with the state it needs, derived weights
 (model/weights.py) and, on CUDA, captured graphs (model/captured.py).
 
-Inference: in eval() with an x that does not require grad, or under no_grad or inference_mode, the routes serve and
-the output carries no gradient. A call that records gradients (grad mode on, and x requiring grad or a training model
-whose parameters require grad) runs the reference computation instead, which autograd records
-(docs/decisions.md#autograd-reference-route).
+Autograd (docs/decisions.md#autograd-reference-route): the routes are inference only. A call with grad mode on and an x
+that requires grad, or on a training model forced to route `reference`, runs the reference computation, which autograd
+records. A training model's other calls with grad mode on take the routes, and their output's backward raises, naming
+the route and what to do; in eval(), under no_grad or inference_mode the output carries no gradient.
 
 Derived weights (packed QKV, operand-precision copies) are cached as plain attributes, never registered, and
 refreshed in place when their parameters change: model/weights.py says which edits are seen and which need
@@ -88,6 +88,33 @@ _SUPPORTED = (f"Supported: {', '.join(KERNEL_DTYPES[:-1])} and {KERNEL_DTYPES[-1
               f"dtype (float64) on the reference and sdpa routes")
 
 
+class _InferenceOutput(torch.autograd.Function):
+    """The output of a training model's inference route, marked so that a backward through it raises: the route's
+    kernels record no gradient, and a training loop must not step on none, silently."""
+
+    @staticmethod
+    def forward(ctx, out, anchor, route):
+        ctx.route = route
+        ctx.mark_dirty(out)  # the output itself gets the node: no view, no copy
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(
+            f"UserOptimizedTransformer: this output came from the inference route {ctx.route!r}, which records no "
+            f"gradient. For gradients to the parameters construct the model with route='reference' (or pass an x "
+            f"that requires grad: the reference computation then serves); for inference call model.eval() or run "
+            f"under torch.no_grad() or torch.inference_mode()")
+
+
+def _refuse_backward(model, out):
+    """`out`, marked so that a backward through it raises (_InferenceOutput), where a parameter requires grad."""
+    anchor = next((p for p in model.parameters() if p.requires_grad), None)
+    if anchor is None:  # nothing to train: no gradient is missing
+        return out
+    return _InferenceOutput.apply(out, anchor, str(model.last_route.name))
+
+
 class UserOptimizedTransformer(BaselineTransformer):
     def __init__(self, config, route: str = "auto", disable=(), precision: str | None = None,
                  memory_budget_bytes: int | None = None):
@@ -124,7 +151,10 @@ class UserOptimizedTransformer(BaselineTransformer):
 
     def forward(self, x: torch.Tensor, valid_token_mask=None) -> torch.Tensor:
         with self._calls:  # threads take turns (a streamed forward's chunks re-enter from the same thread)
-            return self._forward(x, valid_token_mask)
+            out = self._forward(x, valid_token_mask)
+        if self.training and out.grad_fn is None and _grad_enabled():  # a training model's inference route
+            return _refuse_backward(self, out)
+        return out
 
     def _forward(self, x, valid_token_mask):
         mask = valid_token_mask
@@ -132,10 +162,10 @@ class UserOptimizedTransformer(BaselineTransformer):
             call = (x.__class__, x.shape, x.dtype, x.device,
                     None if mask is None else (mask.__class__, mask.shape, mask.dtype, mask.device))
             known = self._known.get(call)
-            # Gradients: asked for only where grad mode is on (never under no_grad or inference_mode: the inference
-            # calls pay one C call) and by a training model or an x that requires grad; read on every call, since
-            # the known calls know nothing of grad mode.
-            grads = _grad_enabled() and (self.training or x.requires_grad)
+            # Gradients: recorded only where grad mode is on (under no_grad or inference_mode the calls pay one C
+            # call), for an x that requires grad or a training model forced to the reference; read on every call,
+            # since the known calls know nothing of grad mode.
+            grads = _grad_enabled() and (x.requires_grad or (self.training and self.route == "reference"))
         except (AttributeError, TypeError):  # not tensors: check_inputs names what is wrong
             call = known = None
             grads = False
@@ -184,7 +214,7 @@ class UserOptimizedTransformer(BaselineTransformer):
 
     def _gradients_asked(self, x):
         """Why this call (grad mode on) must record gradients, or None: x requires grad, or the model is in training
-        mode and a parameter requires grad (walked only then: eval() calls never pay for it)."""
+        mode, forced to route `reference`, and a parameter requires grad."""
         if getattr(x, "requires_grad", False):  # a stand-in for a tensor: check_inputs names it
             return "x requires grad"
         if self.training and any(p.requires_grad for p in self.parameters()):
