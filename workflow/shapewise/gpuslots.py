@@ -38,7 +38,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from shapewise import paths
+from shapewise import paths, steps
+from shapewise.steps import EXCLUSIVE, SHARED
 
 POOL_VAR = "SHAPEWISE_PIPELINE_GPUS"
 SLOT_VAR = "SHAPEWISE_PIPELINE_GPU_SLOT"
@@ -48,14 +49,10 @@ RUN_SLURM_VAR = "SHAPEWISE_PIPELINE_SLURM_JOB_ID"
 FAKE_VAR = "SHAPEWISE_PIPELINE_FAKE_GPUS"
 SOURCES = ("lock", "slurm", "user", "none")
 
-# How a job uses its GPU. A job that times (or picks a kernel by timing it) holds its GPU alone for its whole run;
-# jobs that time nothing may share one GPU with each other, never with an exclusive holder.
-EXCLUSIVE, SHARED = "exclusive", "shared"
+# How a job uses its GPU (shapewise.steps: exclusive for a job that times, shared for one that times nothing).
 MODES = (EXCLUSIVE, SHARED)
 # The mode of each step's jobs (shapewise job STEP; the rules' gpu resources ask it too, workflow/rules/gpus.smk).
-GPU_USE = {"microbench": EXCLUSIVE, "timing": EXCLUSIVE, "ablation": EXCLUSIVE, "candidate-timing": EXCLUSIVE,
-           "fingerprint": SHARED, "preflight": SHARED, "warmup": SHARED, "accuracy": SHARED, "profile": SHARED,
-           "candidate-accuracy": SHARED, "candidate-profile": SHARED}
+GPU_USE = {name: step.gpu for name, step in steps.STEPS.items()}
 # At most this many jobs share one GPU (the measurement behind it: docs/decisions.md).
 SHARED_PER_GPU = 6
 # "exclusive" for a job that runs again holding its GPU alone (shapewise.gpushare: a kernel choice to time).

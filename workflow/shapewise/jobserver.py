@@ -45,7 +45,7 @@ import time
 import traceback
 from datetime import datetime
 
-from shapewise import paths
+from shapewise import paths, steps
 
 RUN_VAR = "SHAPEWISE_PIPELINE_RUN"
 OFF_VAR = "SHAPEWISE_PIPELINE_JOB_SERVER"  # "off": the run's jobs start as fresh processes
@@ -54,9 +54,9 @@ OFF_VAR = "SHAPEWISE_PIPELINE_JOB_SERVER"  # "off": the run's jobs start as fres
 PER_JOB_VARS = frozenset({"OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                           "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS", "TMPDIR", "TMP", "TEMP", "TEMPDIR",
                           "_", "PWD", "OLDPWD", "SHLVL"})
-# The modules a server imports for its jobs: every step's module, every module of the model and of the kernels
-# (the jobs import several of them where they are used), and what else the jobs import inside functions.
-STEPS = ("fingerprint", "microbench", "preflight", "warmup", "accuracy", "timing", "profile", "ablation")
+# The modules a server imports for its jobs: every step's module (shapewise.steps), every module of the model and
+# of the kernels (the jobs import several of them where they are used), and what else the jobs import inside
+# functions.
 PACKAGES = ("shapewise.model", "shapewise.kernels")
 MODULES = ("shapewise.manifest", "shapewise.identity", "shapewise.roofline", "shapewise.stats", "shapewise.cpus",
            "shapewise.gpushare", "torch.profiler", "triton.testing", "triton.runtime.autotuner",
@@ -352,8 +352,8 @@ def preload(mode):
 
     import torch
 
-    for step in STEPS:
-        importlib.import_module(f"shapewise.jobs.{step}")
+    for step in steps.STEPS.values():
+        importlib.import_module(step.module)
     for package in PACKAGES:
         for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
             importlib.import_module(f"{package}.{info.name}")
