@@ -306,8 +306,8 @@ CANDIDATE_PARAMS = {
 }
 
 
-def report_inputs(wildcards):
-    """Write the report's inputs file (content-addressed, once) and return its path (report.smk says why)."""
+def _report_inputs():
+    """The report's inputs as the text of a JSON file (report.smk says why): what this parse loaded."""
     inputs = {
         "rows": [
             {
@@ -340,15 +340,14 @@ def report_inputs(wildcards):
         "pass_env": PASSED_ENV,
         "root": ".",
     }
-    text = json.dumps(inputs, indent=1, sort_keys=True) + "\n"
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    path = Path(sw_paths.REPORT_INPUTS) / f"{digest}.json"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    return path.as_posix()
+    return json.dumps(inputs, indent=1, sort_keys=True) + "\n"
+
+
+# Rule report_inputs (report.smk) writes this text into a file named by its digest: any change of it is a new
+# file, which reruns the report.
+REPORT_INPUTS_TEXT = _report_inputs()
+_REPORT_INPUTS_NAME = hashlib.sha256(REPORT_INPUTS_TEXT.encode()).hexdigest()[:16]
+REPORT_INPUTS_FILE = f"{sw_paths.REPORT_INPUTS}/{_REPORT_INPUTS_NAME}.json"
 
 
 # Every row's warm-up: targets of rule `all`, not inputs of the report (a warm-up that fails holds up no report).

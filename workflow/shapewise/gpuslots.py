@@ -1,9 +1,10 @@
 """GPU slots for local runs: a job that times holds one physical GPU alone; jobs that time nothing may share one.
 
 The pool is the GPUs `nvidia-smi -L` lists, narrowed to those in CUDA_VISIBLE_DEVICES when the user set it,
-then to the config knob `gpus` (all | a count | a list of GPU ids). The Snakefile resolves it once at parse
-time (workflow/rules/gpus.smk): Snakemake's global `gpu` resource becomes the pool's size (unless
-`--resources gpu=K` was given) and the pool's indices go to every job in SHAPEWISE_PIPELINE_GPUS.
+then to the config knob `gpus` (all | a count | a list of GPU ids). The Snakefile resolves it once as it reads
+the workflow (workflow/rules/gpus.smk): Snakemake's global `gpu` resource becomes the pool's size (unless
+`--resources gpu=K` was given); when the run starts, the pool's indices go to every job in
+SHAPEWISE_PIPELINE_GPUS (shapewise.runs.begin).
 
 A job (shapewise.cli.run_job, before anything imports torch) takes a slot of one GPU under LOCK_ROOT/<host>/,
 locked with flock, in the mode of its step (GPU_USE): exclusive for the steps that time (timing, ablation,
@@ -51,7 +52,7 @@ SOURCES = ("lock", "slurm", "user", "none")
 
 # How a job uses its GPU (shapewise.steps: exclusive for a job that times, shared for one that times nothing).
 MODES = (EXCLUSIVE, SHARED)
-# The mode of each step's jobs (shapewise job STEP; the rules' gpu resources ask it too, workflow/rules/gpus.smk).
+# The mode of each step's jobs (shapewise job STEP), as shapewise.steps gives it.
 GPU_USE = {name: step.gpu for name, step in steps.STEPS.items()}
 # At most this many jobs share one GPU (the measurement behind it: docs/decisions.md).
 SHARED_PER_GPU = 6

@@ -16,8 +16,8 @@ output and log, and nothing of one job reaches another:
   for it to be gone, so its GPU memory and locks are released, before it returns the job's exit status;
 - the client forwards SIGINT, SIGTERM and SIGHUP to the job, and a job whose client is gone kills itself.
 
-Which jobs use it: those of a local pipeline run (SHAPEWISE_PIPELINE_RUN, set by workflow/rules/gpus.smk in the
-main Snakemake process: its host, pid and start time) on that run's host. A job SLURM placed, one run by hand,
+Which jobs use it: those of a local pipeline run (SHAPEWISE_PIPELINE_RUN, set by shapewise.runs.begin in
+the main Snakemake process: its host, pid and start time) on that run's host. A job SLURM placed, one run by hand,
 or one whose run set SHAPEWISE_PIPELINE_JOB_SERVER=off starts fresh. The first job that finds no server starts
 one (under a lock, so there is one per run and server key) and waits until it is ready; the server stops when the
 run's Snakemake process is gone. A server that cannot be started, or refuses (the checks of `preload`), is
@@ -84,7 +84,8 @@ def _start_ticks(pid):
 
 
 def run_id():
-    """This process as a pipeline run: host:pid:start ticks (gpus.smk calls it in the main Snakemake process)."""
+    """This process as a pipeline run: host:pid:start ticks (shapewise.runs.begin calls it in the main Snakemake
+    process)."""
     return f"{socket.gethostname()}:{os.getpid()}:{_start_ticks(os.getpid())}"
 
 
@@ -487,7 +488,7 @@ def _child(conn, listener, server):
     for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    atexit._clear()
+    atexit._clear()  # the server's exit handlers are not the job's (private: docs/decisions.md, private-apis)
     os.setsid()
     data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
     request = json.loads(data)
