@@ -802,3 +802,24 @@ def test_on_slot_runs_with_the_slot_set_and_before_auto_is_resolved(tmp_path):
         cuda_available=lambda: order.append("cuda check") or True,
         on_slot=lambda: order.append(("on_slot", environ[gpuslots.SOURCE_VAR], environ[gpuslots.SLOT_VAR])))
     assert device == "cuda" and order == [("on_slot", "lock", "0"), "cuda check"]
+
+
+# ---- the run: what its jobs inherit, set once per invocation (shapewise.runs.begin) ---------------------------
+
+def test_a_run_begins_with_its_pool_identity_and_triton_cache_for_its_jobs(tmp_path):
+    from shapewise import jobserver, runs
+
+    pool = gpuslots.resolve_pool("all", {gpuslots.FAKE_VAR: "2"})
+    environ = {"SLURM_JOB_ID": "77"}
+    marker = runs.begin(pool, ["snakemake", "--cores", "all"], environ=environ, directory=tmp_path)
+    assert environ[gpuslots.POOL_VAR] == "0,1" and environ[gpuslots.RUN_SLURM_VAR] == "77"
+    assert environ[jobserver.RUN_VAR] == jobserver.run_id() and jobserver.run_alive(environ[jobserver.RUN_VAR])
+    assert environ["TRITON_CACHE_DIR"] == str(paths.TRITON_CACHE)
+    assert runs.read_marker(environ[jobserver.RUN_VAR], tmp_path) == marker
+    assert [g["uuid"] for g in marker["gpus"]] == ["GPU-fake-0", "GPU-fake-1"]
+    assert marker["command"] == ["snakemake", "--cores", "all"]
+    # the user's own Triton cache is kept; no pool (a CPU run) is an empty one
+    environ = {"TRITON_CACHE_DIR": str(tmp_path / "mine")}
+    marker = runs.begin([], [], environ=environ, directory=tmp_path)
+    assert environ[gpuslots.POOL_VAR] == "" and environ[gpuslots.RUN_SLURM_VAR] == ""
+    assert marker["triton_cache"] == {"dir": str(tmp_path / "mine"), "entries_at_start": 0}

@@ -28,7 +28,7 @@ def _ticks(pid):
 
 @pytest.fixture(scope="module")
 def run():
-    """A stand-in for a run's main Snakemake process: its identity, as gpus.smk publishes it."""
+    """A stand-in for a run's main Snakemake process: its identity, as shapewise.runs.begin publishes it."""
     proc = subprocess.Popen(["sleep", "600"])
     name = f"{socket.gethostname()}:{proc.pid}:{_ticks(proc.pid)}"
     yield name

@@ -5,9 +5,11 @@ beyond its bound, a damaged preflight result (the good results of its row are ke
 
 import hashlib
 import json
+import re
+import subprocess
+import sys
 
 import pytest
-from shapewise import paths
 
 from checkout import copy_checkout
 from test_config import dry_run, job_blocks
@@ -68,7 +70,13 @@ def test_device_is_a_rerun_trigger_and_reaches_the_report(checkout):
     for rule in ("preflight", "accuracy", "timing", "profile", "ablation", "microbench"):
         (block,) = job_blocks(text, rule)
         assert "--device cpu" in block, block
-    (inputs,) = (checkout / paths.REPORT_INPUTS).glob("*.json")  # written while the DAG is built
-    data = json.loads(inputs.read_text())
+    # nothing is written while Snakemake builds the DAG: neither the report's inputs nor the run's marker
+    assert not (checkout / "results").exists()
+    assert not list((checkout / ".snakemake").glob("shapewise-*"))
+    (inputs,) = re.findall(r"--inputs (results/report-inputs/\w+\.json)", text)
+    done = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", "report_inputs", "--config",
+                           "shapes=guard", "device=cpu"], cwd=checkout, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads((checkout / inputs).read_text())
     assert data["device"] == "cpu"
     assert data["manifest_sha256"] == {"shapes/guard.yaml": hashlib.sha256(ROW.encode()).hexdigest()}

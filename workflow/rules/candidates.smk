@@ -28,7 +28,7 @@ rule candidate_accuracy:
         headroom=config["preflight"]["headroom"],
         chunked=CHUNKED_CHECK,
     shell:
-        candidate_shell("accuracy", "--headroom {params.headroom} --chunked {params.chunked:q}")
+        job_shell("candidate-accuracy")
 
 
 rule candidate_timing:
@@ -48,7 +48,7 @@ rule candidate_timing:
         headroom=config["preflight"]["headroom"],
         protocol=protocol_of("timing"),
     shell:
-        candidate_shell("timing", "--headroom {params.headroom} --protocol {params.protocol:q}")
+        job_shell("candidate-timing")
 
 
 rule candidate_profile:
@@ -68,6 +68,4 @@ rule candidate_profile:
         **CANDIDATE_PARAMS,
         capture=protocol_of("profile"),
     shell:
-        candidate_shell(
-            "profile", "--capture {params.capture:q} --csv {output.csv} --trace {output.trace}", out="{output.table}"
-        )
+        job_shell("candidate-profile")

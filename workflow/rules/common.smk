@@ -23,6 +23,7 @@ from shapewise import manifest as sw_manifest
 from shapewise import paths as sw_paths
 from shapewise import provenance as sw_provenance
 from shapewise import settings as sw_settings
+from shapewise import steps as sw_steps
 
 BASEDIR = Path(workflow.basedir).resolve()
 # The package's source in this checkout: the digests below hash it, the jobs run the installed package.
@@ -141,17 +142,6 @@ def row_priority(wildcards):
     return -math.log2(max(2.0, roofline.flops(**row)["total"])) if row is not None else 0
 
 
-# The order in which ready jobs start (Snakemake priorities): every job that times nothing before any job that
-# times, and within each step the cheapest rows first (row_priority). On a GPU run the jobs that time nothing
-# then run side by side on shared GPUs, the warm-ups compile the kernels before the jobs that time would, and the
-# jobs that time follow one another with their kernels compiled; a run stopped at a time limit has every row's
-# accuracy and the cheapest rows' timings. A candidate's job starts with shapewise's job of the same step, so a
-# candidate that compiles or tunes itself on its first call (torch.compile) does it in its accuracy job, and not
-# while its timing job holds the GPU alone.
-STEP_ORDER = {"preflight": 4, "warmup": 3, "accuracy": 2, "profile": 2, "timing": 1, "ablation": 1}
-STEP_ORDER.update({f"candidate-{step}": STEP_ORDER[step] for step in ("accuracy", "profile", "timing")})
-
-
 # With heavy.shared_first, a heavy row's jobs that time nothing go first within their step (row_priority spans
 # less than this, so the steps keep their order): row 14's accuracy then shares the GPU with the other rows'
 # shared jobs early, instead of holding it alone between two timing jobs at the end.
@@ -159,13 +149,14 @@ HEAVY_SHARED_FIRST = 500
 
 
 def step_priority(step):
-    """The priority function of `step`'s jobs: STEP_ORDER first, then the row's (heavy.shared_first: a heavy
-    row's shared steps first)."""
+    """The priority function of `step`'s jobs: the step's order (shapewise.steps says why) first, then the row's
+    (heavy.shared_first: a heavy row's shared steps first)."""
+    order = sw_steps.STEPS[step].order
 
     def priority(wildcards):
-        shared = sw_gpuslots.GPU_USE[step] == sw_gpuslots.SHARED
+        shared = sw_steps.STEPS[step].gpu == sw_steps.SHARED
         first = config["heavy"]["shared_first"] and shared and _is_heavy(wildcards.shape)
-        return STEP_ORDER[step] * 1000 + row_priority(wildcards) + (HEAVY_SHARED_FIRST if first else 0)
+        return order * 1000 + row_priority(wildcards) + (HEAVY_SHARED_FIRST if first else 0)
 
     return priority
 
@@ -200,14 +191,11 @@ JOB = f"{shlex.quote(sys.executable)} -m shapewise job"
 REPORT = f"{shlex.quote(sys.executable)} -m shapewise.report"
 
 
-def job_shell(step, options, out="{output}", impl="{IMPL_DIGEST}"):
-    """The shell command of the measuring job `step` with its own `options`: every such job gets the device, the
-    implementation and environment digests (recorded in its result's identity; a candidate's job gets its
-    candidate's, `impl`), the variables of config pass_env, its result file and its log."""
-    return (
-        f"{{JOB}} {step} --device {{params.device}} {options} --impl-digest {impl} "
-        f"--env-digest {{ENV_DIGEST}} {{params.pass_env}} --out {out} > {{log}} 2>&1"
-    )
+def job_shell(step):
+    """The shell command of a job of `step`, from its options in shapewise.steps: every job but the fingerprints
+    gets the device, the implementation and environment digests (recorded in its result's identity; a candidate's
+    job gets its candidate's), the variables of config pass_env, its result file and its log."""
+    return sw_steps.shell(step)
 
 
 # The parts the measuring rules share: both fingerprints and the row's
@@ -318,18 +306,8 @@ CANDIDATE_PARAMS = {
 }
 
 
-def candidate_shell(step, options, out="{output}"):
-    return job_shell(
-        f"candidate-{step}",
-        "--row {params.row:q} --candidate {wildcards.candidate} --candidate-path {params.path:q} "
-        f"--time-limit {{params.time_limit:q}} --threads {{threads}} {options}",
-        out=out,
-        impl="{params.digest}",
-    )
-
-
-def report_inputs(wildcards):
-    """Write the report's inputs file (content-addressed, once) and return its path (report.smk says why)."""
+def _report_inputs():
+    """The report's inputs as the text of a JSON file (report.smk says why): what this parse loaded."""
     inputs = {
         "rows": [
             {
@@ -362,15 +340,14 @@ def report_inputs(wildcards):
         "pass_env": PASSED_ENV,
         "root": ".",
     }
-    text = json.dumps(inputs, indent=1, sort_keys=True) + "\n"
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    path = Path(sw_paths.REPORT_INPUTS) / f"{digest}.json"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    return path.as_posix()
+    return json.dumps(inputs, indent=1, sort_keys=True) + "\n"
+
+
+# Rule report_inputs (report.smk) writes this text into a file named by its digest: any change of it is a new
+# file, which reruns the report.
+REPORT_INPUTS_TEXT = _report_inputs()
+_REPORT_INPUTS_NAME = hashlib.sha256(REPORT_INPUTS_TEXT.encode()).hexdigest()[:16]
+REPORT_INPUTS_FILE = f"{sw_paths.REPORT_INPUTS}/{_REPORT_INPUTS_NAME}.json"
 
 
 # Every row's warm-up: targets of rule `all`, not inputs of the report (a warm-up that fails holds up no report).

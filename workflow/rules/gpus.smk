@@ -6,20 +6,20 @@
 #   machine without GPUs the device jobs run one at a time on the CPU, as before), and `gpu_share` that times
 #   gpuslots.SHARED_PER_GPU: the jobs that time nothing share GPUs (gpu_resources below). With config
 #   queue_at_gpu_lock, twice the pool's size: the jobs beyond the GPUs wait at their locks.
-#   `--resources gpu=K` on the command line (or in a profile) wins.
-# - The pool goes to every job through the environment (SHAPEWISE_PIPELINE_GPUS), not through the shell
-#   command: a different GPU count reruns nothing. Each GPU job locks a GPU of it (shapewise.cli), alone or
-#   shared.
-# - So does the run's identity (SHAPEWISE_PIPELINE_RUN: its jobs fork from the run's job server,
-#   shapewise.jobserver) and its Triton cache (TRITON_CACHE_DIR); the run's marker (shapewise.runs) records
-#   when it started, its GPUs and whether that cache was empty.
+#   `--resources gpu=K` on the command line (or in a profile) wins. Registered while the workflow is read: the
+#   scheduler takes them from there; reading the pool writes nothing.
+# - The run itself starts in the onstart handler below, the one place that sets what the jobs inherit (the pool,
+#   the run's identity for its job server, its Triton cache) and writes the run's marker: shapewise.runs.begin.
+#   Snakemake calls it once per invocation, in its main process, after building the DAG and before the first job;
+#   not in a dry run, when there is nothing to do, or with --no-hooks (then each job starts fresh, without the
+#   job server, and locks a GPU of all those here).
 # - Only the main Snakemake process does this; a job started by a cluster executor re-reads this file on
 #   its node, where SLURM has chosen the GPU.
 
 from shapewise import gpuslots as sw_gpuslots
-from shapewise import jobserver as sw_jobserver
 from shapewise import paths as sw_paths
 from shapewise import runs as sw_runs
+from shapewise import steps as sw_steps
 
 GPU_POOL = []
 if workflow.is_main_process:
@@ -29,13 +29,6 @@ if workflow.is_main_process:
         raise WorkflowError(f"{exc} (set config gpus in {sw_paths.CONFIG_FILE} or with --config gpus=...)") from None
     if DEVICE_ARG == "cpu" and config["gpus"] != "all":
         print(f"note: config gpus={config['gpus']!r} is ignored: the device is cpu", file=sys.stderr)
-    os.environ[sw_gpuslots.POOL_VAR] = sw_gpuslots.pool_value(GPU_POOL)
-    os.environ[sw_gpuslots.RUN_SLURM_VAR] = os.environ.get("SLURM_JOB_ID", "")
-    # The run: its jobs start as forks of its job server (shapewise.jobserver) and compile into one Triton cache
-    # (the checkout's, unless the user chose one); both are recorded in every result and in the run's marker.
-    os.environ[sw_jobserver.RUN_VAR] = sw_jobserver.run_id()
-    _triton_cache = os.environ.setdefault("TRITON_CACHE_DIR", str(sw_paths.TRITON_CACHE))
-    sw_runs.write_marker(os.environ[sw_jobserver.RUN_VAR], GPU_POOL, _triton_cache, sys.argv)
     if "gpu" not in workflow.global_resources:
         _queued = bool(GPU_POOL) and config["queue_at_gpu_lock"]  # one more job per GPU, waiting at its lock
         workflow.register_resource("gpu", max(1, len(GPU_POOL)) * (2 if _queued else 1))
@@ -60,8 +53,12 @@ if workflow.is_main_process:
     )
 
 
+onstart:
+    sw_runs.begin(GPU_POOL, sys.argv)
+
+
 def gpu_resources(step, uses_gpu=None):
-    """The `gpu` and `gpu_share` resources of a job of `step` (shapewise.gpuslots.GPU_USE; `gpu` of a step whose
+    """The `gpu` and `gpu_share` resources of a job of `step` (its GPU use in shapewise.steps; `gpu` of a step whose
     jobs may run without a GPU: a function of the wildcards). A local run with GPUs: a job that times takes one
     GPU and all of its share (gpu=1, gpu_share=SHARED_PER_GPU), one that times nothing one share and no GPU of its
     own (gpu=0, gpu_share=1), so Snakemake starts nothing beside a job that times on a one-GPU machine and up to
@@ -69,7 +66,7 @@ def gpu_resources(step, uses_gpu=None):
     cluster executor, no GPU here) every GPU job asks for one GPU, as SLURM is to give it. Functions: the
     executor is known once the DAG is built, after this file is read. `uses_gpu(wildcards)`: False for a job of
     the step that runs without a GPU (neither resource)."""
-    exclusive = sw_gpuslots.GPU_USE[step] == sw_gpuslots.EXCLUSIVE
+    exclusive = sw_steps.STEPS[step].gpu == sw_steps.EXCLUSIVE
 
     def sharing():
         return workflow.is_main_process and workflow.local_exec and bool(GPU_POOL)

@@ -5,9 +5,11 @@
 # fingerprint, preflight, warm-up, accuracy, profile) may share one
 # (shapewise.gpuslots); under SLURM each uses the GPU SLURM gives it. The
 # implementation fingerprint and the report ask for none. Jobs start in
-# step_priority order (common.smk). Result and log paths come from
-# shapewise.paths; what the per-shape rules share (ROW_INPUTS, ROW_PARAMS,
-# MEASURE_RESOURCES, job_shell) from common.smk.
+# step_priority order (common.smk). Each rule names its step of
+# shapewise.steps, whose options (and the rule's params, inputs and outputs
+# they name) make its shell command (job_shell); result and log paths come
+# from shapewise.paths; what the per-shape rules share (ROW_INPUTS,
+# ROW_PARAMS, MEASURE_RESOURCES) from common.smk.
 
 
 rule fingerprint:
@@ -22,8 +24,7 @@ rule fingerprint:
     params:
         digest=lambda wc: DIGESTS[wc.kind],
     shell:
-        "{JOB} fingerprint --kind {wildcards.kind} --device {DEVICE_ARG} "
-        "--dag-digest {params.digest} --root {BASEDIR:q} --out {output} > {log} 2>&1"
+        job_shell("fingerprint")
 
 
 rule microbench:
@@ -43,7 +44,7 @@ rule microbench:
         pass_env=PASS_ENV,
         device=DEVICE_ARG,
     shell:
-        job_shell("microbench", "--settings {params.settings:q} --threads {threads}")
+        job_shell("microbench")
 
 
 rule preflight:
@@ -62,7 +63,7 @@ rule preflight:
         **ROW_PARAMS,
         headroom=config["preflight"]["headroom"],
     shell:
-        job_shell("preflight", "--row {params.row:q} --headroom {params.headroom}")
+        job_shell("preflight")
 
 
 rule warmup:
@@ -81,10 +82,7 @@ rule warmup:
         **ROW_PARAMS,
         protocol=protocol_of("ablation"),
     shell:
-        job_shell(
-            "warmup",
-            "--row {params.row:q} --preflight {input.preflight} --protocol {params.protocol:q} --threads {threads}",
-        )
+        job_shell("warmup")
 
 
 rule accuracy:
@@ -103,10 +101,7 @@ rule accuracy:
         **ROW_PARAMS,
         chunked=CHUNKED_CHECK,
     shell:
-        job_shell(
-            "accuracy",
-            "--row {params.row:q} --preflight {input.preflight} --chunked {params.chunked:q} --threads {threads}",
-        )
+        job_shell("accuracy")
 
 
 rule timing:
@@ -126,11 +121,7 @@ rule timing:
         **ROW_PARAMS,
         protocol=protocol_of("timing"),
     shell:
-        job_shell(
-            "timing",
-            "--row {params.row:q} --preflight {input.preflight} --microbench {input.microbench} "
-            "--protocol {params.protocol:q} --threads {threads}",
-        )
+        job_shell("timing")
 
 
 rule profile:
@@ -150,12 +141,7 @@ rule profile:
         **ROW_PARAMS,
         capture=protocol_of("profile"),
     shell:
-        job_shell(
-            "profile",
-            "--row {params.row:q} --preflight {input.preflight} --capture {params.capture:q} "
-            "--threads {threads} --csv {output.csv} --trace {output.trace}",
-            out="{output.table}",
-        )
+        job_shell("profile")
 
 
 rule ablation:
@@ -175,8 +161,4 @@ rule ablation:
         protocol=protocol_of("ablation"),
         chunked=CHUNKED_CHECK,
     shell:
-        job_shell(
-            "ablation",
-            "--row {params.row:q} --preflight {input.preflight} --protocol {params.protocol:q} "
-            "--chunked {params.chunked:q} --threads {threads}",
-        )
+        job_shell("ablation")

@@ -3,11 +3,12 @@
 # (also as provenance.json, which `shapewise verify results/report` re-checks).
 #
 # The report gets its inputs from the DAG, not by reading the manifests again:
-# report_inputs() (common.smk) writes one JSON file with the rows of this run
-# (as common.smk loaded them), each row's result files (shapewise.paths), the
-# fingerprints, the microbenchmark, the environment digest and the baseline.
-# The file's name is the SHA-256 of its content, so a change of any of these is
-# a params change that reruns the report. shapewise.report checks every
+# rule report_inputs writes one JSON file with the rows of this run (as
+# common.smk loaded them, REPORT_INPUTS_TEXT), each row's result files
+# (shapewise.paths), the fingerprints, the microbenchmark, the environment
+# digest and the baseline. The file's name is the SHA-256 of its content, so a
+# change of any of these is a new input file, which reruns the report; nothing
+# is written while Snakemake builds the DAG. shapewise.report checks every
 # result's identity against its row and refuses, by file name, one that does
 # not match.
 #
@@ -24,9 +25,26 @@ if config["baseline"] and not Path(config["baseline"], sw_paths.REPORT_FILES["su
     )
 
 
+rule report_inputs:
+    output:
+        REPORT_INPUTS_FILE,
+    log:
+        sw_paths.log("report", "inputs"),
+    localrule: True
+    threads: 1
+    resources:
+        mem_mb=1000,
+        runtime=5,
+    params:
+        text=REPORT_INPUTS_TEXT,
+    script:
+        "../scripts/report_inputs.py"
+
+
 rule report:
     input:
         **FINGERPRINTS,
+        inputs=rules.report_inputs.output[0],
         microbench=sw_paths.MICROBENCH,
         per_shape=RESULT_TARGETS,
         candidates=CANDIDATE_TARGETS,
@@ -43,7 +61,6 @@ rule report:
         mem_mb=4000,
         runtime=20,
     params:
-        inputs=report_inputs,
         outdir=lambda wildcards, output: os.path.dirname(output.md),
     shell:
-        "{REPORT} --inputs {params.inputs:q} --outdir {params.outdir:q} > {log} 2>&1"
+        "{REPORT} --inputs {input.inputs:q} --outdir {params.outdir:q} > {log} 2>&1"

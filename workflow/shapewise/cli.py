@@ -17,41 +17,27 @@ import sys
 
 
 def _job_parser(sub):
+    """`shapewise job STEP`: one sub-command per step of shapewise.steps, with the options every job takes and the
+    step's own (each required)."""
+    from shapewise import steps
     from shapewise.settings import devices
 
     job = sub.add_parser("job", help="run one pipeline job (Snakemake calls this)")
-    steps = job.add_subparsers(dest="step", required=True)
-
-    def step(name, *options):
-        p = steps.add_parser(name)
+    parsers = job.add_subparsers(dest="step", required=True)
+    for name, step in steps.STEPS.items():
+        p = parsers.add_parser(name)
         p.add_argument("--device", choices=devices(), required=True)
-        p.add_argument("--threads", type=int, default=None)
+        p.add_argument("--threads", type=steps.JOB_WIDE["threads"].type, default=None)
         p.add_argument("--out", required=True)
         p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                        help="a SHAPEWISE_* variable the job keeps (config pass_env); every other one is removed")
         p.add_argument("--impl-digest", default=None,
-                       help="digest of the implementation (model/, kernels/), recorded in the result's identity")
+                       help="digest of the implementation (model/, kernels/; a candidate's job: the candidate's), "
+                            "recorded in the result's identity")
         p.add_argument("--env-digest", default=None,
                        help="digest of the environment, recorded in the result's identity")
-        for option in options:
-            p.add_argument(f"--{option}", required=True)
-        return p
-
-    step("fingerprint", "kind", "dag-digest", "root")
-    step("microbench", "settings")
-    p = step("preflight", "row")
-    p.add_argument("--headroom", type=float, required=True)
-    step("warmup", "row", "preflight", "protocol")
-    step("accuracy", "row", "preflight", "chunked")
-    step("timing", "row", "preflight", "microbench", "protocol")
-    step("profile", "row", "preflight", "capture", "csv", "trace")
-    step("ablation", "row", "preflight", "protocol", "chunked")
-    # a candidate's jobs (shapewise.jobs.candidate): --impl-digest is the candidate's SHA-256
-    candidate_steps = {"accuracy": ("chunked",), "timing": ("protocol",), "profile": ("capture", "csv", "trace")}
-    for name, options in candidate_steps.items():
-        p = step(f"candidate-{name}", "row", "candidate", "candidate-path", "time-limit", *options)
-        if name != "profile":
-            p.add_argument("--headroom", type=float, required=True)
+        for option, spec in step.own_options().items():
+            p.add_argument(f"--{option}", type=spec.type, required=True)
 
 
 def build_parser():
@@ -237,8 +223,9 @@ def run_job_here(args, argv, server_mode=None):
     if args.device == "cuda" and gpuslots.held() is not None:
         gpushare.install(warm=args.step == "warmup",
                          alone_until_chosen=os.environ.get(gpuslots.USE_VAR) == gpuslots.EXCLUSIVE)
-    package = "shapewise.jobs.candidate" if args.step.startswith("candidate-") else "shapewise.jobs"
-    module = importlib.import_module(f"{package}.{args.step.replace('-', '_')}")  # the step's own module
+    from shapewise import steps
+
+    module = importlib.import_module(steps.STEPS[args.step].module)
     try:
         return module.main(args)
     except gpushare.NeedsExclusiveGPU as exc:

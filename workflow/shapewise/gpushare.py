@@ -13,7 +13,8 @@ A choice with one candidate cannot depend on what else runs, and is made as Trit
 GPU alone and jobs SLURM placed (a GPU of their own, no slot) choose as Triton does.
 
 The autotuner's methods are wrapped in this process only (triton.runtime.autotuner.Autotuner.check_disk_cache,
-which receives the candidates and decides about the cache, and Autotuner._bench, which times one candidate).
+which receives the candidates and decides about the cache, and Autotuner._bench, which times one candidate): Triton's
+internals, which `unavailable` checks at each job's start (docs/decisions.md, private-apis).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """GPU slots for local runs: a job that times holds one physical GPU alone; jobs that time nothing may share one.
 
 The pool is the GPUs `nvidia-smi -L` lists, narrowed to those in CUDA_VISIBLE_DEVICES when the user set it,
-then to the config knob `gpus` (all | a count | a list of GPU ids). The Snakefile resolves it once at parse
-time (workflow/rules/gpus.smk): Snakemake's global `gpu` resource becomes the pool's size (unless
-`--resources gpu=K` was given) and the pool's indices go to every job in SHAPEWISE_PIPELINE_GPUS.
+then to the config knob `gpus` (all | a count | a list of GPU ids). The Snakefile resolves it once as it reads
+the workflow (workflow/rules/gpus.smk): Snakemake's global `gpu` resource becomes the pool's size (unless
+`--resources gpu=K` was given); when the run starts, the pool's indices go to every job in
+SHAPEWISE_PIPELINE_GPUS (shapewise.runs.begin).
 
 A job (shapewise.cli.run_job, before anything imports torch) takes a slot of one GPU under LOCK_ROOT/<host>/,
 locked with flock, in the mode of its step (GPU_USE): exclusive for the steps that time (timing, ablation,
@@ -38,7 +39,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from shapewise import paths
+from shapewise import paths, steps
+from shapewise.steps import EXCLUSIVE, SHARED
 
 POOL_VAR = "SHAPEWISE_PIPELINE_GPUS"
 SLOT_VAR = "SHAPEWISE_PIPELINE_GPU_SLOT"
@@ -48,14 +50,10 @@ RUN_SLURM_VAR = "SHAPEWISE_PIPELINE_SLURM_JOB_ID"
 FAKE_VAR = "SHAPEWISE_PIPELINE_FAKE_GPUS"
 SOURCES = ("lock", "slurm", "user", "none")
 
-# How a job uses its GPU. A job that times (or picks a kernel by timing it) holds its GPU alone for its whole run;
-# jobs that time nothing may share one GPU with each other, never with an exclusive holder.
-EXCLUSIVE, SHARED = "exclusive", "shared"
+# How a job uses its GPU (shapewise.steps: exclusive for a job that times, shared for one that times nothing).
 MODES = (EXCLUSIVE, SHARED)
-# The mode of each step's jobs (shapewise job STEP; the rules' gpu resources ask it too, workflow/rules/gpus.smk).
-GPU_USE = {"microbench": EXCLUSIVE, "timing": EXCLUSIVE, "ablation": EXCLUSIVE, "candidate-timing": EXCLUSIVE,
-           "fingerprint": SHARED, "preflight": SHARED, "warmup": SHARED, "accuracy": SHARED, "profile": SHARED,
-           "candidate-accuracy": SHARED, "candidate-profile": SHARED}
+# The mode of each step's jobs (shapewise job STEP), as shapewise.steps gives it.
+GPU_USE = {name: step.gpu for name, step in steps.STEPS.items()}
 # At most this many jobs share one GPU (the measurement behind it: docs/decisions.md).
 SHARED_PER_GPU = 6
 # "exclusive" for a job that runs again holding its GPU alone (shapewise.gpushare: a kernel choice to time).

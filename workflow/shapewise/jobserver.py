@@ -16,8 +16,8 @@ output and log, and nothing of one job reaches another:
   for it to be gone, so its GPU memory and locks are released, before it returns the job's exit status;
 - the client forwards SIGINT, SIGTERM and SIGHUP to the job, and a job whose client is gone kills itself.
 
-Which jobs use it: those of a local pipeline run (SHAPEWISE_PIPELINE_RUN, set by workflow/rules/gpus.smk in the
-main Snakemake process: its host, pid and start time) on that run's host. A job SLURM placed, one run by hand,
+Which jobs use it: those of a local pipeline run (SHAPEWISE_PIPELINE_RUN, set by shapewise.runs.begin in
+the main Snakemake process: its host, pid and start time) on that run's host. A job SLURM placed, one run by hand,
 or one whose run set SHAPEWISE_PIPELINE_JOB_SERVER=off starts fresh. The first job that finds no server starts
 one (under a lock, so there is one per run and server key) and waits until it is ready; the server stops when the
 run's Snakemake process is gone. A server that cannot be started, or refuses (the checks of `preload`), is
@@ -45,7 +45,7 @@ import time
 import traceback
 from datetime import datetime
 
-from shapewise import paths
+from shapewise import paths, steps
 
 RUN_VAR = "SHAPEWISE_PIPELINE_RUN"
 OFF_VAR = "SHAPEWISE_PIPELINE_JOB_SERVER"  # "off": the run's jobs start as fresh processes
@@ -54,9 +54,9 @@ OFF_VAR = "SHAPEWISE_PIPELINE_JOB_SERVER"  # "off": the run's jobs start as fres
 PER_JOB_VARS = frozenset({"OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                           "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS", "TMPDIR", "TMP", "TEMP", "TEMPDIR",
                           "_", "PWD", "OLDPWD", "SHLVL"})
-# The modules a server imports for its jobs: every step's module, every module of the model and of the kernels
-# (the jobs import several of them where they are used), and what else the jobs import inside functions.
-STEPS = ("fingerprint", "microbench", "preflight", "warmup", "accuracy", "timing", "profile", "ablation")
+# The modules a server imports for its jobs: every step's module (shapewise.steps), every module of the model and
+# of the kernels (the jobs import several of them where they are used), and what else the jobs import inside
+# functions.
 PACKAGES = ("shapewise.model", "shapewise.kernels")
 MODULES = ("shapewise.manifest", "shapewise.identity", "shapewise.roofline", "shapewise.stats", "shapewise.cpus",
            "shapewise.gpushare", "torch.profiler", "triton.testing", "triton.runtime.autotuner",
@@ -84,7 +84,8 @@ def _start_ticks(pid):
 
 
 def run_id():
-    """This process as a pipeline run: host:pid:start ticks (gpus.smk calls it in the main Snakemake process)."""
+    """This process as a pipeline run: host:pid:start ticks (shapewise.runs.begin calls it in the main Snakemake
+    process)."""
     return f"{socket.gethostname()}:{os.getpid()}:{_start_ticks(os.getpid())}"
 
 
@@ -352,8 +353,8 @@ def preload(mode):
 
     import torch
 
-    for step in STEPS:
-        importlib.import_module(f"shapewise.jobs.{step}")
+    for step in steps.STEPS.values():
+        importlib.import_module(step.module)
     for package in PACKAGES:
         for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
             importlib.import_module(f"{package}.{info.name}")
@@ -487,7 +488,7 @@ def _child(conn, listener, server):
     for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    atexit._clear()
+    atexit._clear()  # the server's exit handlers are not the job's (private: docs/decisions.md, private-apis)
     os.setsid()
     data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
     request = json.loads(data)

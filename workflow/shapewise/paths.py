@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shapewise import steps
+
 PACKAGE = Path(__file__).resolve().parent
 SCHEMAS = PACKAGE / "schemas"
 SHAPES_SCHEMA = SCHEMAS / "shapes.schema.yaml"
@@ -19,8 +21,8 @@ ROOT = Path.cwd()
 CONFIG_FILE = "config/config.yaml"  # the pipeline's config, relative to the root (Snakemake's working directory)
 
 RESULTS = "results"
-# The per-shape steps, in the order the report reads them; each writes one JSON file per row.
-SHAPE_STEPS = ("preflight", "accuracy", "timing", "profile", "ablation")
+# The per-shape steps the report reads, in its order (shapewise.steps); each writes one JSON file per row.
+SHAPE_STEPS = steps.of(steps.SHAPE, reported=True)
 FINGERPRINTS = {"env": f"{RESULTS}/fingerprint/environment.json",
                 "impl": f"{RESULTS}/fingerprint/implementation.json"}
 MICROBENCH = f"{RESULTS}/microbench/microbench.json"
@@ -29,8 +31,8 @@ MICROBENCH = f"{RESULTS}/microbench/microbench.json"
 REPORT_DIR = f"{RESULTS}/report"
 REPORT_FILES = {"md": "report.md", "html": "report.html", "summary": "summary.csv", "provenance": "provenance.json"}
 REPORT_INPUTS = f"{RESULTS}/report-inputs"
-# A row's warm-up (its kernels compiled before the jobs that time them): a job of its own, not read by the report.
-WARMUP_STEP = "warmup"
+# A row's warm-up (its kernels compiled before the jobs that time them): the per-shape step the report does not read.
+(WARMUP_STEP,) = steps.of(steps.SHAPE, reported=False)
 # Triton's on-disk cache of a run's compiled kernels, shared by its jobs, unless the user set TRITON_CACHE_DIR.
 TRITON_CACHE = ROOT / ".snakemake" / "triton-cache"
 
@@ -93,8 +95,9 @@ def log(step: str, name: str) -> str:
 
 
 # A candidate's results (config `candidates`, shapewise.candidates): per candidate and row, the accuracy, timing and
-# profile steps, laid out under results/candidates/<name>/ as shapewise's are under results/.
-CANDIDATE_STEPS = ("accuracy", "timing", "profile")
+# profile steps (shapewise.steps: candidate-accuracy, ...), laid out under results/candidates/<name>/ as shapewise's
+# are under results/.
+CANDIDATE_STEPS = tuple(steps.result_name(step) for step in steps.of(steps.CANDIDATE))
 
 
 def candidate_result(candidate: str, step: str, shape: str) -> str:

@@ -1,6 +1,7 @@
 """The pipeline's runs: a marker per run, and what a report says of the runs that made its results.
 
-The main Snakemake process writes the marker as it reads the workflow (workflow/rules/gpus.smk): the run's
+The main Snakemake process starts a run once per invocation, before its first job (`begin`, the workflow's onstart
+handler in workflow/rules/gpus.smk): it sets the variables its jobs inherit and writes the marker, with the run's
 identity (SHAPEWISE_PIPELINE_RUN: host, pid, start), when it started, its GPU pool, its Triton cache directory
 and how many compiled kernels that held (0: cold). Every job records the run it belongs to (its environment's
 `shapewise_variables`), so a report can say, per run behind its results, how many jobs it ran, on which GPUs, how
@@ -17,9 +18,24 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from shapewise import paths
+from shapewise import gpuslots, jobserver, paths
 
 MARKERS = paths.ROOT / ".snakemake" / "shapewise-runs"
+
+
+def begin(pool, argv, environ=None, directory=None):
+    """Start a pipeline run in this process, the main Snakemake process: the one place that sets what the run's
+    jobs inherit through their environment (`environ`, os.environ), then writes the run's marker. The variables:
+    the GPU pool (gpuslots.POOL_VAR: each GPU job locks a GPU of it; not in the shell command, so a different GPU
+    count reruns nothing), the SLURM job Snakemake runs in (gpuslots.RUN_SLURM_VAR: a job in another one was
+    placed by SLURM), the run's identity (jobserver.RUN_VAR: its jobs fork from its job server) and its Triton
+    cache (TRITON_CACHE_DIR: the checkout's, paths.TRITON_CACHE, unless the user set one). Returns the marker."""
+    env = os.environ if environ is None else environ
+    env[gpuslots.POOL_VAR] = gpuslots.pool_value(pool)
+    env[gpuslots.RUN_SLURM_VAR] = env.get("SLURM_JOB_ID", "")
+    env[jobserver.RUN_VAR] = jobserver.run_id()
+    triton_cache = env.setdefault("TRITON_CACHE_DIR", str(paths.TRITON_CACHE))
+    return write_marker(env[jobserver.RUN_VAR], pool, triton_cache, argv, directory)
 
 
 def marker_path(run, directory=None):
@@ -72,14 +88,12 @@ def summarize(results, report_run=None, report_started=None, directory=None):
     "last_finished", "marker" (or None), "wall_s", "wall_to", "triton_cache"}. `report_run`/`report_started`: the
     run and start time of the report job, which ends the wall time of its own run. Results that name no run are
     gathered under run None."""
-    from shapewise.jobserver import RUN_VAR
-
     by_run = {}
     for data in results:
         if not isinstance(data, dict):
             continue
         env = data.get("environment") or {}
-        run = (env.get("shapewise_variables") or {}).get(RUN_VAR)
+        run = (env.get("shapewise_variables") or {}).get(jobserver.RUN_VAR)
         entry = by_run.setdefault(run, {"run": run, "jobs": 0, "steps": {}, "gpus": set(), "lock_modes": {},
                                         "forked": 0, "fresh": 0, "first_started": None, "last_finished": None})
         entry["jobs"] += 1

@@ -6,7 +6,7 @@ import importlib
 import json
 import sys
 
-from shapewise import cpus, gpuslots, jobserver
+from shapewise import cpus, gpuslots, jobserver, steps
 
 
 def main():
@@ -15,7 +15,7 @@ def main():
     gpuslots.take_over(payload.pop("gpu_slot", None))  # and holds the GPU's lock for this process's work
     jobserver.adopt_process_record(payload.pop("job_process", None))
     args = argparse.Namespace(**payload)
-    step = importlib.import_module(f"shapewise.jobs.candidate.{args.step.replace('-', '_')}")
+    step = importlib.import_module(steps.STEPS[args.step].module)
     return step.child(args)
 
 
