@@ -117,8 +117,8 @@ def test_a_value_with_a_line_break_stays_on_its_line():
 
 
 def test_markdown_characters_of_a_value_are_escaped():
-    assert report.md_text("a|b`c*d_e [x](y) ~~s~~ fused_layer _init_ \\ &amp; & <b>") == \
-        "a\\|b\\`c\\*d_e \\[x\\](y) \\~\\~s\\~\\~ fused_layer \\_init\\_ \\\\ &amp;amp; & &lt;b>"
+    assert report.md_text("a|b`c*d_e [x](y) [r][d] [t] ~~s~~ fused_layer _init_ \\ &amp; & <b>") == \
+        "a\\|b\\`c\\*d_e [x\\](y) [r\\][d] [t] \\~\\~s\\~\\~ fused_layer \\_init\\_ \\\\ &amp;amp; & &lt;b>"
 
 
 def test_code_spans_hold_any_backtick_and_pipe():

@@ -93,9 +93,10 @@ def html_value(value):
 
 # Characters that mean something inside a Markdown line (CommonMark with GitHub's tables and strikethrough): each is
 # written with a backslash, which every CommonMark viewer reads as the character itself. `_` only where it could
-# open or close emphasis (not between two letters or digits, as in `fused_layer`); `<` as `&lt;` (no HTML tag or
-# autolink in a viewer that renders HTML); `&` as `&amp;` only where it would start an entity.
-_MD_ESCAPED = re.compile(r"[\\`*\[\]|~#]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
+# open or close emphasis (not between two letters or digits, as in `fused_layer`); `]` only where a link would
+# follow (`](` or `][`: a `[...]` alone is text); `<` as `&lt;` (no HTML tag or autolink in a viewer that renders
+# HTML); `&` as `&amp;` only where it would start an entity.
+_MD_ESCAPED = re.compile(r"[\\`*|~#]|\](?=[(\[])|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
 _MD_ENTITY = re.compile(r"&(?=#?[A-Za-z0-9]+;)")
 
 
