@@ -105,3 +105,30 @@ def test_broken_image_is_detected(built, tmp_path):
     found = _probe(browser, tmp_path, built)
     broken = [i["src"] for i in found["images"] if i["naturalWidth"] == 0]
     assert broken == ["figures/latency.png"]
+
+
+# Fifteen switches, as many as model.optimized.OPTIMIZATIONS has held, with names as long as its longest.
+MANY_SWITCHES = ["fused_layer", "cuda_graph", "kv_precompute", "reduced_precision", "flash_attention",
+                 "fused_layernorm", "packed_qkv", "direct_input", "split_layer", "pdl", "hopper_forward",
+                 "hopper_split", "hopper_attention", "fold_next_qkv", "persistent_tail"]
+
+
+def test_wide_tables_fit_the_page(tmp_path, monkeypatch):
+    """The ablation table of fifteen switches and the accuracy table of a long route label stay within the page
+    at 1280 px (a table wider than its box is cut off by the box's scroll bar)."""
+    browser = _browser()
+    import test_report
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(test_report, "SWITCHES", MANY_SWITCHES)
+    long_route = ("hopper/bf16+hopper-attention launch=(64, 8, 3) kv=precomputed key_block=64 ffn_block=128 "
+                  "split-sequence eager prepared-launch direct-launch (auto: wide rows)")
+    monkeypatch.setattr(test_report, "ROUTE_STR", long_route)
+    report.render(make_run(tmp_path), "results/report")
+    built = tmp_path / "results" / "report"
+    html = (built / "report.html").read_text()
+    assert "split-sequence eager prepared-launch direct-launch</a>" in html
+    found = _probe(browser, tmp_path, built)
+    widths = {t["cls"]: t["width"] for t in found["tables"] if t["cls"]}
+    assert "ablation" in widths and "accuracy" in widths
+    assert max(widths.values()) <= 1240, widths

@@ -49,7 +49,7 @@ def test_pdl_is_an_ablation_switch_of_the_routes_that_use_it():
     on = Route("graph", "fp16", "r", split_layer=True, pdl=True)
     assert "pdl" in switches_used(on, f32, "cuda")
     assert "pdl" not in switches_used(replace(on, pdl=False), f32, "cuda")
-    assert route_label(on.as_dict()) == "graph+split+pdl"
+    assert route_label(str(on)) == "graph/fp16 split-layer pdl"
     assert " pdl " in str(on)
 
 

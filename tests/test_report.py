@@ -35,7 +35,8 @@ ENVIRONMENT = {"machine_key": MACHINE, "gpu_name": "NVIDIA H200", "gpu_count": 2
 ROUTE = {"name": "fused", "precision": "fp16", "reason": "short, narrow, launch-bound shape: one kernel per layer "
          "(tokens*d = 2097152), which is a long sentence that must not widen the table", "forced": False,
          "attention": "triton", "launch": [32, 4, 2], "kv_precompute": True, "chunk": None}
-ROUTE_STR = ("fused/fp16 launch=(32, 4, 2) kv=precomputed (auto: short, narrow, launch-bound shape: one kernel per "
+LABEL = "fused/fp16 launch=(32, 4, 2) kv=precomputed"  # Route.__str__ of ROUTE without its reason
+ROUTE_STR = (f"{LABEL} (auto: short, narrow, launch-bound shape: one kernel per "
              "layer (tokens*d = 2097152), which is a long sentence that must not widen the table)")
 SWITCHES = ["fused_layer", "cuda_graph", "kv_precompute"]
 # The host records of a stable timing run on an H200 virtual machine (a real result: row official-06 of an H200 run,
@@ -197,7 +198,7 @@ def test_report_renders_every_row_and_summary_columns(run):
     assert list(rows) == ["t-01", "t-02", "t-03"]
     t1, t2, t3 = rows["t-01"], rows["t-02"], rows["t-03"]
     assert t1["machine"] == MACHINE and t1["status"] == "pass" and t1["call"] == "model(x, mask)"
-    assert t1["route"] == "fused(32,4,2)+kv"
+    assert t1["route"] == LABEL
     assert float(t1["speedup_ci_low"]) < float(t1["speedup"]) < float(t1["speedup_ci_high"])
     assert t1["noisy"] == "true" and t1["target_met"] == "false"
     assert int(t1["io_bytes"]) == 2 * 128 * 128 * 128 * 4 and int(t1["strict_failed_elements"]) == 3
@@ -217,16 +218,19 @@ def test_report_renders_every_row_and_summary_columns(run):
     assert not joined, joined  # lines keeps its space ("target.The", "%)of")
     # a profile captured beside another job on its GPU says its kernel times are upper bounds; the others do not
     shared = "captured beside 1 other job(s) on its GPU: its kernel times are upper bounds"
-    assert f"- t-01: _fused_layer_fwd ({shared})\n- t-02: " in md and md.count(shared) == 1 and html.count(shared) == 1
-    # short labels in the tables, the full sentence one hover away
-    assert ">fused(32,4,2)+kv</a>" in html and f'title="{ROUTE_STR}"' in html
+    assert f"- t-01: \\_fused_layer_fwd ({shared})\n- t-02: " in md and md.count(shared) == 1
+    assert html.count(shared) == 1
+    # the route's label in the tables, the full sentence one hover away
+    assert f">{LABEL}</a>" in html and f'title="{ROUTE_STR}"' in html
+    assert f"| pass | {LABEL} | 0 / 4194304 |" in md
     assert "model(x, mask)" in html and "contended" in html and "GPU 1 (slot 1, lock)" in html
     assert "noisy" in html and "missed" in html
     assert "stable, 9 rounds (settled)" in html and "stable, 9 rounds (settled)" in md
     # the all-True mask's cost: its table row, the verdict against the limit, the summary sentence
     assert "| t-01 | 0.230 | 0.220 | +4.5 % [+3.0 %, +6.0 %] | **no** |" in md
-    assert "at most +4.5 % against no mask; within 3.0 % on 0 of 1 row(s)" in md
-    assert "+4.5 % [+3.0 %, +6.0 %]" in html and "within 3.0 % on 0 of 1 row(s)" in html
+    md_flat, html_flat = " ".join(md.split()), " ".join(html.split())  # sentences wrap where the template does
+    assert "at most +4.5 % against no mask; within 3.0 % on 0 of 1 row(s)" in md_flat
+    assert "+4.5 % [+3.0 %, +6.0 %]" in html and "within 3.0 % on 0 of 1 row(s)" in html_flat
     assert "| t-02 | n/a | n/a | n/a (not measured (a result older than the check)) | n/a |" in md
     assert "between 6 and 30" in html or "6–30" in html
     for text in (html, md):
@@ -306,16 +310,31 @@ def test_tolerances_are_not_typed_into_the_templates():
                 assert f"{value:g}" not in text.replace("2·B·S·d", ""), (template, value)
 
 
-def test_route_label():
-    assert report_data.route_label(ROUTE) == "fused(32,4,2)+kv"
-    assert report_data.route_label({"name": "graph", "launch": [], "attention": "triton"}) == "graph"
-    assert report_data.route_label({**ROUTE, "key_block": 32, "ffn_block": 16}) == "fused(32,4,2)+kv+k32+f16"
-    assert report_data.route_label({**ROUTE, "key_block": 0, "ffn_block": 0}) == "fused(32,4,2)+kv"
-    assert report_data.route_label({"name": "graph", "launch": [], "split_layer": True}) == "graph+split"
-    assert report_data.route_label({"name": "triton", "attention": "sdpa", "new_field": 3}) == "triton+sdpa"
-    assert report_data.route_label({"name": "reference", "forced": True}) == "reference (forced)"
-    assert report_data.route_label(None, "graph/fp16 (auto: launch-bound)") == "graph"
-    assert report_data.route_label(None, None) is None
+def test_route_label_is_the_models_string_without_its_reason():
+    """The label is what Route.__str__ wrote, so every field that changes what runs is in it (a two-program,
+    prepared Hopper launch is not shown as plain `hopper`)."""
+    from dataclasses import fields
+
+    from shapewise.model.routing import Route
+
+    assert report_data.route_label(ROUTE_STR) == LABEL
+    hopper = Route("hopper", "bf16", "wide rows (tokens > 4096): hopper attention", attention="hopper", eager=True,
+                   split_sequence=True, prepared_launch=True, direct_launch=True)
+    label = report_data.route_label(str(hopper))
+    assert label == "hopper/bf16+hopper-attention split-sequence eager prepared-launch direct-launch"
+    # every boolean field of Route that is on shows in the label: none is dropped as the model adds fields
+    plain = Route("graph", "fp16", "r")
+    for field in fields(Route):
+        if field.type in ("bool", bool) and field.name != "forced":
+            on = report_data.route_label(str(Route(**{**plain.as_dict(), "launch": (), field.name: True})))
+            assert on != report_data.route_label(str(plain)), field.name
+    assert report_data.route_label(str(Route("reference", "fp32", "asked (by the row)", forced=True))) == \
+        "reference/fp32 (forced)"
+    assert report_data.route_label("a route string of another form") == "a route string of another form"
+    assert report_data.route_label(None) is None
+    # a row the timing job did not route: the accuracy trials' routes, each labelled
+    assert report_data.routes_of({}, {"routes": ["a/fp16 (auto: x)", "b/fp16 (auto: y)"]}) == \
+        ["a/fp16 (auto: x)", "b/fp16 (auto: y)"]
 
 
 def test_foreign_result_is_refused_by_file_name(run):
@@ -441,7 +460,7 @@ def test_baseline_section(run):
     assert [r["id"] for r in base["removed"]] == ["t-gone"]
     assert [r["id"] for r in base["route_changes"]] == ["t-02"]
     html = Path("results/report/report.html").read_text()
-    assert 'id="baseline"' in html and "t-gone" in html and "graph → fused(32,4,2)+kv" in html
+    assert 'id="baseline"' in html and "t-gone" in html and f"graph → {LABEL}" in html
 
 
 def test_bad_baseline_is_named(run):

@@ -171,3 +171,13 @@ def test_a_text_with_a_control_character_is_refused(tmp_path, column):
     new = summary(tmp_path / "new", [row("a", **{column: "a\x1b]0;owned\x07"})])
     rc, out, err = run_compare(old, new)
     assert rc == 2 and "holds a control character" in err and "\x1b" not in err and out == ""
+
+
+def test_summary_with_a_byte_order_mark_is_read(tmp_path):
+    """A summary.csv saved by a spreadsheet starts with a UTF-8 BOM; its first column is still `id`."""
+    plain = summary(tmp_path / "plain", [row("a")])
+    bom = tmp_path / "bom"
+    bom.mkdir()
+    (bom / "summary.csv").write_bytes(b"\xef\xbb\xbf" + (plain / "summary.csv").read_bytes())
+    assert [r["id"] for r in compare.load_rows(bom)] == ["a"]
+    assert compare.main(plain, bom, out=lambda *_: None, err=print) == 0

@@ -118,7 +118,7 @@ def _machine_from_timing(report_dir, row_id):
     if not path.is_file():
         return UNKNOWN_MACHINE, "unknown"
     try:
-        key = json.loads(path.read_text()).get("environment", {}).get("machine_key")
+        key = json.loads(path.read_text(encoding="utf-8")).get("environment", {}).get("machine_key")
     except (ValueError, AttributeError) as exc:
         raise CompareError(f"{path}: not a timing result JSON ({exc})") from exc
     return (key, path.relative_to(report_dir).as_posix()) if key else (UNKNOWN_MACHINE, "unknown")
@@ -128,14 +128,16 @@ def rows_from_timing_results(results_dir) -> list[dict]:
     """Rows of a results directory without a report: one per <results_dir>/timing/*.json (shapewise's) and
     <results_dir>/candidates/<name>/timing/*.json (a candidate's), with the columns compare reads (what the
     report's summary.csv would carry for them)."""
+    from shapewise.report_data import route_label  # pandas, which report_data imports, only for this reader
+
     rows = []
     timing_dirs = [(SHAPEWISE, Path(results_dir) / "timing")] + [
         (d.name, d / "timing") for d in sorted((Path(results_dir) / "candidates").glob("*")) if d.is_dir()]
     for candidate, path in [(c, p) for c, d in timing_dirs for p in sorted(d.glob("*.json"))]:
         try:
-            result = json.loads(path.read_text())
+            result = json.loads(path.read_text(encoding="utf-8"))
             row = {"id": result["row"]["id"], "candidate": candidate, "status": result["status"],
-                   "call": result.get("call"), "route": result.get("route"),
+                   "call": result.get("call"), "route": route_label(result.get("route")),
                    "machine": result["environment"]["machine_key"],
                    "machine_source": path.relative_to(results_dir).as_posix()}
         except (ValueError, KeyError, TypeError) as exc:
@@ -160,7 +162,7 @@ def load_rows(report_dir) -> list[dict]:
     if not path.is_file():
         raise CompareError(f"{path}: not found (is {report_dir} a report directory?)")
     try:
-        with open(path, newline="") as fh:
+        with open(path, newline="", encoding="utf-8-sig") as fh:  # a spreadsheet's BOM is no part of `id`
             reader = csv.DictReader(fh)
             columns = reader.fieldnames or []
             raw = list(reader)
@@ -225,11 +227,12 @@ def _route_name(route):
 
 
 def _route_changed(old, new):
-    """Whether the route changed; an older summary's full route string against a newer short label is compared
-    by the route's name (fused, graph, triton, ...) only, since the two spell the rest differently."""
+    """Whether the route changed. Both are labels (report_data.route_label: `name/precision ...`); an older
+    summary's short label (`fused(32,4,2)+kv`, no `/`) against such a label is compared by the route's name (fused,
+    graph, triton, ...) only, since the two spell the rest differently."""
     if old.get("route") is None or new.get("route") is None:
         return False
-    if (old.get("machine_source", SUMMARY) == SUMMARY) == (new.get("machine_source", SUMMARY) == SUMMARY):
+    if ("/" in old["route"]) == ("/" in new["route"]):
         return old["route"] != new["route"]
     return _route_name(old["route"]) != _route_name(new["route"])
 

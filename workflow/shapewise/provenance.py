@@ -79,7 +79,7 @@ def result_file_problem(path):
     one, matches), else what is wrong (one clause). For a check before a job runs, e.g. of a preflight result
     when Snakemake builds the DAG; reads no torch."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         return "is missing"
     except (OSError, UnicodeDecodeError) as exc:
@@ -199,7 +199,7 @@ def write(report_dir, inputs, artifacts, root=".", commit=None, candidates=()):
     if candidates:
         record["candidates"] = list(candidates)
     path = report_dir / "provenance.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return record
 
 
@@ -293,7 +293,7 @@ def _check_seals(base, entries):
         if path.suffix != ".json" or not path.is_file():
             continue
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, ValueError, RecursionError):
             continue  # not a result: its SHA-256 alone covers it
         if isinstance(data, dict) and CONTENT_FIELD in data and (problem := seal_problem(data)):

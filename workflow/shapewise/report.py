@@ -9,20 +9,26 @@ shapewise.inventory.machine_key): each group gets its own table and geomean, and
 are never mixed into one number.
 
 A report that cannot be built leaves the previous one as it was: everything is rendered into a temporary
-directory beside the output, then moved into place.
+directory beside the output, which then takes the output's place in one step (swap_in).
 
-Every value a page shows is escaped: report.html through Jinja's autoescaping (html_value: `&`, `<`, `>` and `"`,
-since every attribute of the template is double-quoted), report.md by md_value (no `<`, so no HTML tag or autolink,
-and no line break, so a value cannot start a heading or a list). Nothing in the templates is marked safe.
+The report's text is written once, in templates/report.j2, and rendered twice: to report.md with the macros of
+templates/markdown.j2 and to report.html with those of templates/html.j2. Every value a page shows is escaped once,
+where it is printed: report.html through html_value (`&`, `<`, `>` and `"`, since every attribute of html.j2 is
+double-quoted), report.md through md_value (its Markdown characters, `<`, line breaks) or md_code in a code span.
+Nothing in the templates is marked safe.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import errno
 import html
 import json
 import os
+import re
 import shutil
+import stat
 import sys
 import tempfile
 from datetime import datetime, timezone
@@ -72,31 +78,83 @@ def mib(value):
     return f"{int(value)} B"
 
 
+def _written(text):
+    """`text`, already in its page's syntax, as Jinja's autoescaping takes it: written as it is."""
+    return markupsafe.Markup(text)
+
+
 def html_value(value):
     """A value as report.html shows it: `&`, `<`, `>` and `"` escaped (markupsafe would also turn `'` into `&#39;`,
     which no double-quoted attribute needs). Markup (a macro's or an escaped filter's output) is kept as it is."""
     if isinstance(value, markupsafe.Markup):
         return value
-    return markupsafe.Markup(html.escape(str(value), quote=False).replace('"', "&quot;"))
+    return _written(html.escape(str(value), quote=False).replace('"', "&quot;"))
+
+
+# Characters that mean something inside a Markdown line (CommonMark with GitHub's tables and strikethrough): each is
+# written with a backslash, which every CommonMark viewer reads as the character itself. `_` only where it could
+# open or close emphasis (not between two letters or digits, as in `fused_layer`); `]` only where a link would
+# follow (`](` or `][`: a `[...]` alone is text); `<` as `&lt;` (no HTML tag or autolink in a viewer that renders
+# HTML); `&` as `&amp;` only where it would start an entity.
+_MD_ESCAPED = re.compile(r"[\\`*|~#]|\](?=[(\[])|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
+_MD_ENTITY = re.compile(r"&(?=#?[A-Za-z0-9]+;)")
+
+
+def md_text(value):
+    """A value as report.md shows it in running text or a table cell: its Markdown characters escaped (_MD_ESCAPED;
+    a `|` cannot end a table cell, a backtick cannot open a code span) and line breaks as spaces (a value stays in
+    its line, table cell or list item, and cannot start a heading or a list)."""
+    text = " ".join(str(value).splitlines())
+    text = _MD_ENTITY.sub("&amp;", text).replace("<", "&lt;")
+    return _MD_ESCAPED.sub(lambda m: "\\" + m.group(0), text)
 
 
 def md_value(value):
-    """A value as report.md shows it: `<` written as `&lt;` (no HTML tag or autolink in a Markdown viewer that
-    renders HTML) and line breaks as spaces (a value stays in its line, table cell or list item)."""
-    if not isinstance(value, str):
+    """What report.md's environment prints for `value`: md_text of it, or a macro's output (Markup) as it is."""
+    if isinstance(value, markupsafe.Markup):
         return value
-    return " ".join(value.replace("<", "&lt;").splitlines())
+    return _written(md_text(value))
+
+
+def md_code(value, cell=False):
+    """A value as a Markdown code span: fenced by one backtick more than its longest run of backticks (padded with a
+    space where it starts or ends with one), its line breaks as spaces; in a table cell (`cell`) each `|` written
+    `\\|`, which GitHub's tables read as part of the cell even inside a code span. A value holding `<` is written as
+    md_text instead: no viewer then reads a tag in it."""
+    text = " ".join(str(value).splitlines())
+    if "<" in text:
+        return md_value(value)
+    if cell:
+        text = text.replace("|", "\\|")
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text[:1] == "`" or text[-1:] == "`" else ""
+    return _written(f"{fence}{pad}{text}{pad}{fence}")
+
+
+DIALECTS = {"md": "markdown.j2", "html": "html.j2"}  # the macros report.j2 is written in, per output
 
 
 def environments():
-    """{template suffix: Jinja environment}: report.html.j2 escaped for HTML, report.md.j2 for Markdown."""
-    def make(**options):
-        env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(paths.TEMPLATES)),
-                                 undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, **options)
-        env.filters.update(fmt=fmt, pct=pct, signed_pct=signed_pct, mib=mib)
+    """{output suffix: Jinja environment}: both autoescaping, each value escaped once as its page needs it
+    (html_value, md_value); report.j2 renders through either with its dialect (DIALECTS)."""
+    def make(finalize):
+        env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(paths.TEMPLATES)), autoescape=True,
+                                 finalize=finalize, undefined=jinja2.StrictUndefined, trim_blocks=True,
+                                 lstrip_blocks=True)
+        env.filters.update(fmt=fmt, pct=pct, signed_pct=signed_pct, mib=mib, md_code=md_code)
         return env
 
-    return {"html": make(autoescape=True, finalize=html_value), "md": make(autoescape=False, finalize=md_value)}
+    return {"md": make(md_value), "html": make(html_value)}
+
+
+def write_pages(context, outdir):
+    """report.md and report.html from the one template report.j2, written as UTF-8 whatever the locale."""
+    envs = environments()
+    for kind, dialect in DIALECTS.items():
+        text = envs[kind].get_template("report.j2").render(dialect=dialect, **context)
+        if kind == "md":  # blocks end with a blank line each; between two of them one is enough
+            text = re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
+        (Path(outdir) / f"report.{kind}").write_text(text, encoding="utf-8")
 
 
 def source_inputs(root):
@@ -135,6 +193,15 @@ def protocols(items):
             if p and json.dumps(p, sort_keys=True) != usual:
                 exceptions.append({"id": i["id"], "step": step, "protocol": p})
     return out[0], out[1], exceptions
+
+
+def speedup_outside(records, candidate_records):
+    """The rows (shapewise's, then the candidates') whose speedup lies outside its own interval
+    (report_data.outside): {"label", "speedup", "low", "high"} each, for the report's limitations."""
+    from shapewise.compare import label
+
+    return [{"label": label(r), "speedup": r["speedup"], "low": r["speedup_ci_low"], "high": r["speedup_ci_high"]}
+            for r in [*records, *candidate_records] if r.get("speedup_outside_interval") is True]
 
 
 def baseline_section(baseline, outdir):
@@ -245,51 +312,79 @@ def build(inputs, loaded, outdir):
         "host_cpus_heading": report_data.HOST_CPUS_HEADING,
         "core_pick_note": report_data.core_pick_note([i["data"]["timing"] for i in items]),
         "candidates": candidate_sources,
+        "speedup_outside": speedup_outside(records, candidate_records),
         "candidate_failures": candidates.FAILURES,
     }
-    envs = environments()
     # The provenance appendix lists the artifacts above (the report files themselves are in provenance.json).
     context["inputs"] = [provenance._entry(p, root) for p in source_files]
     context["artifacts_listed"] = [provenance._entry(p, outdir) for p in sorted(set(artifacts))]
-    for kind in ("md", "html"):
-        (outdir / f"report.{kind}").write_text(envs[kind].get_template(f"report.{kind}.j2").render(**context))
+    write_pages(context, outdir)
     artifacts += ["report.md", "report.html"]
     provenance.write(outdir, source_files, artifacts, root=root, commit=inputs.get("commit"),
                      candidates=candidate_sources)
     return context
 
 
-def replace_into(staged, outdir):
-    """Move every entry of `staged` into `outdir` (directories replaced whole), then drop entries of an earlier
-    report that this one no longer has (a figure no row produced any more)."""
-    outdir.mkdir(parents=True, exist_ok=True)
-    produced = {p.name for p in staged.iterdir()}
-    for src in staged.iterdir():
-        dst = outdir / src.name
-        if dst.is_dir() and not dst.is_symlink():
-            shutil.rmtree(dst)
-        os.replace(src, dst)
-    for old in outdir.iterdir():
-        if old.name not in produced and old.name in REPORT_ENTRIES:
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-
-
 REPORT_ENTRIES = (*paths.REPORT_DIRS, *paths.REPORT_FILES.values())
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <linux/fcntl.h>, <linux/fs.h>
+
+
+def _exchange(a, b):
+    """Swap the directories `a` and `b` in one step (Linux renameat2 with RENAME_EXCHANGE); False where the C
+    library or the file system does not offer it."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def swap_in(staged, outdir):
+    """Put the complete report `staged` (a directory beside `outdir`) in the place of `outdir`: a reader sees the
+    old report or the new one, never one without its data/ or figures/. Entries of `outdir` that are not the
+    report's (REPORT_ENTRIES) move into the new one first. `staged` holds the old report afterwards (the caller
+    removes it). Where the directories cannot be exchanged in one step, `outdir` is absent between two renames."""
+    if not outdir.exists():
+        os.rename(staged, outdir)
+        return
+    for entry in outdir.iterdir():
+        if entry.name not in REPORT_ENTRIES and not (staged / entry.name).exists():
+            os.rename(entry, staged / entry.name)
+    if not _exchange(staged, outdir):
+        aside = staged.with_name(staged.name + ".old")
+        os.rename(outdir, aside)
+        os.rename(staged, outdir)
+        os.rename(aside, staged)
 
 
 def render(inputs, outdir):
-    """Check the inputs, render into a temporary directory beside `outdir`, then move the files into place.
-    Raises ReportInputError (naming every bad file) before anything in `outdir` changes."""
+    """Check the inputs, render into a temporary directory beside `outdir`, then swap it in (swap_in).
+    Raises ReportInputError (naming every bad file) before anything in `outdir` changes. A symbolic link at
+    `outdir` stays: the directory it points to is the one replaced."""
     outdir = Path(outdir)
     loaded = report_data.load(inputs)
+    if outdir.is_symlink():
+        outdir = outdir.resolve()
     outdir.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.tmp-", dir=outdir.parent))
     try:
         context = build(inputs, loaded, staged)
-        replace_into(staged, outdir)
+        # mkdtemp's directory is private; the report keeps the mode of the one it replaces
+        staged.chmod(stat.S_IMODE(outdir.stat().st_mode) if outdir.is_dir() else 0o777 & ~_umask())
+        swap_in(staged, outdir)
     finally:
         shutil.rmtree(staged, ignore_errors=True)
     return context
+
+
+def _umask():
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
 
 
 STARTED = datetime.now(timezone.utc)  # the report job's start: the end of its run's wall time
@@ -302,7 +397,7 @@ def main(argv=None):
     parser.add_argument("--outdir", required=True)
     args = parser.parse_args(argv)
     try:
-        inputs = json.loads(Path(args.inputs).read_text())
+        inputs = json.loads(Path(args.inputs).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         print(f"report: cannot read the inputs file {args.inputs}: {exc}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import statistics
 from pathlib import Path
@@ -59,12 +60,15 @@ def regenerate_file(path):
 def read_result(path, regenerate, problems):
     """The parsed JSON of `path`, or None after appending a problem that names the file and the fix."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         problems.append(f"{path}: missing; regenerate it with: {regenerate}")
         return None
     except OSError as exc:
         problems.append(f"{path}: cannot be read ({exc.strerror}); regenerate it with: {regenerate}")
+        return None
+    except UnicodeDecodeError as exc:
+        problems.append(f"{path}: damaged, not UTF-8 text (byte {exc.start}); regenerate it with: {regenerate}")
         return None
     try:
         data = json.loads(text)
@@ -173,36 +177,33 @@ def load(inputs):
 # ------------------------------------------------------------------ one row
 
 
-def route_label(detail, route=None):
-    """A short label of a route (`fused(32,4,2)+kv`, `fused(32,4,2)+kv+k32+f32`, `graph`, `graph+split+pdl`,
-    `triton+sdpa`, `reference (forced)`).
+# The clause Route.__str__ (shapewise.model.routing) closes a route's string with: how it was chosen and why. Every
+# field before it changes what runs; the reason only explains the choice.
+_ROUTE_REASON = re.compile(r" \((auto|forced): .*\)\Z", re.S)
 
-    `detail` is Route.as_dict() from a result (fields beyond name, launch, kv_precompute, key_block, ffn_block,
-    split_layer, attention, pdl and forced are ignored); without it the route string's
-    name (before the first '/') is used; None without either."""
-    if isinstance(detail, dict) and detail.get("name"):
-        label = str(detail["name"])
-        launch = detail.get("launch") or []
-        if launch:
-            label += "(" + ",".join(str(v) for v in launch) + ")"
-        if detail.get("kv_precompute"):
-            label += "+kv"
-        for short, field in (("k", "key_block"), ("f", "ffn_block")):
-            if detail.get(field):
-                label += f"+{short}{detail[field]}"
-        if detail.get("split_layer"):
-            label += "+split"
-        attention = detail.get("attention")
-        if attention and attention != "triton":
-            label += f"+{attention}"
-        if detail.get("pdl"):
-            label += "+pdl"
-        if detail.get("forced"):
-            label += " (forced)"
-        return label
-    if route:
-        return str(route).split("/")[0].split(" ")[0]
-    return None
+
+def route_label(route):
+    """The label of a route as a result records it: the string Route.__str__ wrote (`hopper/bf16+hopper-attention
+    split-sequence eager prepared-launch (auto: ...)`: name, precision and every field that changes what runs)
+    without its closing `(auto: reason)`; a forced route keeps ` (forced)`. A string without that clause is kept
+    whole; None for none."""
+    if not route:
+        return None
+    route = str(route)
+    match = _ROUTE_REASON.search(route)
+    if not match:
+        return route
+    return route[:match.start()] + (" (forced)" if match.group(1) == "forced" else "")
+
+
+def routes_of(timing, accuracy):
+    """The route strings a row ran: the timing result's, else the accuracy result's (one per distinct route of its
+    trials, `routes`; `route` of an older result)."""
+    if timing.get("route"):
+        return [timing["route"]]
+    if isinstance(accuracy.get("routes"), list):
+        return [r for r in accuracy["routes"] if r]
+    return [accuracy["route"]] if accuracy.get("route") else []
 
 
 def _num(value):
@@ -238,8 +239,7 @@ def row_record(item):
     ref_lo, ref_hi = _ci(ref)
     opt_lo, opt_hi = _ci(opt)
     sci = tim.get("speedup_ci") or {}
-    detail = tim.get("route_detail") or acc.get("route_detail")
-    route = tim.get("route") or acc.get("route")
+    routes = routes_of(tim, acc)
     opt_ms = _num(opt.get("median_ms"))
     target = _num(row.get("target_ms"))
     gpu = tim.get("gpu") or {}
@@ -253,7 +253,7 @@ def row_record(item):
         "machine": env.get("machine_key") or "unknown",
         "status": acc.get("status"),
         "call": tim.get("call") or call_of_row(row),
-        "route": route_label(detail, route),
+        "route": "; ".join(route_label(r) for r in routes) or None,
         "failed_elements": official.get("failed_elements"),
         "total_elements": official.get("total_elements"),
         "max_abs_error": _num(official.get("max_abs_error")),
@@ -278,10 +278,11 @@ def row_record(item):
         "mask_cost_ci_low": _minus_one(mask_ci.get("low")),
         "mask_cost_ci_high": _minus_one(mask_ci.get("high")),
         # shown in the tables, not in summary.csv
+        "speedup_outside_interval": outside(_num(tim.get("speedup")), _num(sci.get("low")), _num(sci.get("high"))),
         "mask_cost_limit": _num(mask.get("limit")),
         "mask_cost_within": mask.get("within_limit") if measured else None,
         "mask_cost_reason": None if measured else mask.get("reason", "not measured (a result older than the check)"),
-        "route_full": route,
+        "route_full": "; ".join(routes) or None,
         "reference_rel_spread": _num(ref.get("rel_spread")),
         "optimized_rel_spread": _num(opt.get("rel_spread")),
         "reference_round_medians_ms": ref.get("round_medians_ms"),
@@ -306,6 +307,14 @@ def row_record(item):
         "cores_reason": tim["cpu_affinity"].get("reason") if isinstance(tim.get("cpu_affinity"), dict) else None,
         "core_pick": core_pick_label(tim),
     }
+
+
+def outside(value, low, high):
+    """Whether `value` lies outside [low, high]: a speedup (the ratio of the two medians) outside its own interval
+    (a bootstrap over the rounds' paired ratios), which happens when the rounds disagree; None without all three."""
+    if value is None or low is None or high is None:
+        return None
+    return not min(low, high) <= value <= max(low, high)
 
 
 def _minus_one(ratio):
@@ -478,7 +487,7 @@ def write_summary(frame, path, candidate_frame=None):
         out[column] = out[column].map(lambda v: "" if v is None or v != v else ("true" if v else "false"))
     for column in INTEGER_COLUMNS:
         out[column] = out[column].astype("Int64")
-    out.to_csv(path, index=False, na_rep="", float_format="%.8g")
+    out.to_csv(path, index=False, na_rep="", float_format="%.8g", encoding="utf-8")
 
 
 # ------------------------------------------------------------------ how the results were made
@@ -499,7 +508,7 @@ def how_made(loaded, report_run=None, report_started=None):
         warmup = Path(paths.result(paths.WARMUP_STEP, item["id"]))
         if warmup.is_file():
             try:
-                results.append(json.loads(warmup.read_text()))
+                results.append(json.loads(warmup.read_text(encoding="utf-8")))
             except (OSError, ValueError):
                 pass
     found = runs.summarize(results, report_run, report_started)

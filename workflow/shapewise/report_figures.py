@@ -10,6 +10,8 @@ from shapewise import paths
 
 ROW_INCHES = 0.32  # height per bar
 MIN_HEIGHT = 2.6
+FIGURE_DPI = 110
+HEATMAP_MAX_WIDTH = 1200 / FIGURE_DPI  # inches: report.html's page width at FIGURE_DPI
 
 
 def _plt():
@@ -29,6 +31,17 @@ def _labels(frame, multi):
     return [f"{i} [M{m}]" if multi else str(i) for i, m in zip(frame["id"], frame["machine_index"])]
 
 
+def _intervals(ax, ys, lows, highs, **style):
+    """Each interval [low, high] as a bar with caps at its own ends, drawn about its midpoint: a speedup may lie
+    outside its interval (a ratio of medians against a bootstrap over the rounds' ratios; the report names such
+    rows), so the bar is not drawn about the speedup. Intervals with a missing bound are left out."""
+    shown = [(y, min(lo, hi), max(lo, hi)) for y, lo, hi in zip(ys, lows, highs)
+             if lo is not None and hi is not None and lo == lo and hi == hi]
+    if shown:
+        ax.errorbar([(lo + hi) / 2 for _, lo, hi in shown], [y for y, _, _ in shown],
+                    xerr=[(hi - lo) / 2 for _, lo, hi in shown], fmt="none", ecolor="black", **style)
+
+
 def speedup(frame, path, multi):
     """Speedup per row with its interval (where known); rows without a speedup are left out."""
     plt = _plt()
@@ -38,12 +51,7 @@ def speedup(frame, path, multi):
     values = list(part["speedup"])
     colors = ["tab:green" if v >= 1 else "tab:red" for v in values]
     ax.barh(ys, values, color=colors, height=0.7)
-    with_ci = [(v, y, lo, hi) for v, y, lo, hi in zip(values, ys, part["speedup_ci_low"], part["speedup_ci_high"])
-               if lo is not None and hi is not None and lo == lo and hi == hi]
-    if with_ci:
-        ax.errorbar([c[0] for c in with_ci], [c[1] for c in with_ci],
-                    xerr=[[c[0] - c[2] for c in with_ci], [c[3] - c[0] for c in with_ci]],
-                    fmt="none", ecolor="black", elinewidth=1, capsize=3)
+    _intervals(ax, ys, part["speedup_ci_low"], part["speedup_ci_high"], elinewidth=1, capsize=3)
     ax.axvline(1.0, color="black", linewidth=0.8)
     if max(values) / max(min(values), 1e-12) > 20:
         ax.set_xscale("log")
@@ -51,7 +59,7 @@ def speedup(frame, path, multi):
     ax.set_xlabel("speedup = reference median / optimized median (bars: 95 % interval)")
     ax.set_title("Speedup per row")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=FIGURE_DPI)
     plt.close(fig)
 
 
@@ -74,7 +82,7 @@ def latency(frame, path, multi):
     ax.set_title("Optimized latency against target and roofline floor")
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=FIGURE_DPI)
     plt.close(fig)
 
 
@@ -89,21 +97,26 @@ def ablation(items, switches, path):
             v = by_name.get(s, {})
             value = v.get("slowdown_vs_all_on")
             line.append(float(value) if value is not None and "skipped" not in v and "error" not in v else math.nan)
-            note.append("n/a" if v.get("skipped") == "not-applicable" else "skip" if v.get("skipped") else "err")
+            note.append("err" if "error" in v else "n/a" if v.get("skipped") == "not-applicable"
+                        else "skip" if v.get("skipped") else "–")
         matrix.append(line)
         notes.append(note)
-    fig, ax = plt.subplots(figsize=(max(5.5, 0.9 * len(switches) + 3), _height(len(items))))
+    # At most HEATMAP_MAX_WIDTH inches: the page shows the image at its own size (up to 1200 px at FIGURE_DPI),
+    # so its labels keep their point size instead of shrinking with a wide figure.
+    width = min(HEATMAP_MAX_WIDTH, max(5.5, 0.6 * len(switches) + 3.5))
+    fig, ax = plt.subplots(figsize=(width, _height(len(items)) + 1.2))
     image = ax.imshow(matrix, aspect="auto", cmap="viridis")
-    ax.set_xticks(range(len(switches)), switches, rotation=40, ha="right", fontsize=8)
-    ax.set_yticks(range(len(items)), [i["id"] for i in items], fontsize=8)
+    ax.set_xticks(range(len(switches)), switches, rotation=45, ha="right", fontsize=10)
+    ax.set_yticks(range(len(items)), [i["id"] for i in items], fontsize=10)
+    cell_font = 9 if width / max(1, len(switches)) >= 0.55 else 8
     for i, line in enumerate(matrix):
         for j, value in enumerate(line):
-            ax.text(j, i, notes[i][j] if value != value else f"{value:.2f}", ha="center", va="center", fontsize=7,
-                    color="white")
+            ax.text(j, i, notes[i][j] if value != value else f"{value:.2f}", ha="center", va="center",
+                    fontsize=cell_font, color="black" if value != value else "white")  # NaN cells are blank
     fig.colorbar(image, ax=ax, label="time with the switch off / all on")
     ax.set_title("Ablation: slowdown when one optimization is off")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=FIGURE_DPI)
     plt.close(fig)
 
 
@@ -140,12 +153,9 @@ def _grouped_bars(ax, labels, values, failed, errors=None):
             if bad:
                 bar.set_hatch("//")
         if errors is not None:
-            pairs = [(y, v, lo, hi) for y, v, lo, hi in zip(ys, values[name], *errors[name])
-                     if v is not None and lo is not None and hi is not None]
-            if pairs:
-                ax.errorbar([p[1] for p in pairs], [p[0] for p in pairs],
-                            xerr=[[p[1] - p[2] for p in pairs], [p[3] - p[1] for p in pairs]],
-                            fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
+            lows, highs = errors[name]
+            _intervals(ax, ys, [lo if v is not None else None for v, lo in zip(values[name], lows)], highs,
+                       elinewidth=0.8, capsize=2)
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="hatched: failed the row",
               title_fontsize=7)
@@ -171,7 +181,7 @@ def speedup_by_candidate(frame, candidate_frame, path, multi):
     ax.set_xlabel("speedup = reference median / model median, same rounds (bars: 95 % interval)")
     ax.set_title("Speedup per row: shapewise and every candidate")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=FIGURE_DPI)
     plt.close(fig)
 
 
@@ -185,7 +195,7 @@ def latency_by_candidate(frame, candidate_frame, path, multi):
     ax.set_xlabel("ms per forward (log scale)")
     ax.set_title("Latency per row: shapewise and every candidate")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=FIGURE_DPI)
     plt.close(fig)
 
 
