@@ -13,9 +13,9 @@ This module owns:
 - loading (`load_class`): the file is imported under a module name of its own, never as `__main__`, so a file
   that carries its own copy of the official harness around its class (the reference classes, a `main()`, an
   `if __name__ == "__main__":` block) runs none of it;
-- isolation (`run_isolated`): a job's work runs in a child process, in a process group of its own, under a time
-  limit; a child that outlives the limit is killed with its whole group. `FAILURES` names every way a candidate
-  can fail a row; `classify` turns an exception of the child into one of them.
+- isolation (`Isolated`, `run_isolated`): a candidate's code runs in a child process, in a process group of its
+  own, under a time limit; a child that outlives the limit is killed with its whole group. `FAILURES` names every
+  way a candidate can fail a row; `classify` turns an exception of the child into one of them.
 
 Imports no torch: Snakemake calls `parse` and `digest` while it builds the DAG.
 """
@@ -235,39 +235,62 @@ def classify(exc, stage) -> str:
 # ------------------------------------------------------------------ isolation
 
 
-def run_isolated(argv, time_limit_s, stdin_text="", env=None, log=print) -> dict:
-    """Run `argv` in a new process group with `stdin_text` on its standard input, its output going where this
-    process's goes; kill the whole group when it runs past `time_limit_s` seconds, when this process is told to
-    stop (SIGTERM, SIGINT: the group would otherwise outlive it), and once the child ended (what it left running).
-    Returns {"returncode", "signal" (the name of
-    the signal that ended it, or None), "timed_out", "seconds"}."""
-    started = time.monotonic()
-    child = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env, preexec_fn=os.setpgrp, text=True)
+class Isolated:
+    """A child process in a new process group, with `stdin_text` on its standard input (then closed) and its
+    output going where this process's goes; `pass_fds` stay open in it. While it lives, SIGTERM and SIGINT to this
+    process kill its whole group first (the group would otherwise outlive this process); `finish` kills the group
+    in any case (also what a child that ended left running: compile workers) and returns what became of it."""
 
-    def stop(signum, frame):
-        _kill_group(child)
-        raise SystemExit(128 + signum)
-
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
-    timed_out = False
-    try:
+    def __init__(self, argv, stdin_text="", env=None, pass_fds=()):
+        self.started = time.monotonic()
+        self.child = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env, preexec_fn=os.setpgrp, text=True,
+                                      pass_fds=tuple(pass_fds))
+        self.previous = {s: signal.signal(s, self._stop) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            child.stdin.write(stdin_text)
-            child.stdin.close()
+            self.child.stdin.write(stdin_text)
+            self.child.stdin.close()
         except BrokenPipeError:  # the child ended before it read its input: its return code says why
             pass
+
+    def _stop(self, signum, frame):
+        _kill_group(self.child)
+        raise SystemExit(128 + signum)
+
+    @property
+    def pid(self):
+        return self.child.pid
+
+    def wait(self, timeout) -> bool:
+        """Whether the child ended within `timeout` seconds."""
         try:
-            child.wait(timeout=time_limit_s)
+            self.child.wait(timeout=max(0.0, timeout))
+            return True
         except subprocess.TimeoutExpired:
+            return False
+
+    def finish(self, timed_out=False) -> dict:
+        """Kill the group; {"returncode", "signal" (the name of the signal that ended the child, or None),
+        "timed_out", "seconds"}."""
+        _kill_group(self.child)
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        code = self.child.returncode
+        return {"returncode": code, "signal": signal.Signals(-code).name if code is not None and code < 0 else None,
+                "timed_out": timed_out, "seconds": round(time.monotonic() - self.started, 3)}
+
+
+def run_isolated(argv, time_limit_s, stdin_text="", env=None, log=print) -> dict:
+    """Run `argv` as an Isolated child and wait for it; kill its whole group when it runs past `time_limit_s`
+    seconds. Returns Isolated.finish's record."""
+    child = Isolated(argv, stdin_text, env)
+    timed_out = False
+    try:
+        if not child.wait(time_limit_s):
             timed_out = True
             log(f"the candidate's process ran past the time limit of {time_limit_s} s: killing its process group")
     finally:
-        _kill_group(child)  # also what a child that ended left behind (compile workers)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    code = child.returncode
-    return {"returncode": code, "signal": signal.Signals(-code).name if code is not None and code < 0 else None,
-            "timed_out": timed_out, "seconds": round(time.monotonic() - started, 3)}
+        outcome = child.finish(timed_out)
+    return outcome
 
 
 def _kill_group(child):

@@ -105,10 +105,64 @@ def describe(name, protocol, device):
     return out
 
 
+class Timed:
+    """A model the protocol times: its first call, its warm-up and its rounds, each measured in the process that
+    runs the model (CUDA events and peak memory are per process), and the cores that process's launching thread
+    may use. `pid` is that process where it is not this one (None: this one)."""
+
+    pid = None
+
+    def first_call(self) -> float:
+        """Milliseconds of the very first call, peak memory counted from it."""
+        raise NotImplementedError
+
+    def warmup(self, count):
+        """`count` untimed calls; the peak memory since the first call (None on a CPU)."""
+        raise NotImplementedError
+
+    def round(self, count, gc_off):
+        """(milliseconds of each of `count` calls, peak memory of the round or None); gc_off: the collector off
+        during the calls in the model's own process (run_rounds switches this process's)."""
+        raise NotImplementedError
+
+    def pin(self, cores):
+        """Move the launching thread of the model's process to `cores` (this process's thread the caller moves)."""
+
+    def reserved_bytes(self) -> int:
+        """GPU memory the model's process holds reserved beyond this process's own."""
+        return 0
+
+
+class Local(Timed):
+    """A model timed in this process; `fn` is one call of it."""
+
+    def __init__(self, fn, device):
+        self.fn, self.device = fn, device
+
+    def first_call(self):
+        peak_memory_reset(self.device)
+        return first_call_ms(self.fn, self.device)
+
+    def warmup(self, count):
+        time_calls(self.fn, self.device, count)
+        return peak_memory_bytes(self.device)
+
+    def round(self, count, gc_off):
+        peak_memory_reset(self.device)
+        times = time_calls(self.fn, self.device, count)
+        return times, peak_memory_bytes(self.device)
+
+
+def timed(calls, device):
+    """{model: Timed}: a plain function is a model of this process (Local)."""
+    return {which: fn if isinstance(fn, Timed) else Local(fn, device) for which, fn in calls.items()}
+
+
 def run_rounds(calls, device, name, protocol, tag=""):
-    """Alternating timed rounds of `calls` ({model: fn}). Returns ({model: [round times]}, {model: peak bytes},
-    stopping) where stopping says how many rounds ran and why they stopped."""
-    rounds = {which: [] for which in MODELS if which in calls}
+    """Alternating timed rounds of `calls` ({model: function or Timed}). Returns ({model: [round times]}, {model:
+    peak bytes}, stopping) where stopping says how many rounds ran and why they stopped."""
+    models = timed(calls, device)
+    rounds = {which: [] for which in MODELS if which in models}
     peaks_seen = {which: None for which in rounds}
     stable = name == "stable"
     limit = protocol["max_rounds"] if stable else protocol["rounds"]
@@ -128,14 +182,15 @@ def run_rounds(calls, device, name, protocol, tag=""):
     for r in range(limit):
         if picking:
             picks.append(pick_core(cores, lambda core: launch_cost_us(device)))
+            for model in models.values():  # a model of another process launches from the picked core too
+                model.pin({picks[-1]["core"]})
         if gc_off:
             gc.collect()
             gc.disable()
         try:
             for which in rounds:
-                peak_memory_reset(device)
-                rounds[which].append(time_calls(calls[which], device, protocol["calls"]))
-                peak = peak_memory_bytes(device)
+                times, peak = models[which].round(protocol["calls"], gc_off)
+                rounds[which].append(times)
                 if peak is not None:
                     peaks_seen[which] = max(peaks_seen[which] or 0, peak)
         finally:
@@ -157,6 +212,8 @@ def run_rounds(calls, device, name, protocol, tag=""):
         gc.unfreeze()
     if picking:
         os.sched_setaffinity(0, cores)
+        for model in models.values():
+            model.pin(cores)
     rounds_run = len(next(iter(rounds.values()))) if rounds else 0
     stopping = {"rounds_run": rounds_run, "reason": reason}
     if picking:
@@ -168,38 +225,53 @@ def run_rounds(calls, device, name, protocol, tag=""):
     return rounds, peaks_seen, stopping
 
 
+def job_snapshot(gpu, at, models):
+    """A contention check's snapshot (shapewise.jobs.device.snapshot) that counts the processes of the job's models
+    in other processes as the job's own: their pids out of the GPU's processes, their reserved memory in the job's."""
+    snap = snapshot(gpu, at)
+    others = [model for model in models.values() if model.pid is not None]
+    if others:
+        pids = {model.pid for model in others}
+        snap["own_reserved_bytes"] += sum(model.reserved_bytes() for model in others)
+        if snap["processes"] is not None:
+            snap["processes"] = [p for p in snap["processes"] if p["pid"] not in pids]
+        snap["job_child_pids"] = sorted(pids)
+    return snap
+
+
 def time_protocol(calls, row, device, name, protocol, result, after_warmup=None):
-    """Run the protocol on `calls` ({model: fn}): the job's cores pinned as the protocol says, the GPU's state
-    and the other processes on it read before and after, then for each model in the dict's order its very first
-    call (timed alone) and its warm-up (`after_warmup(model)` after it), then the alternating rounds. Records
-    cpu_affinity, gpu_state, contention, core_pick and stopping in `result`; returns (rounds, seen) with seen =
-    {"first", "compiled", "warm_peak", "round_peak"}, each {model: value}."""
+    """Run the protocol on `calls` ({model: function or Timed}): the job's cores pinned as the protocol says, the
+    GPU's state and the other processes on it read before and after, then for each model in the dict's order its
+    very first call (timed alone) and its warm-up (`after_warmup(model)` after it), then the alternating rounds.
+    Records cpu_affinity, gpu_state, contention, core_pick and stopping in `result`; returns (rounds, seen) with
+    seen = {"first", "compiled", "warm_peak", "round_peak"}, each {model: value}."""
+    models = timed(calls, device)
     gpu = result["gpu"]
     result["cpu_affinity"] = pin_cpus(protocol["cpus"]) if name == "stable" else \
         dict(pin_cpus("inherit"), requested=None,
              reason="official protocol: cores left as the job started (a local GPU job: its slot's cores)")
-    snapshots = [snapshot(gpu, "before")] if gpu else []
+    for model in models.values():  # a model of another process runs on the cores this process now has
+        model.pin(os.sched_getaffinity(0))
+    snapshots = [job_snapshot(gpu, "before", models)] if gpu else []
     result["gpu_state"] = {"before": gpu_state(gpu)}
     first, compiled = {}, {}  # compiled: kernels the first call compiled (new entries in Triton's disk cache)
     warm_peak = {}
     with torch.inference_mode():
-        for which, fn in calls.items():  # the first model's very first call is the one of the process
-            peak_memory_reset(device)
+        for which, model in models.items():  # the first model's very first call is the one of its process
             cached = triton_cache_entries()
-            first[which] = first_call_ms(fn, device)
+            first[which] = model.first_call()
             after = triton_cache_entries()
             compiled[which] = None if cached is None or after is None else after - cached
             log(f"{row['id']}: first {which} call {first[which]:.2f} ms; warm-up x{protocol['warmup']}")
-            time_calls(fn, device, protocol["warmup"])
-            warm_peak[which] = peak_memory_bytes(device)
+            warm_peak[which] = model.warmup(protocol["warmup"])
             if after_warmup is not None:
                 after_warmup(which)
         t0 = time.perf_counter()
-        rounds, round_peak, stopping = run_rounds(calls, device, name, protocol, tag=f"{row['id']}: ")
+        rounds, round_peak, stopping = run_rounds(models, device, name, protocol, tag=f"{row['id']}: ")
         stopping["seconds"] = round(time.perf_counter() - t0, 3)
     result["gpu_state"]["after"] = gpu_state(gpu)
     if gpu:
-        snapshots.append(snapshot(gpu, "after"))
+        snapshots.append(job_snapshot(gpu, "after", models))
     result["contention"] = contention(gpu, snapshots)
     if result["contention"]["contended"]:
         log(f"{row['id']}: WARNING other processes on the GPU: {result['contention']['other_processes']}")

@@ -45,7 +45,7 @@ def work(args, progress):
     result.update(capture=capture, call=None, status=None, failure=None, kernels=[])
     for path in (args.csv, args.trace):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-    _, model, result["weights"] = build(args, row, config, device, progress, None)
+    model, result["weights"] = build(args, row, config, device, progress)
     x, mask, _ = make_case(row, config, device, FIRST_TRIAL_SEED)
     result["call"] = call_of(mask)
     set_precision(reference=False)
