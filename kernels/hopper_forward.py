@@ -183,6 +183,18 @@ def pack_weights(layers: list[dict], final: tuple, num_heads: int, operand_dtype
     return out
 
 
+def packed_bytes(num_layers: int, d_model: int, num_heads: int, ffn_dim: int, operand_dtype=torch.float16) -> int:
+    """Bytes of `pack_weights`'s output for this model, its layout's one statement beside it: the stream in
+    `operand_dtype`, and in fp32 (o_b in fp64 with an fp64 stream) q_b and in_b padded, o_b, out_b and the norms
+    per layer, their copy in `vecs`, and the final norm."""
+    hdp = head_dim_padded(d_model // num_heads)
+    chunks = -(-ffn_dim // hdp)
+    stream = stream_tiles(num_heads, ffn_dim, hdp) * hdp * d_model * operand_dtype.itemsize
+    o_b = d_model * (8 if operand_dtype == torch.float64 else 4)
+    vectors = 4 * (num_heads * hdp + chunks * hdp + 5 * d_model + _vector_pad(d_model, num_heads, ffn_dim, hdp))
+    return num_layers * (stream + o_b + vectors) + 4 * 2 * d_model
+
+
 def _split_attention(q, k, v, valid, scale):
     """One head's attention over a causal sequence as a split pair computes it: the first program's rows (0 to
     SPLIT_ROWS - 1) against its own keys and SPLIT_ROWS zero keys (masked), the second's against the first's k and
@@ -648,6 +660,11 @@ def split_scratch(batch: int, num_layers: int, num_heads: int, hd: int, device) 
             "flags": torch.zeros(batch, dtype=torch.int32, device=device)}
 
 
+def split_scratch_bytes(batch: int, num_layers: int, num_heads: int, hd: int) -> int:
+    """Bytes of `split_scratch(batch, num_layers, num_heads, hd, ...)`: its kv fp16 and its int32 flags."""
+    return batch * (num_layers * num_heads * 2 * SPLIT_ROWS * hd * 2 + 4)
+
+
 def _arguments(x, w, *, num_heads, causal, eps, mask, out, desc, programs, overlap, pipeline, split, scratch):
     """(programs, the kernel's arguments by parameter name) for `hopper_forward`'s call, checked: every name of
     `_hopper_forward_fwd`'s signature, constexprs and num_warps included."""
@@ -872,5 +889,5 @@ def _aligned(x, mask) -> bool:
             and (mask is None or (mask.is_contiguous() and mask.data_ptr() % 16 == 0)))
 
 
-__all__ = ["PreparedLaunch", "forward_from_stream", "hopper_forward", "pack_weights", "split_scratch",
-           "why_unsupported"]
+__all__ = ["PreparedLaunch", "forward_from_stream", "hopper_forward", "pack_weights", "packed_bytes", "split_scratch",
+           "split_scratch_bytes", "why_unsupported"]

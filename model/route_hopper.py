@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import torch
 
+from ..kernels import OPERAND_DTYPES
 from .reference import LAYER_NORM_EPS
 from .route import RouteUnavailable
 from .weights import layer_weights, per_layer
@@ -89,18 +90,13 @@ def switches(route) -> set:
 
 
 def working_set(config, dtype, route) -> int:
-    """The weight stream (fp16, head dims and FFN padded to the kernel's tiles) and its fp32 vectors: no
-    activations beside the input and output."""
-    from shapewise.kernels.hopper_forward import head_dim_padded, stream_tiles  # deferred: triton
+    """The packed weights (the kernel's packer says their bytes) and, with two programs a sequence, their scratch:
+    no activations beside the input and output."""
+    from shapewise.kernels.hopper_forward import head_dim_padded, packed_bytes, split_scratch_bytes  # deferred: triton
 
-    hd, d = head_dim_padded(config.head_dim), config.d_model
-    tiles = stream_tiles(config.num_heads, config.ffn_dim, hd)
-    chunks = (tiles - 4 * config.num_heads) // 2
-    vectors = 4 * (config.num_heads * hd + chunks * hd + 6 * d)  # q_b, in_b (padded), o_b, out_b, the norms
-    weights = config.num_layers * (tiles * hd * d * 2 + vectors) + 4 * 2 * d  # and the final norm
+    weights = packed_bytes(config.num_layers, config.d_model, config.num_heads, config.ffn_dim,
+                           operand_dtype=OPERAND_DTYPES[route.precision])
     if not route.split_sequence:
         return weights
-    from shapewise.kernels.hopper_forward import SPLIT_ROWS  # deferred: triton
-
-    # the split's scratch (kernels.hopper_forward.split_scratch): k, v fp16 per sequence, layer and head, and a flag
-    return weights + config.batch_size * (config.num_layers * config.num_heads * 2 * SPLIT_ROWS * hd * 2 + 4)
+    return weights + split_scratch_bytes(config.batch_size, config.num_layers, config.num_heads,
+                                         head_dim_padded(config.head_dim))

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from shapewise.kernels import hopper_forward as hf
+from shapewise.model import route_hopper
 from shapewise.model.reference import LAYER_NORM_EPS as EPS
 from shapewise.model.routing import Route
 from shapewise.model.weights import layer_weights, per_layer
@@ -112,6 +113,27 @@ def test_padding_is_zero_and_the_stream_is_tile_ordered():
     assert torch.equal(w["vecs"][:, 6 * 32:6 * 32 + 4 * hd], w["q_b"])
     assert torch.equal(w["vecs"][:, 6 * 32 + 4 * hd:width], w["in_b"])
     assert not w["vecs"][:, width:].any()
+
+
+@pytest.mark.parametrize("operand_dtype", [torch.float16, torch.float64], ids=["fp16", "fp64"])
+@pytest.mark.parametrize("shape", SHAPES + SPLIT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_packers_size_is_what_it_packs_and_what_the_route_counts(shape, operand_dtype):
+    """packed_bytes states pack_weights' layout (padded heads, FFN chunks, `vecs`); split_scratch_bytes states
+    split_scratch's; route `hopper`'s working set is the two, as the model holds them."""
+    cfg = cfg_of(shape)
+    ref, _ = build_pair(cfg)
+    w = _packed(ref, cfg, operand_dtype)
+    args = (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.ffn_dim)
+    assert hf.packed_bytes(*args, operand_dtype=operand_dtype) == sum(t.nbytes for t in w.values())
+    hd = hf.head_dim_padded(cfg.head_dim)
+    scratch = hf.split_scratch(cfg.batch_size, cfg.num_layers, cfg.num_heads, hd, "cpu")
+    assert hf.split_scratch_bytes(cfg.batch_size, cfg.num_layers, cfg.num_heads, hd) == \
+        sum(t.nbytes for t in scratch.values())
+    held = sum(t.nbytes for t in route_hopper.packed(ref, torch.float16).values())
+    for split in (False, True):
+        route = Route("hopper", "fp16", "test", split_sequence=split)
+        assert route_hopper.working_set(cfg, torch.float16, route) == held + split * sum(
+            t.nbytes for t in scratch.values())
 
 
 def test_the_kernels_gelu_is_exact_gelu_to_its_erf():
