@@ -217,8 +217,8 @@ def _fused_layer_fwd(
             m = tl.max(s, 1)
             m = tl.where(m == float("-inf"), 0.0, m)
             p = tl.math.exp2(s - m[:, None])
-            l = tl.sum(p, 1)
-            o = _mm(p.to(op_ty), v) / tl.where(l == 0.0, 1.0, l)[:, None]
+            total = tl.sum(p, 1)
+            o = _mm(p.to(op_ty), v) / tl.where(total == 0.0, 1.0, total)[:, None]
         # out-projection rows f0..f0+head_dim of W_o^T: element (j, n) is Wo[n, f0 + j]
         wo = tl.load(Wo + cols[None, :] * d_model + f0 + hcol[:, None], mask=hd_ok[:, None] & col_ok[None, :],
                      other=0.0)

@@ -44,7 +44,7 @@ def layer_tail_reference(o, x, w, *, eps, mask=None, final=None):
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _layer_tail_fwd(
-    O,  # pointer to the attention output [N, d] (N = B*S tokens, contiguous), operand dtype
+    Att,  # pointer to the attention output [N, d] (N = B*S tokens, contiguous), operand dtype
     X,  # pointer to the residual stream in [N, d] (contiguous; fp32, or the input dtype for layer 0)
     Y,  # pointer to the output [N, d]: fp32 residual, or the final normalized output when FINAL_NORM
     Mask,  # pointer to int8 [N], 1 = valid token; read when HAS_MASK
@@ -65,7 +65,7 @@ def _layer_tail_fwd(
     wo = tl.load(Wo + cols[None, :] * d_model + cols[:, None], mask=col_ok[:, None] & col_ok[None, :], other=0.0)
     bo = tl.load(Bo + cols, mask=col_ok, other=0.0).to(tl.float32)
     pdl_wait(PDL)
-    o = tl.load(O + rows[:, None] * d_model + cols[None, :], mask=tile_ok, other=0.0)
+    o = tl.load(Att + rows[:, None] * d_model + cols[None, :], mask=tile_ok, other=0.0)
     x = tl.load(X + rows[:, None] * d_model + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32)
     x1 = x + _mm(o.to(Wo.dtype.element_ty), wo) + bo[None, :]
     x2 = _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn_dim, eps, BLOCK_M, BLOCK_D,
