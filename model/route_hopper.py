@@ -54,7 +54,7 @@ class HopperForward:
             self.scratch = self.split_scratch(x.shape[0], cfg.num_layers, cfg.num_heads, self.hd, x.device)
         keywords = dict(num_heads=cfg.num_heads, causal=cfg.causal, eps=LAYER_NORM_EPS, mask=mask, desc=self.desc,
                         split=split, scratch=self.scratch)
-        if self.route.prepared_launch and launch is None and self.prepared_launch.serves(x, mask):
+        if self.route.prepared_launch and self.launch is None and self.prepared_launch.serves(x, mask):
             self.launch = self.prepared_launch(x, self.weights, direct=self.route.direct_launch, **keywords)
             return self.launch(x, mask)
         return self.hopper_forward(x, self.weights, **keywords)

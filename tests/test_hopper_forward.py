@@ -136,6 +136,31 @@ def test_the_packers_size_is_what_it_packs_and_what_the_route_counts(shape, oper
             t.nbytes for t in scratch.values())
 
 
+def test_the_route_prepares_its_launch_on_the_first_call_and_takes_it_after():
+    """Route hopper with a prepared launch: the runner's first call prepares its signature's launch (with the
+    model's eps) and returns its output; later calls take that launch."""
+    made = []
+
+    class Prepared:
+        def __init__(self, x, weights, **keywords):
+            made.append(keywords)
+
+        @staticmethod
+        def serves(x, mask):
+            return True
+
+        def __call__(self, x, mask):
+            return x + 1
+
+    runner = object.__new__(route_hopper.HopperForward)  # its kernel's parts replaced: no Hopper needed
+    runner.route = Route("hopper", "fp16", "test", eager=True, prepared_launch=True)
+    runner.prepared_launch, runner.hopper_forward = Prepared, None
+    runner.weights, runner.desc, runner.hd, runner.scratch, runner.launch = {}, None, 16, None, None
+    model, x = types.SimpleNamespace(config=cfg_of((2, 8, 32, 2, 32, 1))), torch.zeros(2, 8, 32)
+    assert torch.equal(runner(model, x, None), x + 1) and torch.equal(runner(model, x, None), x + 1)
+    assert len(made) == 1 and made[0]["eps"] == EPS and made[0]["direct"] is False
+
+
 def test_the_kernels_gelu_is_exact_gelu_to_its_erf():
     t = torch.linspace(-12, 12, 200001, dtype=torch.float64)
     err = (hf.gelu(t) - torch.nn.functional.gelu(t)).abs()
