@@ -21,6 +21,8 @@ import json
 import math
 import os
 
+import torch
+
 from shapewise import stats
 from shapewise.jobs.candidate import (CandidateFailed, beside, build, call, check_output, drive, guarded,
                                       reference_fit, serve)
