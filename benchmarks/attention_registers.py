@@ -27,7 +27,7 @@ from benchmarks.common import write_json
 from shapewise.kernels import attention
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-POINTERS = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "O": "*fp16", "KeyLen": "*i32", "KeyMask": "*i8"}
+POINTERS = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "Out": "*fp16", "KeyLen": "*i32", "KeyMask": "*i8"}
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): the tiles the autotuner picked on the H200 (64x64 for most rows, 64x32
 # for head_dim 256, 32x32 for sequences of 32, 128x64 for long sequences)
 LAUNCHES = ((64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2), (128, 64, 8, 3))

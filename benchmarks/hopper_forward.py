@@ -26,6 +26,7 @@ from benchmarks.common import (accuracy, alternating_rounds, device_name, graph_
 from shapewise.jobs.device import time_calls
 from shapewise.kernels import hopper_forward as hf
 from shapewise.model import UserOptimizedTransformer
+from shapewise.model.reference import LAYER_NORM_EPS
 from shapewise.model.weights import layer_weights, per_layer
 
 ROWS = "1,5,6,2,9,10,12,11,7,3,4"
@@ -57,7 +58,7 @@ def row_result(shape_row, reps):
 
             def fn(variant=variant):
                 hf.hopper_forward(x, packed, num_heads=cfg.num_heads, causal=cfg.causal, mask=mask, out=y,
-                                  desc=desc, **variant)
+                                  desc=desc, eps=LAYER_NORM_EPS, **variant)
 
             fn()
             out[name] = {"accuracy": accuracy(want, y), "gpu_ms": graph_ms(fn, reps)}
@@ -93,7 +94,8 @@ def sweep(batches, layers, reps):
         for B in batches:
             x = torch.randn(B, 128, d, generator=gen).cuda()
             mask = torch.ones(B, 128, dtype=torch.bool).cuda()
-            ms = graph_ms(lambda: hf.hopper_forward(x, packed, num_heads=H, causal=True, mask=mask), reps)
+            ms = graph_ms(lambda: hf.hopper_forward(x, packed, num_heads=H, causal=True, eps=LAYER_NORM_EPS, mask=mask),
+                          reps)
             waves = -(-B // torch.cuda.get_device_properties(0).multi_processor_count)
             out.append({"layers": L, "batch": B, "gpu_ms": ms, "us_per_wave_and_layer": ms * 1e3 / waves / L})
             print(json.dumps(out[-1]), flush=True)

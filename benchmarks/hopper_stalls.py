@@ -43,6 +43,7 @@ def launch(row: int, batch: int | None) -> None:
     from benchmarks.common import official
     from benchmarks.hopper_forward import seeded_weights
     from shapewise.kernels import hopper_forward as hf
+    from shapewise.model.reference import LAYER_NORM_EPS
 
     r = official(row)
     B, S, d, H = (batch or r["batch_size"]), r["seq_len"], r["d_model"], r["num_heads"]
@@ -51,7 +52,7 @@ def launch(row: int, batch: int | None) -> None:
     mask = torch.ones(B, S, dtype=torch.bool, device="cuda")
     out = torch.empty_like(x)
     for _ in range(SKIP + 1):
-        hf.hopper_forward(x, packed, num_heads=H, causal=True, mask=mask, out=out)
+        hf.hopper_forward(x, packed, num_heads=H, causal=True, mask=mask, out=out, eps=LAYER_NORM_EPS)
     torch.cuda.synchronize()
 
 

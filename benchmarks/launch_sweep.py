@@ -18,6 +18,7 @@ from benchmarks.common import (CUDA, device_name, graph_ms, kernel_weights, medi
 from benchmarks.common import row as row_spec
 from shapewise.kernels.attention import attention_reference, flash_attention
 from shapewise.kernels.fused_layer import fused_layer, fused_layer_reference
+from shapewise.model.reference import LAYER_NORM_EPS
 
 # every official row the fused route serves or could serve (row 2 left out: one sequence, the graph route wins)
 FUSED_ROWS = {n: shape_of(n) for n in (1, 3, 4, 5, 6, 7, 9, 10, 11, 12)}
@@ -42,15 +43,15 @@ def fused_case(row, B, S, d, H, ffn, dev="cuda"):
     xm = x[:mask.shape[0]].contiguous()
     sample = slice(0, min(B, 64))
     return {"w": w, "x": x, "xm": xm, "mask": mask, "sample": sample, "num_heads": H,
-            "want": fused_layer_reference(x[sample], wref, num_heads=H, causal=True),
-            "want_masked": fused_layer_reference(xm, wref, num_heads=H, causal=True, mask=mask)}
+            "want": fused_layer_reference(x[sample], wref, num_heads=H, causal=True, eps=LAYER_NORM_EPS),
+            "want_masked": fused_layer_reference(xm, wref, num_heads=H, causal=True, eps=LAYER_NORM_EPS, mask=mask)}
 
 
 def measure_fused(case, **launch):
     """Max abs errors (plain, masked) of fused_layer(**launch) against the fp64 reference and, on a GPU, the
     time of one launch: graph replays of 10 back-to-back launches / 10, so Triton's host-side launch cost
     (tens of µs, more than these kernels take) is left out."""
-    run = dict(num_heads=case["num_heads"], causal=True, **launch)
+    run = dict(num_heads=case["num_heads"], causal=True, eps=LAYER_NORM_EPS, **launch)
     y = fused_layer(case["x"], case["w"], **run)
     ym = fused_layer(case["xm"], case["w"], mask=case["mask"], **run)
     rec = {"max_abs_error": (y[case["sample"]].double() - case["want"]).abs().max().item(),

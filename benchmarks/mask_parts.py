@@ -27,6 +27,7 @@ from shapewise.kernels.fused_layer import MAX_D_MODEL, fused_layer, ln_qkv
 from shapewise.kernels.layer_tail import layer_tail
 from shapewise.kernels.layernorm import add_layernorm
 from shapewise.kernels.mask import prefix_lengths
+from shapewise.model.reference import LAYER_NORM_EPS
 from shapewise.model.routing import Shape, select_route
 
 
@@ -56,7 +57,7 @@ def kernel_runs(number):
     w, _ = kernel_weights(d, ffn, "cuda")
     if route.name == "fused":
         block_m, warps, stages = route.launch
-        launch = dict(num_heads=H, causal=True, block_m=block_m, num_warps=warps, num_stages=stages,
+        launch = dict(num_heads=H, causal=True, eps=LAYER_NORM_EPS, block_m=block_m, num_warps=warps, num_stages=stages,
                       kv_precompute=route.kv_precompute)
         written = torch.empty(B, dtype=torch.int32, device="cuda")
         runs.update({
@@ -66,14 +67,15 @@ def kernel_runs(number):
             "fused_mask_summary_given": lambda: fused_layer(x, w, mask=mask, mask_prefix_lengths=prefix, **launch),
         })
     elif d <= MAX_D_MODEL:
-        o = ln_qkv(x, w)[..., :d].contiguous()
-        runs["tail_unmasked"] = lambda: layer_tail(o, x, w)
-        runs["tail_mask"] = lambda: layer_tail(o, x, w, mask=mask)
+        o = ln_qkv(x, w, eps=LAYER_NORM_EPS)[..., :d].contiguous()
+        runs["tail_unmasked"] = lambda: layer_tail(o, x, w, eps=LAYER_NORM_EPS)
+        runs["tail_mask"] = lambda: layer_tail(o, x, w, eps=LAYER_NORM_EPS, mask=mask)
     else:
         branch = torch.randn(B, S, d, device="cuda", generator=g).half()
         nw, nb = torch.ones(d, device="cuda"), torch.zeros(d, device="cuda")
-        runs["add_ln_unmasked"] = lambda: add_layernorm(x, branch, nw, nb, out_dtype=torch.float16)
-        runs["add_ln_row_mask"] = lambda: add_layernorm(x, branch, nw, nb, out_dtype=torch.float16, row_mask=mask)
+        ln = dict(eps=LAYER_NORM_EPS, out_dtype=torch.float16)
+        runs["add_ln_unmasked"] = lambda: add_layernorm(x, branch, nw, nb, **ln)
+        runs["add_ln_row_mask"] = lambda: add_layernorm(x, branch, nw, nb, **ln, row_mask=mask)
     return runs, route
 
 

@@ -156,7 +156,7 @@ def run(name, number, cap_gb, calls, device, tiny):
             result["peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
             result["peak_over_io_bytes"] = result["peak_bytes"] - io_bytes
         result["status"] = "ran"
-    except Exception as exc:  # noqa: BLE001 (an out-of-memory under the cap is a result of this experiment, recorded)
+    except Exception as exc:  # an out-of-memory under the cap is a result of this experiment, recorded
         result["status"] = "failed"
         result["error"] = f"{type(exc).__name__}: {exc}"
         set_cap(device, None)

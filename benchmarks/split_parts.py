@@ -17,6 +17,7 @@ import torch
 from shapewise.kernels.attention import flash_attention
 from shapewise.kernels.fused_layer import ln_qkv
 from shapewise.kernels.layer_tail import layer_tail, layer_tail_reference
+from shapewise.model.reference import LAYER_NORM_EPS
 
 from benchmarks.common import device_name, graph_ms, kernel_weights, parser, row_numbers, shape_of, write_json
 
@@ -37,14 +38,14 @@ def parts(row, tail_configs, out, save, ln_configs=LN_CONFIGS):
     mask = torch.ones(B, S, dtype=torch.bool, device="cuda")
     reps = 5 if B * S > 10**6 else 30
     N = B * S
-    qkv = ln_qkv(x, w)
+    qkv = ln_qkv(x, w, eps=LAYER_NORM_EPS)
     q, k, v = qkv.view(B, S, 3, H, d // H).unbind(2)
     o = flash_attention(q, k, v, causal=True, key_mask=mask).reshape(B, S, d).contiguous()
     rec = {"row": row, "shape": [B, S, d, H, ffn], "ln_qkv_launches": []}
     for block_t, col_blocks, warps in ln_configs:
         t = {"block_t": block_t, "col_blocks": col_blocks, "num_warps": warps}
         try:
-            run = dict(block_t=block_t, col_blocks=col_blocks, num_warps=warps)
+            run = dict(eps=LAYER_NORM_EPS, block_t=block_t, col_blocks=col_blocks, num_warps=warps)
             t["max_abs_diff_to_default"] = (ln_qkv(x, w, **run).float() - qkv.float()).abs().max().item()
             t["ms"] = graph_ms(lambda: ln_qkv(x, w, **run), reps)
             t["GB_per_s"] = (N * d * 4 + N * 3 * d * 2) / t["ms"] / 1e6
@@ -53,7 +54,7 @@ def parts(row, tail_configs, out, save, ln_configs=LN_CONFIGS):
         rec["ln_qkv_launches"].append(t)
         print(row, "ln_qkv", t, flush=True)
     for name, fn, nbytes in (
-            ("ln_qkv", lambda: ln_qkv(x, w), N * d * 4 + N * 3 * d * 2),
+            ("ln_qkv", lambda: ln_qkv(x, w, eps=LAYER_NORM_EPS), N * d * 4 + N * 3 * d * 2),
             ("attention", lambda: flash_attention(q, k, v, causal=True, key_mask=mask), N * 4 * d * 2),
             ("attention_unmasked", lambda: flash_attention(q, k, v, causal=True), N * 4 * d * 2)):
         ms = graph_ms(fn, reps)
@@ -61,12 +62,12 @@ def parts(row, tail_configs, out, save, ln_configs=LN_CONFIGS):
         print(row, name, rec[name], flush=True)
     rec["tail"] = []
     sample = slice(0, min(B, 64))
-    want = layer_tail_reference(o[sample], x[sample], wref, mask=mask[sample])
+    want = layer_tail_reference(o[sample], x[sample], wref, eps=LAYER_NORM_EPS, mask=mask[sample])
     tail_bytes = N * d * (2 + 4 + 4)
     for bm, fb, warps, stages in tail_configs:
         t = {"block_m": bm, "ffn_block": fb, "num_warps": warps, "num_stages": stages}
         try:
-            run = dict(mask=mask, block_m=bm, ffn_block=fb, num_warps=warps, num_stages=stages)
+            run = dict(eps=LAYER_NORM_EPS, mask=mask, block_m=bm, ffn_block=fb, num_warps=warps, num_stages=stages)
             got = layer_tail(o, x, w, **run)
             t["max_abs_error"] = (got[sample].double() - want).abs().max().item()
             t["ms"] = graph_ms(lambda: layer_tail(o, x, w, **run), reps)

@@ -19,7 +19,7 @@ from benchmarks.attention_registers import usage
 from benchmarks.common import write_json
 from shapewise.kernels import layer_tail
 
-POINTERS = {"O": "*fp16", "X": "*fp32", "Y": "*fp32", "Mask": "*i8", "Wo": "*fp16", "Bo": "*fp16", "Win": "*fp16",
+POINTERS = {"Att": "*fp16", "X": "*fp32", "Y": "*fp32", "Mask": "*i8", "Wo": "*fp16", "Bo": "*fp16", "Win": "*fp16",
             "Bin": "*fp16", "Wout": "*fp16", "Bout": "*fp16", "N2w": "*fp32", "N2b": "*fp32", "NFw": "*fp32",
             "NFb": "*fp32"}
 # (BLOCK_M, num_warps): the launches the split layer runs (tail_block_m: 16, 32, 64 tokens, 4 warps), and 8 warps

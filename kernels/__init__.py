@@ -21,7 +21,7 @@ def _fix_interpreter_scalar_index():
     refuses for its shape-(1,) arrays ("only 0-dimensional arrays can be converted"); a loop with a
     run-time bound then fails. Convert through `.item()` instead. Only touches the interpreter."""
     try:
-        from triton.runtime import interpreter
+        from triton.runtime import interpreter  # deferred: only the interpreter's runs need it
     except ImportError:
         return
     original = getattr(interpreter, "_patch_lang_tensor", None)

@@ -136,7 +136,7 @@ def _attention_block(
 @triton.jit
 def _attention_fwd(
     Q, K, V,  # pointers to the [B, S, H, D] query/key/value views (unit stride along D)
-    O,  # pointer to the [B, S, H, D] output
+    Out,  # pointer to the [B, S, H, D] output
     KeyLen,  # int32 [B]: number of valid (prefix) keys per batch element; read when HAS_KEY_LEN. With HAS_KEY_MASK
     # too: the prefix length where that batch element's mask is a prefix, -1 where it is not
     KeyMask,  # int8 [B, S]: 1 = valid key/query; read when HAS_KEY_MASK, which always comes with HAS_KEY_LEN (the
@@ -175,7 +175,7 @@ def _attention_fwd(
     q_base = Q + b.to(tl.int64) * stride_qb + h * stride_qh
     k_base = K + b.to(tl.int64) * stride_kb + h * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + h * stride_vh
-    o_base = O + b.to(tl.int64) * stride_ob + h * stride_oh
+    o_base = Out + b.to(tl.int64) * stride_ob + h * stride_oh
     mask_base = KeyMask + b.to(tl.int64) * stride_mb
 
     m_ok = offs_m < seq_len
@@ -251,7 +251,7 @@ def _attention_fwd(
         if not is_prefix:  # a prefix's invalid queries are the ones past its length, zeroed above
             q_ok = tl.load(mask_base + offs_m, mask=m_ok, other=0) != 0
             out = tl.where(q_ok[:, None], out, 0.0)
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok)
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok)
     pdl_release_end(PDL)
 
 

@@ -29,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..model.reference import LAYER_NORM_EPS
 from .layer_tail import layer_tail_reference
 from .mask import check_summary, first_mask_block, prefix_length_of_row, summary_block
 from .pdl import launch_options, pdl_release_end, pdl_release_start, pdl_wait
@@ -44,8 +43,9 @@ MAX_BLOCK_M = 32
 # ----------------------------------------------------------------------------------------------
 # Plain torch reference (one layer of the contract, optionally with the final norm)
 # ----------------------------------------------------------------------------------------------
-def fused_layer_reference(x, w, *, num_heads, causal, mask=None, final=None, eps=LAYER_NORM_EPS):
-    """x: [B, S, d] (float); w: dict of fp32/fp64 tensors named as in `pack_layer_weights`."""
+def fused_layer_reference(x, w, *, num_heads, causal, eps, mask=None, final=None):
+    """x: [B, S, d] (float); w: dict of fp32/fp64 tensors named as in `pack_layer_weights`; eps: the LayerNorms'
+    epsilon."""
     B, S, d = x.shape
     hd = d // num_heads
     x = x.double()
@@ -217,8 +217,8 @@ def _fused_layer_fwd(
             m = tl.max(s, 1)
             m = tl.where(m == float("-inf"), 0.0, m)
             p = tl.math.exp2(s - m[:, None])
-            l = tl.sum(p, 1)
-            o = _mm(p.to(op_ty), v) / tl.where(l == 0.0, 1.0, l)[:, None]
+            total = tl.sum(p, 1)
+            o = _mm(p.to(op_ty), v) / tl.where(total == 0.0, 1.0, total)[:, None]
         # out-projection rows f0..f0+head_dim of W_o^T: element (j, n) is Wo[n, f0 + j]
         wo = tl.load(Wo + cols[None, :] * d_model + f0 + hcol[:, None], mask=hd_ok[:, None] & col_ok[None, :],
                      other=0.0)
@@ -307,7 +307,7 @@ def _ln_project_grid(B, S, n_cols, block_t=None, col_blocks=None):
             (token_blocks, B, triton.cdiv(steps, steps_per_program)))
 
 
-def _ln_project(x, w, first_col, n_cols, block_t=None, col_blocks=None, num_warps=4, mask=None, pdl=False):
+def _ln_project(x, w, first_col, n_cols, eps, block_t=None, col_blocks=None, num_warps=4, mask=None, pdl=False):
     """LayerNorm 1 of every token of x [B, S, d] and its projection onto rows first_col..first_col + n_cols of
     the packed QKV weight: [B, S, n_cols] in the weights' dtype (one _ln_kv_fwd launch; `_ln_project_grid`).
     With `mask` (bool [B, S]) the same launch also returns its prefix summary (kernels.mask.prefix_lengths).
@@ -322,7 +322,7 @@ def _ln_project(x, w, first_col, n_cols, block_t=None, col_blocks=None, num_warp
         m = prefix = out  # placeholders, never read or written
     _ln_kv_fwd[grid](
         x, out, w["qkv_w"], w["qkv_b"], w["n1_w"], w["n1_b"], x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        S, d, LAYER_NORM_EPS, first_col, n_cols, cols_per_program, m, prefix, m.stride(0) if mask is not None else 0,
+        S, d, eps, first_col, n_cols, cols_per_program, m, prefix, m.stride(0) if mask is not None else 0,
         BLOCK_T=block_t, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=LN_PROJECT_BLOCK_N,
         WRITE_PREFIX=mask is not None, MASK_BLOCK=summary_block(S), num_warps=num_warps,
         num_stages=1, **launch_options(pdl, "ln_qkv"),
@@ -330,13 +330,13 @@ def _ln_project(x, w, first_col, n_cols, block_t=None, col_blocks=None, num_warp
     return out if mask is None else (out, prefix)
 
 
-def ln_qkv(x, w, *, block_t=None, col_blocks=None, num_warps=4, mask=None, pdl=False):
+def ln_qkv(x, w, *, eps, block_t=None, col_blocks=None, num_warps=4, mask=None, pdl=False):
     """LayerNorm 1 and the packed QKV projection of x [B, S, d] (d <= MAX_D_MODEL, unit stride along d) in one
     kernel: [B, S, 3d] (q, k, v) in the weights' dtype (fp16/bf16), with fp32 statistics and sums. `w` as for
-    fused_layer (qkv_w, qkv_b, n1_w, n1_b). block_t, col_blocks, num_warps: the launch (None: `_ln_project_grid`'s
-    defaults), for benchmarks. With `mask` (bool [B, S]): returns (qkv, the mask's prefix summary as
-    kernels.mask.prefix_lengths gives it), computed in the same launch. pdl: launch with programmatic dependent
-    launch (kernels/pdl.py), for a kernel that follows another of the same forward."""
+    fused_layer (qkv_w, qkv_b, n1_w, n1_b); eps: LayerNorm 1's epsilon. block_t, col_blocks, num_warps: the launch
+    (None: `_ln_project_grid`'s defaults), for benchmarks. With `mask` (bool [B, S]): returns (qkv, the mask's
+    prefix summary as kernels.mask.prefix_lengths gives it), computed in the same launch. pdl: launch with
+    programmatic dependent launch (kernels/pdl.py), for a kernel that follows another of the same forward."""
     B, S, d = x.shape
     if not MIN_D_MODEL <= d <= MAX_D_MODEL or x.stride(-1) != 1:
         raise ValueError(f"ln_qkv: x must be [B, S, d] with {MIN_D_MODEL} <= d <= {MAX_D_MODEL} and unit stride "
@@ -346,7 +346,7 @@ def ln_qkv(x, w, *, block_t=None, col_blocks=None, num_warps=4, mask=None, pdl=F
                          f"{w['qkv_w'].dtype} {tuple(w['qkv_w'].shape)}")
     if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, S)):
         raise ValueError(f"ln_qkv: mask must be bool [B, S]={B, S}, got {mask.dtype} {tuple(mask.shape)}")
-    return _ln_project(x, w, 0, 3 * d, block_t, col_blocks, num_warps, mask, pdl)
+    return _ln_project(x, w, 0, 3 * d, eps, block_t, col_blocks, num_warps, mask, pdl)
 
 
 def why_unsupported(seq_len: int, d_model: int, num_heads: int) -> str | None:
@@ -374,13 +374,14 @@ def _block_size(name: str, value, default: int, most: int) -> int:
 ROW_MASK_BRANCH = True
 
 
-def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=None, out=None, block_m=None,
+def fused_layer(x, w, *, num_heads, causal, eps, mask=None, final=None, out_dtype=None, out=None, block_m=None,
                 num_warps=4, num_stages=1, kv_precompute=False, key_block=None, ffn_block=None,
                 mask_prefix_lengths=None, prefix_out=None, pdl=False):
     """One layer (and the final norm when `final=(weight, bias)`) over `x [B, S, d]`.
 
     w: dict with qkv_w [3d, d], qkv_b [3d], o_w, o_b, in_w [ffn, d], in_b, out_w [d, ffn], out_b in the
-    operand dtype (fp16/bf16) and n1_w, n1_b, n2_w, n2_b in fp32. Returns the new fp32 residual
+    operand dtype (fp16/bf16) and n1_w, n1_b, n2_w, n2_b in fp32; eps: the LayerNorms' epsilon (the model's,
+    model/reference.py). Returns the new fp32 residual
     `[B, S, d]`, or the normalized output (in `out_dtype`, default x's dtype) when `final` is given.
     block_m, num_warps, num_stages: launch configuration (defaults: the one checked on the H200).
     kv_precompute: compute the keys and values of every token once, in a second small kernel (_ln_kv_fwd),
@@ -436,7 +437,7 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
                          f"kv_precompute=True: the key blocks are read from the precomputed keys and values")
     ffn_pad = max(16, triton.next_power_of_2(ffn))
     block_f = _block_size("ffn_block", ffn_block, min(64, ffn_pad), ffn_pad)
-    kv = _ln_project(x, w, d, 2 * d, pdl=pdl) if kv_precompute else out  # out: a placeholder pointer, never read
+    kv = _ln_project(x, w, d, 2 * d, eps, pdl=pdl) if kv_precompute else out  # out: a placeholder pointer, never read
     grid = (triton.cdiv(S, block_m), B)
     prefix = mask_prefix_lengths if mask_prefix_lengths is not None else prefix_out
     _fused_layer_fwd[grid](
@@ -445,7 +446,7 @@ def fused_layer(x, w, *, num_heads, causal, mask=None, final=None, out_dtype=Non
         w["n1_w"], w["n1_b"], w["n2_w"], w["n2_b"], nf_w, nf_b,
         kv, kv.stride(0) if kv_precompute else 0, kv.stride(1) if kv_precompute else 0,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), m.stride(0) if mask is not None else 0,
-        S, d, ffn, hd**-0.5 * math.log2(math.e), LAYER_NORM_EPS,
+        S, d, ffn, hd**-0.5 * math.log2(math.e), eps,
         NUM_HEADS=num_heads, HEAD_DIM=hd, BLOCK_HD=max(16, triton.next_power_of_2(hd)),
         BLOCK_D=block_d, BLOCK_F=block_f, BLOCK_M=block_m, BLOCK_S=block_s,
         IS_CAUSAL=bool(causal), HAS_MASK=mask is not None, FINAL_NORM=final is not None,

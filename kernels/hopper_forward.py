@@ -41,8 +41,6 @@ import math
 
 import torch
 
-from ..model.reference import LAYER_NORM_EPS
-
 try:  # Gluon ships with Triton >= 3.5; without it (or without a Hopper GPU) `why_unsupported` says so
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -185,6 +183,18 @@ def pack_weights(layers: list[dict], final: tuple, num_heads: int, operand_dtype
     return out
 
 
+def packed_bytes(num_layers: int, d_model: int, num_heads: int, ffn_dim: int, operand_dtype=torch.float16) -> int:
+    """Bytes of `pack_weights`'s output for this model, its layout's one statement beside it: the stream in
+    `operand_dtype`, and in fp32 (o_b in fp64 with an fp64 stream) q_b and in_b padded, o_b, out_b and the norms
+    per layer, their copy in `vecs`, and the final norm."""
+    hdp = head_dim_padded(d_model // num_heads)
+    chunks = -(-ffn_dim // hdp)
+    stream = stream_tiles(num_heads, ffn_dim, hdp) * hdp * d_model * operand_dtype.itemsize
+    o_b = d_model * (8 if operand_dtype == torch.float64 else 4)
+    vectors = 4 * (num_heads * hdp + chunks * hdp + 5 * d_model + _vector_pad(d_model, num_heads, ffn_dim, hdp))
+    return num_layers * (stream + o_b + vectors) + 4 * 2 * d_model
+
+
 def _split_attention(q, k, v, valid, scale):
     """One head's attention over a causal sequence as a split pair computes it: the first program's rows (0 to
     SPLIT_ROWS - 1) against its own keys and SPLIT_ROWS zero keys (masked), the second's against the first's k and
@@ -204,9 +214,10 @@ def _split_attention(q, k, v, valid, scale):
     return torch.cat(out, 1)
 
 
-def forward_from_stream(x, w, *, num_heads, causal, mask=None, eps=LAYER_NORM_EPS, split=False):
+def forward_from_stream(x, w, *, num_heads, causal, eps, mask=None, split=False):
     """The forward computed in fp64 from `pack_weights`'s layout, tile by tile in the kernel's order (padded heads
-    and FFN chunks included): what the kernel computes, up to its fp16 operands and summation order. `split`: each
+    and FFN chunks included): what the kernel computes, up to its fp16 operands and summation order; `eps`: the
+    LayerNorms' epsilon. `split`: each
     head's attention as a split pair computes it (`_split_attention`; causal, SPLIT_MIN_SEQ_LEN <= S <= 128)."""
     B, S, d = x.shape
     hd = d // num_heads
@@ -649,7 +660,12 @@ def split_scratch(batch: int, num_layers: int, num_heads: int, hd: int, device) 
             "flags": torch.zeros(batch, dtype=torch.int32, device=device)}
 
 
-def _arguments(x, w, *, num_heads, causal, mask, out, desc, programs, overlap, pipeline, split, scratch):
+def split_scratch_bytes(batch: int, num_layers: int, num_heads: int, hd: int) -> int:
+    """Bytes of `split_scratch(batch, num_layers, num_heads, hd, ...)`: its kv fp16 and its int32 flags."""
+    return batch * (num_layers * num_heads * 2 * SPLIT_ROWS * hd * 2 + 4)
+
+
+def _arguments(x, w, *, num_heads, causal, eps, mask, out, desc, programs, overlap, pipeline, split, scratch):
     """(programs, the kernel's arguments by parameter name) for `hopper_forward`'s call, checked: every name of
     `_hopper_forward_fwd`'s signature, constexprs and num_warps included."""
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.stride(-1) != 1:
@@ -699,7 +715,7 @@ def _arguments(x, w, *, num_heads, causal, mask, out, desc, programs, overlap, p
                              f"{', '.join(map(str, want))}], flags int32 [>= {B}] on {x.device}")
     return programs, dict(
         X=x, Y=out, Mask=m, w_desc=desc, VEC=w["vecs"], NFw=w["final_w"], NFb=w["final_b"], batch=B, seq_len=S,
-        num_layers=L, qk_scale=(d // num_heads) ** -0.5 * math.log2(math.e), eps=LAYER_NORM_EPS,
+        num_layers=L, qk_scale=(d // num_heads) ** -0.5 * math.log2(math.e), eps=eps,
         stride_xb=x.stride(0), stride_xs=x.stride(1), stride_yb=out.stride(0), stride_ys=out.stride(1),
         stride_mb=m.stride(0) if mask is not None else 0, KV=kv, Flags=flags,
         S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=num_heads, F_CHUNKS=cfg["F_CHUNKS"],
@@ -708,17 +724,18 @@ def _arguments(x, w, *, num_heads, causal, mask, out, desc, programs, overlap, p
     )
 
 
-def hopper_forward(x, w, *, num_heads, causal, mask=None, out=None, desc=None, programs=None, overlap=True,
+def hopper_forward(x, w, *, num_heads, causal, eps, mask=None, out=None, desc=None, programs=None, overlap=True,
                    pipeline=False, split=False, scratch=None):
     """The whole forward over `x [B, S, d]` with `pack_weights`'s weights `w`: [B, S, d] in x's dtype (or into
-    `out`), invalid rows 0. `desc`: the stream's `weight_descriptor` (built here when None); `programs`: persistent
-    programs (default one per SM); `overlap`: a head's q, k, v projections (and an FFN chunk's out-projection with
-    the next chunk's in-projection) issued back to back before one wait, else each waited for alone; `pipeline`: a
-    head's q, k, v projections issued under the previous head's softmax (heads up to 32 wide; measured before it
-    becomes the default: docs/decisions.md#hopper-head-pipeline); `split`: two 4-warp programs per sequence, rows
-    0-63 and 64-127 (causal, SPLIT_MIN_SEQ_LEN <= S <= 128; the module's docstring), `programs` then even and at
-    most the SMs, `scratch` its `split_scratch` (allocated here when None; reused, one launch at a time)."""
-    programs, args = _arguments(x, w, num_heads=num_heads, causal=causal, mask=mask, out=out, desc=desc,
+    `out`), invalid rows 0. `eps`: the LayerNorms' epsilon (the model's, model/reference.py). `desc`: the stream's
+    `weight_descriptor` (built here when None); `programs`: persistent programs (default one per SM); `overlap`: a
+    head's q, k, v projections (and an FFN chunk's out-projection with the next chunk's in-projection) issued back
+    to back before one wait, else each waited for alone; `pipeline`: a head's q, k, v projections issued under the
+    previous head's softmax (heads up to 32 wide; measured before it becomes the default:
+    docs/decisions.md#hopper-head-pipeline); `split`: two 4-warp programs per sequence, rows 0-63 and 64-127
+    (causal, SPLIT_MIN_SEQ_LEN <= S <= 128; the module's docstring), `programs` then even and at most the SMs,
+    `scratch` its `split_scratch` (allocated here when None; reused, one launch at a time)."""
+    programs, args = _arguments(x, w, num_heads=num_heads, causal=causal, eps=eps, mask=mask, out=out, desc=desc,
                                 programs=programs, overlap=overlap, pipeline=pipeline, split=split, scratch=scratch)
     _hopper_forward_fwd[(programs,)](**args)
     return args["Y"]
@@ -742,13 +759,14 @@ class PreparedLaunch:
     __slots__ = ("programs", "values", "at_x", "at_out", "at_mask", "index", "stream",
                  "run", "function", "metadata", "kernel", "c_launch", "direct", "direct_at")
 
-    def __init__(self, x, w, *, num_heads, causal, mask=None, desc=None, programs=None, overlap=True,
+    def __init__(self, x, w, *, num_heads, causal, eps, mask=None, desc=None, programs=None, overlap=True,
                  pipeline=False, split=False, scratch=None, direct=True):
         if not _aligned(x, mask):
             raise ValueError("PreparedLaunch: x and the mask must be contiguous and 16-byte aligned (the layout the "
                              "kernel is specialized on); hopper_forward serves any layout")
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        self.programs, args = _arguments(x, w, num_heads=num_heads, causal=causal, mask=mask, out=out, desc=desc,
+        self.programs, args = _arguments(x, w, num_heads=num_heads, causal=causal, eps=eps, mask=mask, out=out,
+                                         desc=desc,
                                          programs=programs, overlap=overlap, pipeline=pipeline, split=split,
                                          scratch=scratch)
         with torch.cuda.device(x.device):  # the module loads into this device's context
@@ -871,5 +889,5 @@ def _aligned(x, mask) -> bool:
             and (mask is None or (mask.is_contiguous() and mask.data_ptr() % 16 == 0)))
 
 
-__all__ = ["PreparedLaunch", "forward_from_stream", "hopper_forward", "pack_weights", "split_scratch",
-           "why_unsupported"]
+__all__ = ["PreparedLaunch", "forward_from_stream", "hopper_forward", "pack_weights", "packed_bytes", "split_scratch",
+           "split_scratch_bytes", "why_unsupported"]

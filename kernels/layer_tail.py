@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..model.reference import LAYER_NORM_EPS
 from .pdl import launch_options, pdl_release_end, pdl_release_start, pdl_wait
 from .tiles import MAX_D_MODEL, MIN_D_MODEL, _ffn_residual, _mm, _store_rows
 
@@ -22,10 +21,10 @@ from .tiles import MAX_D_MODEL, MIN_D_MODEL, _ffn_residual, _mm, _store_rows
 # ----------------------------------------------------------------------------------------------
 # Plain torch reference (fp64)
 # ----------------------------------------------------------------------------------------------
-def layer_tail_reference(o, x, w, *, mask=None, final=None, eps=LAYER_NORM_EPS):
+def layer_tail_reference(o, x, w, *, eps, mask=None, final=None):
     """o: attention output [B, S, d] (heads concatenated); x: the residual stream into the layer [B, S, d];
     w: o_w, o_b, n2_w, n2_b, in_w, in_b, out_w, out_b. Returns the layer's output residual (or, with
-    `final=(weight, bias)`, the final LayerNorm of it) in fp64, invalid rows 0."""
+    `final=(weight, bias)`, the final LayerNorm of it) in fp64, invalid rows 0; `eps`: the LayerNorms' epsilon."""
     d = x.shape[-1]
     f = {k: v.double() for k, v in w.items()}
     x1 = x.double() + o.double() @ f["o_w"].t() + f["o_b"]
@@ -45,7 +44,7 @@ def layer_tail_reference(o, x, w, *, mask=None, final=None, eps=LAYER_NORM_EPS):
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _layer_tail_fwd(
-    O,  # pointer to the attention output [N, d] (N = B*S tokens, contiguous), operand dtype
+    Att,  # pointer to the attention output [N, d] (N = B*S tokens, contiguous), operand dtype
     X,  # pointer to the residual stream in [N, d] (contiguous; fp32, or the input dtype for layer 0)
     Y,  # pointer to the output [N, d]: fp32 residual, or the final normalized output when FINAL_NORM
     Mask,  # pointer to int8 [N], 1 = valid token; read when HAS_MASK
@@ -66,7 +65,7 @@ def _layer_tail_fwd(
     wo = tl.load(Wo + cols[None, :] * d_model + cols[:, None], mask=col_ok[:, None] & col_ok[None, :], other=0.0)
     bo = tl.load(Bo + cols, mask=col_ok, other=0.0).to(tl.float32)
     pdl_wait(PDL)
-    o = tl.load(O + rows[:, None] * d_model + cols[None, :], mask=tile_ok, other=0.0)
+    o = tl.load(Att + rows[:, None] * d_model + cols[None, :], mask=tile_ok, other=0.0)
     x = tl.load(X + rows[:, None] * d_model + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32)
     x1 = x + _mm(o.to(Wo.dtype.element_ty), wo) + bo[None, :]
     x2 = _ffn_residual(x1, N2w, N2b, Win, Bin, Wout, Bout, cols, col_ok, d_model, ffn_dim, eps, BLOCK_M, BLOCK_D,
@@ -102,12 +101,13 @@ def tail_block_m(n_tokens: int) -> int:
     return TAIL_BLOCK_M[-1]
 
 
-def layer_tail(o, x, w, *, mask=None, final=None, out_dtype=None, block_m=None, ffn_block=32, num_warps=None,
+def layer_tail(o, x, w, *, eps, mask=None, final=None, out_dtype=None, block_m=None, ffn_block=32, num_warps=None,
                num_stages=3, pdl=False):
     """The layer after attention: `o` [B, S, d] (the attention output, weights' dtype) and `x` [B, S, d] (the
     residual into the layer), both contiguous; `w` with o_w, o_b, in_w, in_b, out_w, out_b (fp16/bf16) and n2_w,
     n2_b (fp32), as for fused_layer. Returns the fp32 residual [B, S, d], or with `final=(weight, bias)` the final
-    LayerNorm of it in `out_dtype` (default x's dtype). Rows where `mask` (bool [B, S]) is False are 0.
+    LayerNorm of it in `out_dtype` (default x's dtype). Rows where `mask` (bool [B, S]) is False are 0. `eps`: the
+    LayerNorms' epsilon (the model's, model/reference.py).
     Default launch: `tail_block_m` tokens (64 from 8192 tokens), 4 warps, 32 FFN columns per step, 3 stages: the
     fastest measured on the H200 at d_model 128 (docs/decisions.md#split-layer). pdl: launch with programmatic
     dependent launch (kernels/pdl.py), for a kernel that follows another of the same forward."""
@@ -135,7 +135,7 @@ def layer_tail(o, x, w, *, mask=None, final=None, out_dtype=None, block_m=None, 
     block_m = block_m or tail_block_m(n_tokens)
     _layer_tail_fwd[(triton.cdiv(n_tokens, block_m),)](
         o, x, out, m, w["o_w"], w["o_b"], w["in_w"], w["in_b"], w["out_w"], w["out_b"], w["n2_w"], w["n2_b"],
-        nf_w, nf_b, n_tokens, d, ffn, LAYER_NORM_EPS,
+        nf_w, nf_b, n_tokens, d, ffn, eps,
         BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_F=min(ffn_block, ffn_pad),
         HAS_MASK=mask is not None, FINAL_NORM=final is not None, num_warps=num_warps or 4, num_stages=num_stages,
         **launch_options(pdl, "layer_tail"),

@@ -10,7 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..model.reference import LAYER_NORM_EPS
 from .pdl import launch_options, pdl_release_end, pdl_release_start, pdl_wait
 
 
@@ -73,11 +72,12 @@ def _rows(name, t, n_cols):
     return t2
 
 
-def add_layernorm(residual, branch, weight, bias, *, eps=LAYER_NORM_EPS, out_dtype=torch.float32, row_mask=None,
+def add_layernorm(residual, branch, weight, bias, *, eps, out_dtype=torch.float32, row_mask=None,
                   residual_out=None, write_residual=True, out=None, pdl=False):
     """Return `(new_residual_fp32 or None, layer_norm(new_residual) in out_dtype)`.
 
-    residual: `[..., d]`; branch: same shape, or None (plain LayerNorm of the residual).
+    residual: `[..., d]`; branch: same shape, or None (plain LayerNorm of the residual). eps: the LayerNorm's
+    epsilon (the model's, model/reference.py: a kernel owns no constant of the contract).
     row_mask: bool `[...]` (residual's dimensions but its last); rows where it is False become 0 in both outputs.
     residual_out: fp32 tensor for the new residual (may be `residual` itself: in place).
     write_residual=False skips writing the residual (the model's final norm).
@@ -126,7 +126,7 @@ def add_layernorm(residual, branch, weight, bias, *, eps=LAYER_NORM_EPS, out_dty
     return residual_out, out
 
 
-def layer_norm(x, weight, bias, eps=LAYER_NORM_EPS, out_dtype=None):
-    """Plain LayerNorm over the last dimension with fp32 statistics."""
+def layer_norm(x, weight, bias, eps, out_dtype=None):
+    """Plain LayerNorm over the last dimension with fp32 statistics and epsilon `eps`."""
     _, y = add_layernorm(x, None, weight, bias, eps=eps, out_dtype=out_dtype or x.dtype, write_residual=False)
     return y

@@ -21,6 +21,7 @@ import torch
 
 from ..kernels import OPERAND_DTYPES
 from .config import TransformerConfig, parameter_count
+from .routing import ROUTE_SPECS, Route, _dtype_name, _precision_for, route_module
 
 BUDGET_ENV = "SHAPEWISE_MEMORY_BUDGET_GB"  # the user's cap, in GB (10^9 bytes): device memory this process may hold
 # A streamed forward keeps each chunk's working set under this, even when more memory is free: a chunk this large
@@ -65,8 +66,6 @@ def working_set_bytes(config, dtype, route, sdpa_mask: bool = False, captured: b
     fused on CUDA), whose static input and output copies and mask live as long as the capture: 2 * e * d + 1 more
     per token, e the input dtype's bytes.
     """
-    from .routing import ROUTE_SPECS, route_module  # routing imports no torch; the route modules import this one
-
     cfg = TransformerConfig.from_any(config)
     e = element_bytes(dtype)
     own = route_module(route.name).working_set(cfg, dtype, route)
@@ -76,32 +75,22 @@ def working_set_bytes(config, dtype, route, sdpa_mask: bool = False, captured: b
     return int(own + mask_bytes + statics)
 
 
+# The route each model's estimate takes: the reference's own forward (route_reference.py: the explicit attention's
+# `[B, H, S, S]` tensors), or the optimized model's general route (Triton kernels, unmasked, unchunked).
+_ESTIMATE_ROUTES = {"reference": "reference", "optimized": "triton"}
+
+
 def estimate_memory_bytes(config, dtype: torch.dtype, which: str) -> int:
-    """Peak device memory estimate (bytes) of one whole forward: weights, input, output and activations.
-
-    `which="reference"`: the explicit attention holds scores, the causal-masked copy, the padded-masked copy,
-    the fp32 softmax and the probabilities cast back: about five `[B, H, S, S]` tensors at the peak.
-    `which="optimized"`: the optimized model's general route (Triton kernels in operand precision of the
-    input dtype, or fp16 for float32, unmasked), unchunked: what it needs without streaming.
-    """
+    """Peak device memory estimate (bytes) of one whole forward of the model `which`, "reference" or "optimized":
+    weights, input, output and the working set of its route (_ESTIMATE_ROUTES) in the operand precision the
+    policy gives the input dtype; for the optimized model what it needs without streaming."""
+    if which not in _ESTIMATE_ROUTES:
+        raise ValueError(f"estimate_memory_bytes: which must be 'reference' or 'optimized', got {which!r}")
     cfg = TransformerConfig.from_any(config)
-    elem = element_bytes(dtype)
-    B, S, d, H, f, L = cfg.batch_size, cfg.seq_len, cfg.d_model, cfg.num_heads, cfg.ffn_dim, cfg.num_layers
-    tokens = B * S
-    weights = parameter_count(d, f, L) * elem
-    io = sum(io_bytes(cfg, dtype))
-    if which == "reference":
-        scores = B * H * S * S
-        peak_scores = scores * (3 * elem + 4 + elem)  # scores, masked copy, softmax fp32, probs
-        acts = tokens * (6 * d + 2 * f) * elem
-        return int(weights + io + peak_scores + acts)
-    if which == "optimized":
-        from .routing import Route, Shape, _dtype_name, _precision_for  # routing imports no torch
-
-        shape = Shape(B, S, d, H, f, L, cfg.causal)
-        general = Route("triton", _precision_for("triton", _dtype_name(dtype), shape), "estimate")
-        return int(weights + io + working_set_bytes(cfg, dtype, general))
-    raise ValueError(f"estimate_memory_bytes: which must be 'reference' or 'optimized', got {which!r}")
+    name = _ESTIMATE_ROUTES[which]
+    route = Route(name, _precision_for(name, _dtype_name(dtype), cfg), "estimate")
+    weights = parameter_count(cfg.d_model, cfg.ffn_dim, cfg.num_layers) * element_bytes(dtype)
+    return int(weights + sum(io_bytes(cfg, dtype)) + working_set_bytes(cfg, dtype, route))
 
 
 # ---------------------------------------------------------------------------------------------------------------

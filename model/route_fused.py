@@ -5,9 +5,10 @@ from dataclasses import replace
 
 import torch
 
+from ..kernels import OPERAND_DTYPES
 from .config import parameter_count
-from .memory import element_bytes, operand_bytes
-from .routing import RouteUnavailable
+from .reference import LAYER_NORM_EPS
+from .route import RouteUnavailable
 from .weights import layer_weights, per_layer
 
 
@@ -15,7 +16,7 @@ class FusedForward:
     uses_weights = True
 
     def __init__(self, model, route):
-        from shapewise.kernels.fused_layer import fused_layer
+        from shapewise.kernels.fused_layer import fused_layer  # deferred: triton loads when the route runs
 
         self.fused_layer = fused_layer
         self.route = route
@@ -23,7 +24,7 @@ class FusedForward:
         self.layers = [layer_weights(w, i) for i in range(model.config.num_layers)]
         self.final = (w["final_w"], w["final_b"])
         block_m, num_warps, num_stages = route.launch
-        self.launch = dict(block_m=block_m, num_warps=num_warps, num_stages=num_stages,
+        self.launch = dict(eps=LAYER_NORM_EPS, block_m=block_m, num_warps=num_warps, num_stages=num_stages,
                            kv_precompute=route.kv_precompute, key_block=route.key_block or None,
                            ffn_block=route.ffn_block or None)
 
@@ -50,7 +51,7 @@ def runner(model, route):
 
 
 def why_unsupported(shape) -> str | None:
-    from shapewise.kernels.fused_layer import why_unsupported  # the kernel owns its limits (imported here: triton)
+    from shapewise.kernels.fused_layer import why_unsupported  # deferred: triton loads when the route is asked
 
     return why_unsupported(shape.seq_len, shape.d_model, shape.num_heads)
 
@@ -76,6 +77,6 @@ def switches(route) -> set:
 def working_set(config, dtype, route) -> int:
     """Per token e * 2d (the layer's input and output residual), + a * 2d with precomputed keys/values, e the input
     dtype's bytes and a the operands'; plus the weight copies in operand precision."""
-    e, a, d = element_bytes(dtype), operand_bytes(route.precision), config.d_model
+    e, a, d = dtype.itemsize, OPERAND_DTYPES[route.precision].itemsize, config.d_model
     acts = config.tokens * (2 * d * e + (2 * d * a if route.kv_precompute else 0))
     return acts + parameter_count(d, config.ffn_dim, config.num_layers) * a

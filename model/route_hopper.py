@@ -6,13 +6,15 @@ from dataclasses import replace
 
 import torch
 
-from .routing import RouteUnavailable
+from ..kernels import OPERAND_DTYPES
+from .reference import LAYER_NORM_EPS
+from .route import RouteUnavailable
 from .weights import layer_weights, per_layer
 
 
 def packed(model, dtype) -> dict:
     """The kernel's layout (kernels.hopper_forward.pack_weights): the weight stream in `dtype`, vectors fp32."""
-    from shapewise.kernels.hopper_forward import pack_weights
+    from shapewise.kernels.hopper_forward import pack_weights  # deferred: triton loads when the route runs
 
     w = per_layer(model, torch.float32)
     layers = [layer_weights(w, i) for i in range(model.config.num_layers)]
@@ -23,16 +25,15 @@ class HopperForward:
     uses_weights = True
 
     def __init__(self, model, route):
-        from shapewise.kernels.hopper_forward import (PreparedLaunch, head_dim_padded, hopper_forward, split_scratch,
-                                                      weight_descriptor)
+        from shapewise.kernels import hopper_forward as kernel  # deferred: triton loads when the route runs
 
-        self.hopper_forward, self.prepared_launch = hopper_forward, PreparedLaunch
+        self.hopper_forward, self.prepared_launch = kernel.hopper_forward, kernel.PreparedLaunch
         self.route = route
         self.weights = model._weights.table(model, route.precision, packed)
         # the stream is refreshed in place (model/weights.py): its descriptor stays valid across weight edits
-        self.hd = head_dim_padded(model.config.head_dim)
-        self.desc = weight_descriptor(self.weights["stream"], self.hd)
-        self.split_scratch = split_scratch
+        self.hd = kernel.head_dim_padded(model.config.head_dim)
+        self.desc = kernel.weight_descriptor(self.weights["stream"], self.hd)
+        self.split_scratch = kernel.split_scratch
         self.scratch = None  # the split's k, v exchange and flags: one per runner (one signature), made on first use
         self.launch = None  # the signature's PreparedLaunch (route.prepared_launch), made on its first call with the
         # layout the kernel is specialized on
@@ -51,9 +52,9 @@ class HopperForward:
         split = self.route.split_sequence
         if split and self.scratch is None:  # before any capture: a graph replays the launch on this scratch
             self.scratch = self.split_scratch(x.shape[0], cfg.num_layers, cfg.num_heads, self.hd, x.device)
-        keywords = dict(num_heads=cfg.num_heads, causal=cfg.causal, mask=mask, desc=self.desc, split=split,
-                        scratch=self.scratch)
-        if self.route.prepared_launch and launch is None and self.prepared_launch.serves(x, mask):
+        keywords = dict(num_heads=cfg.num_heads, causal=cfg.causal, eps=LAYER_NORM_EPS, mask=mask, desc=self.desc,
+                        split=split, scratch=self.scratch)
+        if self.route.prepared_launch and self.launch is None and self.prepared_launch.serves(x, mask):
             self.launch = self.prepared_launch(x, self.weights, direct=self.route.direct_launch, **keywords)
             return self.launch(x, mask)
         return self.hopper_forward(x, self.weights, **keywords)
@@ -64,7 +65,7 @@ def runner(model, route):
 
 
 def why_unsupported(shape) -> str | None:
-    from shapewise.kernels.hopper_forward import why_unsupported  # the kernel owns its limits
+    from shapewise.kernels.hopper_forward import why_unsupported  # deferred: triton loads when the route is asked
 
     return why_unsupported(shape.seq_len, shape.d_model, shape.num_heads, shape.ffn_dim)
 
@@ -89,18 +90,13 @@ def switches(route) -> set:
 
 
 def working_set(config, dtype, route) -> int:
-    """The weight stream (fp16, head dims and FFN padded to the kernel's tiles) and its fp32 vectors: no
-    activations beside the input and output."""
-    from shapewise.kernels.hopper_forward import head_dim_padded, stream_tiles
+    """The packed weights (the kernel's packer says their bytes) and, with two programs a sequence, their scratch:
+    no activations beside the input and output."""
+    from shapewise.kernels.hopper_forward import head_dim_padded, packed_bytes, split_scratch_bytes  # deferred: triton
 
-    hd, d = head_dim_padded(config.head_dim), config.d_model
-    tiles = stream_tiles(config.num_heads, config.ffn_dim, hd)
-    chunks = (tiles - 4 * config.num_heads) // 2
-    vectors = 4 * (config.num_heads * hd + chunks * hd + 6 * d)  # q_b, in_b (padded), o_b, out_b, the norms
-    weights = config.num_layers * (tiles * hd * d * 2 + vectors) + 4 * 2 * d  # and the final norm
+    weights = packed_bytes(config.num_layers, config.d_model, config.num_heads, config.ffn_dim,
+                           operand_dtype=OPERAND_DTYPES[route.precision])
     if not route.split_sequence:
         return weights
-    from shapewise.kernels.hopper_forward import SPLIT_ROWS
-
-    # the split's scratch (kernels.hopper_forward.split_scratch): k, v fp16 per sequence, layer and head, and a flag
-    return weights + config.batch_size * (config.num_layers * config.num_heads * 2 * SPLIT_ROWS * hd * 2 + 4)
+    return weights + split_scratch_bytes(config.batch_size, config.num_layers, config.num_heads,
+                                         head_dim_padded(config.head_dim))

@@ -1,8 +1,6 @@
 """Route `reference`: the contract's own forward (model/reference.py), on the model's own parameters."""
 from __future__ import annotations
 
-from .config import parameter_count
-from .memory import element_bytes, estimate_memory_bytes, io_bytes
 from .reference import BaselineTransformer
 
 
@@ -21,11 +19,12 @@ def runner(model, route):
 
 
 def working_set(config, dtype, route) -> int:
-    """The reference's own estimate (five [B, H, S, S] score tensors at the peak) less its weights, input and
-    output."""
-    inp, out = io_bytes(config, dtype)
-    weights = parameter_count(config.d_model, config.ffn_dim, config.num_layers) * element_bytes(dtype)
-    return estimate_memory_bytes(config, dtype, "reference") - weights - inp - out
+    """The explicit attention's peak, about five [B, H, S, S] tensors: its scores, the causal-masked and the
+    padded-masked copies and the probabilities cast back in the input dtype (e bytes), and the softmax in fp32;
+    plus e * (6d + 2f) per token of the layer's activations."""
+    e = dtype.itemsize
+    scores = config.batch_size * config.num_heads * config.seq_len * config.seq_len
+    return scores * (3 * e + 4 + e) + config.tokens * (6 * config.d_model + 2 * config.ffn_dim) * e
 
 
 def switches(route) -> set:

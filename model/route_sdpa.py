@@ -4,8 +4,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .memory import element_bytes
-
 
 class SdpaForward:
     uses_weights = False  # concatenates the QKV weight from the parameters on every call
@@ -61,7 +59,7 @@ def runner(model, route):
 def working_set(config, dtype, route) -> int:
     """Per token e * (8d + 2f) (residual, normalized, packed qkv, attention out and its reshape, projection, FFN),
     e the input dtype's bytes, and the packed QKV weight concatenated on every call."""
-    e, d = element_bytes(dtype), config.d_model
+    e, d = dtype.itemsize, config.d_model
     return config.tokens * e * (8 * d + 2 * config.ffn_dim) + 3 * (d * d + d) * e
 
 

@@ -9,11 +9,10 @@ import torch.nn.functional as F
 
 from ..kernels import OPERAND_DTYPES
 from .config import parameter_count
-from .memory import operand_bytes
+from .policy import attention_without_hopper
 from .precision import cublas_fp32
 from .reference import LAYER_NORM_EPS
 from .route_sdpa import sdpa_attention
-from .routing import attention_without_hopper
 from .weights import layer_weights, per_layer, unpacked_per_layer
 
 # Switches without which the split layer does not run: it reads the packed QKV weight and runs our attention (and
@@ -28,13 +27,12 @@ class KernelForward:
     uses_weights = True
 
     def __init__(self, model, route):
-        from shapewise.kernels.attention import flash_attention
-        from shapewise.kernels.layernorm import add_layernorm
-        from shapewise.kernels.mask import prefix_lengths
+        from shapewise.kernels import attention, layernorm, mask  # deferred: triton loads when the route runs
 
-        self.flash_attention, self.add_layernorm, self.prefix_lengths = flash_attention, add_layernorm, prefix_lengths
+        self.flash_attention, self.add_layernorm = attention.flash_attention, layernorm.add_layernorm
+        self.prefix_lengths = mask.prefix_lengths
         if route.attention == "hopper":
-            from shapewise.kernels.attention_hopper import hopper_attention
+            from shapewise.kernels.attention_hopper import hopper_attention  # deferred: Gluon, where the route asks
 
             self.hopper_attention = hopper_attention
         self.route = route
@@ -73,8 +71,8 @@ class KernelForward:
 
         def add_ln(res, branch, name, row_mask=None, out_dtype=act, last=False, first=False):
             if self.fused_ln:
-                return self.add_layernorm(res, branch, w[name + "_w"], w[name + "_b"], out_dtype=out_dtype,
-                                          row_mask=row_mask, write_residual=not last,
+                return self.add_layernorm(res, branch, w[name + "_w"], w[name + "_b"], eps=LAYER_NORM_EPS,
+                                          out_dtype=out_dtype, row_mask=row_mask, write_residual=not last,
                                           residual_out=None if res is x or last else res,
                                           pdl=pdl and not first)
             r = res.float() if branch is None else res.float() + branch.float()
@@ -120,11 +118,10 @@ class SplitLayerForward:
     uses_weights = True
 
     def __init__(self, model, route):
-        from shapewise.kernels.attention import flash_attention
-        from shapewise.kernels.fused_layer import ln_qkv
-        from shapewise.kernels.layer_tail import layer_tail
+        from shapewise.kernels import attention, fused_layer, layer_tail  # deferred: triton loads when the route runs
 
-        self.flash_attention, self.ln_qkv, self.layer_tail = flash_attention, ln_qkv, layer_tail
+        self.flash_attention, self.ln_qkv, self.layer_tail = (attention.flash_attention, fused_layer.ln_qkv,
+                                                              layer_tail.layer_tail)
         self.route = route
         w = model._weights.table(model, route.precision, per_layer)
         self.layers = [layer_weights(w, i) for i in range(model.config.num_layers)]
@@ -139,15 +136,15 @@ class SplitLayerForward:
         pdl = self.route.pdl  # every kernel but the forward's first
         for i, wi in enumerate(self.layers):
             if i == 0 and mask is not None:
-                qkv, prefix = self.ln_qkv(res, wi, mask=mask)
+                qkv, prefix = self.ln_qkv(res, wi, eps=LAYER_NORM_EPS, mask=mask)
             else:
-                qkv = self.ln_qkv(res, wi, pdl=pdl and i > 0)
+                qkv = self.ln_qkv(res, wi, eps=LAYER_NORM_EPS, pdl=pdl and i > 0)
             q, k, v = qkv.view(B, S, 3, cfg.num_heads, cfg.head_dim).unbind(2)
             o = self.flash_attention(q, k, v, causal=cfg.causal, key_mask=mask, precision=self.route.precision,
                                      mask_prefix_lengths=prefix, pdl=pdl)
             last = i == cfg.num_layers - 1
-            res = self.layer_tail(o.view(B, S, d), res, wi, mask=mask, final=self.final if last else None,
-                                  out_dtype=x.dtype, pdl=pdl)
+            res = self.layer_tail(o.view(B, S, d), res, wi, eps=LAYER_NORM_EPS, mask=mask,
+                                  final=self.final if last else None, out_dtype=x.dtype, pdl=pdl)
         return res
 
 
@@ -186,6 +183,6 @@ def working_set(config, dtype, route) -> int:
     projection, and the FFN's linear and GELU outputs: the peak of the eager sequence) + 4H (softmax statistics), a
     the operands' bytes; split layers (4d + 4ad: the next residual, qkv and the attention out) allocate less, and
     take this bound. Plus the weight copies in operand precision."""
-    a, d = operand_bytes(route.precision), config.d_model
+    a, d = OPERAND_DTYPES[route.precision].itemsize, config.d_model
     acts = config.tokens * (4 * d + a * (6 * d + 2 * config.ffn_dim) + 4 * config.num_heads)
     return acts + parameter_count(d, config.ffn_dim, config.num_layers) * a

@@ -27,18 +27,19 @@ passes, or, where the policy's `split_layer.max_d_model` covers d_model (null: n
 `split_layer.min_tokens` tokens (null: any), as the split layer: three kernels per layer (LayerNorm 1 + QKV, our
 attention, kernels/layer_tail.py for the rest), `Route.split_layer`.
 
-The policy (thresholds and precisions) lives in `routing_policy.json` beside this file, read off the
-H200 accuracy and ablation tables; `select_route` itself is pure: same inputs, same Route.
+The policy (thresholds and precisions) lives in `routing_policy.json` (model/policy.py reads it), read off the
+H200 accuracy and ablation tables; `select_route` itself is pure: same inputs, same Route. What a route is
+(`Route`, `RouteUnavailable`, the hooks of a route's module) is model/route.py's.
 """
 from __future__ import annotations
 
 import importlib
-import json
 import os
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 
 from .config import TransformerConfig
+from .policy import POLICY, attention_without_hopper
+from .route import Route, RouteModule, RouteUnavailable
 
 
 @dataclass(frozen=True)
@@ -66,24 +67,12 @@ ROUTES = tuple(ROUTE_SPECS)
 CPU_ROUTES = tuple(n for n, s in ROUTE_SPECS.items() if not s.cuda_only)  # kernel routes only under TRITON_INTERPRET=1
 KERNEL_DTYPES = ("float32", "float16", "bfloat16")  # the input dtypes the kernel routes serve
 MASK_KINDS = ("none", "prefix", "general")
-POLICY_PATH = Path(__file__).with_name("routing_policy.json")
-POLICY = json.loads(POLICY_PATH.read_text())
 
 
-class RouteUnavailable(RuntimeError):
-    """A forced route cannot serve this input."""
-
-
-def route_module(name: str):
-    """The module that runs route `name` (model/<ROUTE_SPECS[name].module>.py). It defines
-    - `runner(model, route)`: the runner of one input signature: `runner.route` (what `last_route` reports),
-      `runner.uses_weights` (it reads derived weights, so a forward checks their parameters' versions first) and
-      `runner(model, x, mask)`, the forward;
-    - `working_set(config, dtype, route)`: the bytes its forward allocates besides input and output (model/memory.py);
-    - with `kernels`, `switches(route)`: the OPTIMIZATIONS that change what it runs;
-    and where it needs them `why_unsupported(shape)` (its kernels' limits), `settle(route, x, disabled)` (the route
-    under the model's switches and operand precision: refused, adjusted or kept) and `sdpa_gets_mask(route,
-    disabled)` (PyTorch SDPA may get a valid-token mask)."""
+def route_module(name: str) -> RouteModule:
+    """The module that runs route `name`, model/<ROUTE_SPECS[name].module>.py: its hooks are `route.RouteModule`'s
+    (and `route.OptionalHooks`' where it needs them). Imported on first use: the route modules import torch, this
+    module none (the pipeline reads ROUTES at DAG-build time)."""
     if name not in ROUTE_SPECS:
         raise ValueError(f"unknown route {name!r}; routes are {', '.join(ROUTES)}")
     return importlib.import_module(f"{__package__}.{ROUTE_SPECS[name].module}")
@@ -91,45 +80,6 @@ def route_module(name: str):
 
 # The shape of one input signature: the config's fields, with batch_size and seq_len taken from the input.
 Shape = TransformerConfig
-
-
-@dataclass(frozen=True)
-class Route:
-    name: str
-    precision: str  # operand precision of GEMMs and attention matmuls ("fp32" = exact fp32)
-    reason: str
-    forced: bool = False
-    attention: str = "triton"  # attention inside the triton/graph routes: our kernel, PyTorch SDPA, or "hopper"
-    # (kernels/attention_hopper.py, from the policy's attention.hopper_from_seq_len on sm_90)
-    launch: tuple = ()  # fused: (block_m, num_warps, num_stages) (policy)
-    kv_precompute: bool = False  # fused route: keys/values computed once per layer by a second kernel (policy)
-    key_block: int = 0  # fused route with kv_precompute: keys per online-softmax step (policy; 0: the whole sequence)
-    ffn_block: int = 0  # fused route: FFN columns per step (policy; 0: the kernel's default)
-    split_layer: bool = False  # triton/graph routes: each layer as ln_qkv, our attention and layer_tail (policy)
-    pdl: bool = False  # kernels after the forward's first launch with programmatic dependent launch (`with_pdl`)
-    eager: bool = False  # a captured route launched eagerly here: policy `hopper.eager_min_batch`, or beyond
-    # `graph.max_tokens_x_d_model` (`_hopper_route`)
-    split_sequence: bool = False  # hopper route: two programs a causal sequence (policy `hopper.split_max_batch`)
-    prepared_launch: bool = False  # hopper route: eager through its signature's PreparedLaunch (eager_min_batch)
-    direct_launch: bool = False  # prepared launch: Triton's C launcher called with an argument list built once
-    # (policy `hopper.direct_launch`; off: through the compiled kernel's `run`)
-
-    def __str__(self) -> str:
-        how = "forced" if self.forced else "auto"
-        attn = "" if self.attention == "triton" else f"+{self.attention}-attention"
-        launch = f" launch={self.launch}" if self.launch else ""
-        kv = " kv=precomputed" if self.kv_precompute else ""
-        blocks = "".join(f" {n}={v}" for n, v in (("key_block", self.key_block), ("ffn_block", self.ffn_block)) if v)
-        split = " split-layer" if self.split_layer else ""
-        pdl = " pdl" if self.pdl else ""
-        eager = " eager" if self.eager else ""
-        split += " split-sequence" if self.split_sequence else ""
-        eager += " prepared-launch" if self.prepared_launch else ""
-        eager += " direct-launch" if self.direct_launch else ""
-        return f"{self.name}/{self.precision}{attn}{launch}{kv}{blocks}{split}{pdl}{eager} ({how}: {self.reason})"
-
-    def as_dict(self) -> dict:  # JSON-ready: the launch tuple as a list
-        return {**asdict(self), "launch": list(self.launch)}
 
 
 def _dtype_name(dtype) -> str:
@@ -219,7 +169,7 @@ def _hopper_route(precision: str, reason: str, shape: Shape, forced: bool = Fals
     most_split, widest = hopper.get("split_max_batch"), hopper.get("split_max_head_dim")
     if (most_split is not None and shape.batch_size <= most_split
             and (widest is None or shape.head_dim <= widest)):
-        from shapewise.kernels.hopper_forward import why_unsupported  # the kernel owns its limits (imports triton)
+        from shapewise.kernels.hopper_forward import why_unsupported  # deferred: routing imports no torch
 
         if why_unsupported(shape.seq_len, shape.d_model, shape.num_heads, shape.ffn_dim, causal=shape.causal,
                            split=True) is None:
@@ -243,7 +193,7 @@ def _with_split_layer(route: Route, shape: Shape) -> Route:
     """The triton/graph `route` with the split layer where the policy's `split_layer.max_d_model` (null: never)
     covers d_model, batch_size*seq_len is at least `split_layer.min_tokens` (null or absent: any), the operands
     are fp16/bf16 and the attention is our kernel; else `route` itself."""
-    from shapewise.kernels.layer_tail import why_unsupported as tail_unsupported  # the kernel owns its limits
+    from shapewise.kernels.layer_tail import why_unsupported as tail_unsupported  # deferred: routing imports no torch
 
     split = POLICY["split_layer"]
     most, fewest = split["max_d_model"], split.get("min_tokens") or 1
@@ -277,7 +227,7 @@ def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool, cap
         return None
     if dt not in KERNEL_DTYPES:
         return f"route {name!r} serves {'/'.join(KERNEL_DTYPES)}, not {dt}"
-    from shapewise.kernels.attention import MAX_HEAD_DIM  # the kernels own their limits (imported here: triton)
+    from shapewise.kernels.attention import MAX_HEAD_DIM  # deferred: routing imports no torch
 
     if shape.head_dim > MAX_HEAD_DIM:
         return f"route {name!r} serves head_dim <= {MAX_HEAD_DIM}, got {shape.head_dim}"
@@ -287,7 +237,7 @@ def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool, cap
         return f"route {name!r} needs a CUDA device, or TRITON_INTERPRET=1 on the CPU (device {dev})"
     if spec.sm is not None:
         if capability is None:
-            import torch
+            import torch  # deferred: routing imports no torch (the pipeline reads ROUTES at DAG-build time)
 
             capability = torch.cuda.get_device_capability(device)
         if capability[0] != spec.sm:
@@ -359,19 +309,12 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
     return _with_split_layer(route, shape)
 
 
-def attention_without_hopper(seq_len: int) -> str:
-    """The triton route's attention where the Hopper attention does not run: PyTorch SDPA from the policy's
-    `attention.sdpa_from_seq_len` (null: never), else our kernel."""
-    sdpa_from = POLICY["attention"]["sdpa_from_seq_len"]
-    return "sdpa" if sdpa_from is not None and seq_len >= sdpa_from else "triton"
-
-
 def _hopper_attention_pays(shape: Shape, precision: str, capability, hopper_from) -> bool:
     """The policy's `attention.hopper_from_seq_len` (null: never) covers seq_len, on sm_90, with fp16 operands and a
     head dim the kernel serves."""
     if (hopper_from is None or shape.seq_len < hopper_from or capability is None or capability[0] != 9
             or precision != "fp16"):
         return False
-    from shapewise.kernels.attention_hopper import why_unsupported  # the kernel owns its limits (imports triton)
+    from shapewise.kernels.attention_hopper import why_unsupported  # deferred: routing imports no torch
 
     return why_unsupported(shape.head_dim) is None

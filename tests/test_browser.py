@@ -9,13 +9,12 @@ import os
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from shapewise import report
 
-from test_report import make_run  # noqa: E402 (tests/ is on sys.path under pytest)
+from test_report import make_run  # tests/ is on sys.path under pytest
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 PROBE = """

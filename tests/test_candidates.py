@@ -3,7 +3,6 @@ with a small candidate file for every way a candidate can fail a row (tests/cand
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os

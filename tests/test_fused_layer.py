@@ -12,6 +12,7 @@ import torch
 
 from shapewise.kernels.fused_layer import MAX_BLOCK_M, fused_layer, fused_layer_reference
 from shapewise.kernels.mask import prefix_lengths_reference
+from shapewise.model.reference import LAYER_NORM_EPS as EPS
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # operand dtype -> (atol, rtol) against fp64 math on the same (rounded) weights: activations rounded to
@@ -83,8 +84,9 @@ def test_fused_layer_matches_fp64(shape, mask_kind, block_m):
     w = weights(d, ffn, torch.float16)
     x = torch.randn(B, S, d, device=DEVICE)
     mask = make_mask(mask_kind, B, S)
-    y = fused_layer(x, w, num_heads=H, causal=causal, mask=mask, block_m=block_m)
-    want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal, mask=mask)
+    y = fused_layer(x, w, num_heads=H, causal=causal, mask=mask, block_m=block_m, eps=EPS)
+    want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal, eps=EPS,
+                                 mask=mask)
     check(y, want, torch.float16)
 
 
@@ -118,8 +120,9 @@ def test_mask_summary_paths_match_fp64(summary, mask_kind, launch):
         kwargs["prefix_out"] = written
     elif summary == "given":
         kwargs["mask_prefix_lengths"] = want_summary
-    y = fused_layer(x, w, mask=mask, **kwargs)
-    want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal, mask=mask)
+    y = fused_layer(x, w, mask=mask, **kwargs, eps=EPS)
+    want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal, eps=EPS,
+                                 mask=mask)
     check(y, want, torch.float16)
     if summary == "written":
         assert torch.equal(written.cpu(), want_summary.cpu())
@@ -154,7 +157,7 @@ def test_row_mask_branch_reaches_the_launch(monkeypatch):
     monkeypatch.setattr(fused_module, "_fused_layer_fwd", Recorder())
     for switch in (False, True):
         monkeypatch.setattr(fused_module, "ROW_MASK_BRANCH", switch)
-        fused_layer(x, w, num_heads=H, causal=True, mask=mask)
+        fused_layer(x, w, num_heads=H, causal=True, mask=mask, eps=EPS)
     assert launched == [False, True]
 
 
@@ -165,11 +168,12 @@ def test_summary_arguments_are_checked():
     mask = torch.ones(B, S, dtype=torch.bool, device=DEVICE)
     good = torch.zeros(B, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="mask_prefix_lengths describes a mask"):
-        fused_layer(x, w, num_heads=H, causal=True, mask_prefix_lengths=good)
+        fused_layer(x, w, num_heads=H, causal=True, mask_prefix_lengths=good, eps=EPS)
     with pytest.raises(ValueError, match="prefix_out must be int32"):
-        fused_layer(x, w, num_heads=H, causal=True, mask=mask, prefix_out=good.long())
+        fused_layer(x, w, num_heads=H, causal=True, mask=mask, prefix_out=good.long(), eps=EPS)
     with pytest.raises(ValueError, match="not both"):
-        fused_layer(x, w, num_heads=H, causal=True, mask=mask, prefix_out=good, mask_prefix_lengths=good.clone())
+        fused_layer(x, w, num_heads=H, causal=True, eps=EPS, mask=mask, prefix_out=good,
+                    mask_prefix_lengths=good.clone())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -179,9 +183,9 @@ def test_final_norm_and_operand_dtypes(dtype):
     final = ((1 + 0.1 * torch.randn(d)).to(DEVICE), (0.1 * torch.randn(d)).to(DEVICE))
     x = torch.randn(B, S, d, device=DEVICE)
     mask = make_mask("holes", B, S)
-    y = fused_layer(x, w, num_heads=H, causal=True, mask=mask, final=final, out_dtype=torch.float32)
+    y = fused_layer(x, w, num_heads=H, causal=True, mask=mask, final=final, out_dtype=torch.float32, eps=EPS)
     want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=True, mask=mask,
-                                 final=final)
+                                 final=final, eps=EPS)
     check(y, want, dtype)
 
 
@@ -194,8 +198,9 @@ def test_precomputed_keys_and_values_match_fp64(shape, mask_kind):
     w = weights(d, ffn, torch.float16, seed=5)
     x = torch.randn(B, S, d, device=DEVICE)
     mask = make_mask(mask_kind, B, S)
-    y = fused_layer(x, w, num_heads=H, causal=causal, mask=mask, block_m=16, kv_precompute=True)
-    want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal, mask=mask)
+    y = fused_layer(x, w, num_heads=H, causal=causal, mask=mask, block_m=16, kv_precompute=True, eps=EPS)
+    want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal, eps=EPS,
+                                 mask=mask)
     check(y, want, torch.float16)
 
 
@@ -210,9 +215,9 @@ def test_precomputed_keys_and_values_with_final_norm(dtype, blocks):
     mask = make_mask("holes", B, S)
     for causal in (True, False):
         y = fused_layer(x, w, num_heads=H, causal=causal, mask=mask, final=final, out_dtype=torch.float32,
-                        block_m=32, kv_precompute=True, **blocks)
+                        block_m=32, kv_precompute=True, **blocks, eps=EPS)
         want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal,
-                                     mask=mask, final=final)
+                                     mask=mask, final=final, eps=EPS)
         check(y, want, dtype)
 
 
@@ -227,8 +232,9 @@ def test_key_blocks_match_fp64(shape, mask_kind):
     x = torch.randn(B, S, d, device=DEVICE)
     mask = make_mask(mask_kind, B, S)
     y = fused_layer(x, w, num_heads=H, causal=causal, mask=mask, block_m=16, kv_precompute=True, key_block=16,
-                    ffn_block=16)
-    want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal, mask=mask)
+                    ffn_block=16, eps=EPS)
+    want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal, eps=EPS,
+                                 mask=mask)
     check(y, want, torch.float16)
 
 
@@ -241,8 +247,8 @@ def test_variants_give_the_same_layer(variant, bound):
     B, S, d, H, ffn = SHAPES["S33-hd16"]
     w = weights(d, ffn, torch.float16, seed=3)
     x = torch.randn(B, S, d, device=DEVICE)
-    a = fused_layer(x, w, num_heads=H, causal=True)
-    b = fused_layer(x, w, num_heads=H, causal=True, **variant)
+    a = fused_layer(x, w, num_heads=H, causal=True, eps=EPS)
+    b = fused_layer(x, w, num_heads=H, causal=True, **variant, eps=EPS)
     assert (a - b).abs().max().item() < bound
 
 
@@ -251,7 +257,7 @@ def test_block_m_beyond_the_checked_range_is_refused(block_m):
     B, S, d, H, ffn = SHAPES["S128"]
     w = weights(d, ffn, torch.float16)
     with pytest.raises(ValueError, match=f"block_m must be at most {MAX_BLOCK_M}"):
-        fused_layer(torch.randn(B, S, d, device=DEVICE), w, num_heads=H, causal=True, block_m=block_m)
+        fused_layer(torch.randn(B, S, d, device=DEVICE), w, num_heads=H, causal=True, block_m=block_m, eps=EPS)
 
 
 def test_block_sizes_are_checked():
@@ -259,20 +265,20 @@ def test_block_sizes_are_checked():
     w = weights(d, ffn, torch.float16)
     x = torch.randn(B, S, d, device=DEVICE)
     with pytest.raises(ValueError, match="key_block=16 .* needs kv_precompute=True"):
-        fused_layer(x, w, num_heads=H, causal=True, key_block=16)
+        fused_layer(x, w, num_heads=H, causal=True, key_block=16, eps=EPS)
     for name, value in (("key_block", 24), ("ffn_block", 8), ("key_block", 0)):
         with pytest.raises(ValueError, match=f"{name} must be a power of two of at least 16"):
-            fused_layer(x, w, num_heads=H, causal=True, kv_precompute=True, **{name: value})
+            fused_layer(x, w, num_heads=H, causal=True, kv_precompute=True, **{name: value}, eps=EPS)
 
 
 def test_bad_inputs_are_named():
     B, S, d, H, ffn = SHAPES["S7-d48-H3"]
     w = weights(d, ffn, torch.float16)
     with pytest.raises(ValueError, match="seq_len <= 128"):
-        fused_layer(torch.randn(1, 129, d, device=DEVICE), w, num_heads=H, causal=True)
+        fused_layer(torch.randn(1, 129, d, device=DEVICE), w, num_heads=H, causal=True, eps=EPS)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         fused_layer(torch.randn(B, S, d, device=DEVICE), {**w, "qkv_w": w["qkv_w"].float()}, num_heads=H,
-                    causal=True)
+                    causal=True, eps=EPS)
     with pytest.raises(ValueError, match="mask must be bool"):
         fused_layer(torch.randn(B, S, d, device=DEVICE), w, num_heads=H, causal=True,
-                    mask=torch.ones(B, S, dtype=torch.int32, device=DEVICE))
+                    mask=torch.ones(B, S, dtype=torch.int32, device=DEVICE), eps=EPS)

@@ -254,9 +254,9 @@ def test_a_waiting_exclusive_job_keeps_new_sharers_out(tmp_path):
     h = Holders(tmp_path)
     sharer = h.start(gpuslots.SHARED, 1.2)
     h.wait_held(sharer)
-    waiter = h.start(gpuslots.EXCLUSIVE, 0.8)
+    h.start(gpuslots.EXCLUSIVE, 0.8)
     time.sleep(0.5)  # the exclusive job waits for the sharer, holding the gate
-    late = h.start(gpuslots.SHARED, 0.2)
+    h.start(gpuslots.SHARED, 0.2)
     a, b, c = h.results()
     assert b["start"] >= a["end"]
     assert c["start"] >= b["end"], "a sharer came in ahead of the exclusive job waiting for the GPU"

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from shapewise.kernels import hopper_forward as hf
+from shapewise.model import route_hopper
+from shapewise.model.reference import LAYER_NORM_EPS as EPS
 from shapewise.model.routing import Route
 from shapewise.model.weights import layer_weights, per_layer
 
@@ -50,7 +52,8 @@ def _case(shape, causal, mask_kind):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_the_stream_computes_the_reference_forward(shape, causal, mask_kind):
     cfg, ref, x, mask, want = _case(shape, causal, mask_kind)
-    got = hf.forward_from_stream(x.double(), _packed(ref, cfg), num_heads=cfg.num_heads, causal=causal, mask=mask)
+    got = hf.forward_from_stream(x.double(), _packed(ref, cfg), num_heads=cfg.num_heads, causal=causal, eps=EPS,
+                                 mask=mask)
     assert (got - want).abs().max().item() < 1e-12
 
 
@@ -61,7 +64,7 @@ def test_the_split_order_computes_the_reference_forward(shape, mask_kind):
     k and v beside its own: the causal forward exactly."""
     cfg, ref, x, mask, want = _case(shape, True, mask_kind)
     got = hf.forward_from_stream(x.double(), _packed(ref, cfg), num_heads=cfg.num_heads, causal=True, mask=mask,
-                                 split=True)
+                                 split=True, eps=EPS)
     assert (got - want).abs().max().item() < 1e-12
 
 
@@ -73,9 +76,9 @@ def test_split_limits_are_named_in_one_place():
     assert hf.why_unsupported(64, 128, 4, 128) is None  # the default serves it
     cfg, ref, x, _, _ = _case((1, 64, 32, 2, 32, 1), True, "none")
     with pytest.raises(ValueError, match="seq_len in"):
-        hf.forward_from_stream(x.double(), _packed(ref, cfg), num_heads=2, causal=True, split=True)
+        hf.forward_from_stream(x.double(), _packed(ref, cfg), num_heads=2, causal=True, split=True, eps=EPS)
     with pytest.raises(ValueError, match="causal"):  # before any device check
-        hf.hopper_forward(x, _packed(ref, cfg, torch.float16), num_heads=2, causal=False, split=True)
+        hf.hopper_forward(x, _packed(ref, cfg, torch.float16), num_heads=2, causal=False, split=True, eps=EPS)
 
 
 @pytest.mark.parametrize("args", [(128, 128, 4, 128), (128, 128, 1, 128), (128, 128, 2, 128), (65, 32, 4, 32)])
@@ -110,6 +113,52 @@ def test_padding_is_zero_and_the_stream_is_tile_ordered():
     assert torch.equal(w["vecs"][:, 6 * 32:6 * 32 + 4 * hd], w["q_b"])
     assert torch.equal(w["vecs"][:, 6 * 32 + 4 * hd:width], w["in_b"])
     assert not w["vecs"][:, width:].any()
+
+
+@pytest.mark.parametrize("operand_dtype", [torch.float16, torch.float64], ids=["fp16", "fp64"])
+@pytest.mark.parametrize("shape", SHAPES + SPLIT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_packers_size_is_what_it_packs_and_what_the_route_counts(shape, operand_dtype):
+    """packed_bytes states pack_weights' layout (padded heads, FFN chunks, `vecs`); split_scratch_bytes states
+    split_scratch's; route `hopper`'s working set is the two, as the model holds them."""
+    cfg = cfg_of(shape)
+    ref, _ = build_pair(cfg)
+    w = _packed(ref, cfg, operand_dtype)
+    args = (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.ffn_dim)
+    assert hf.packed_bytes(*args, operand_dtype=operand_dtype) == sum(t.nbytes for t in w.values())
+    hd = hf.head_dim_padded(cfg.head_dim)
+    scratch = hf.split_scratch(cfg.batch_size, cfg.num_layers, cfg.num_heads, hd, "cpu")
+    assert hf.split_scratch_bytes(cfg.batch_size, cfg.num_layers, cfg.num_heads, hd) == \
+        sum(t.nbytes for t in scratch.values())
+    held = sum(t.nbytes for t in route_hopper.packed(ref, torch.float16).values())
+    for split in (False, True):
+        route = Route("hopper", "fp16", "test", split_sequence=split)
+        assert route_hopper.working_set(cfg, torch.float16, route) == held + split * sum(
+            t.nbytes for t in scratch.values())
+
+
+def test_the_route_prepares_its_launch_on_the_first_call_and_takes_it_after():
+    """Route hopper with a prepared launch: the runner's first call prepares its signature's launch (with the
+    model's eps) and returns its output; later calls take that launch."""
+    made = []
+
+    class Prepared:
+        def __init__(self, x, weights, **keywords):
+            made.append(keywords)
+
+        @staticmethod
+        def serves(x, mask):
+            return True
+
+        def __call__(self, x, mask):
+            return x + 1
+
+    runner = object.__new__(route_hopper.HopperForward)  # its kernel's parts replaced: no Hopper needed
+    runner.route = Route("hopper", "fp16", "test", eager=True, prepared_launch=True)
+    runner.prepared_launch, runner.hopper_forward = Prepared, None
+    runner.weights, runner.desc, runner.hd, runner.scratch, runner.launch = {}, None, 16, None, None
+    model, x = types.SimpleNamespace(config=cfg_of((2, 8, 32, 2, 32, 1))), torch.zeros(2, 8, 32)
+    assert torch.equal(runner(model, x, None), x + 1) and torch.equal(runner(model, x, None), x + 1)
+    assert len(made) == 1 and made[0]["eps"] == EPS and made[0]["direct"] is False
 
 
 def test_the_kernels_gelu_is_exact_gelu_to_its_erf():
@@ -221,7 +270,7 @@ def test_a_prepared_launch_passes_each_calls_tensors_in_the_kernels_order(monkey
     _on_a_fake_hopper(monkeypatch, fake)
     scratch = hf.split_scratch(2, 2, 2, 16, "cpu") if split else None
     launch = hf.PreparedLaunch(x, packed, num_heads=2, causal=True, mask=mask, programs=4, split=split,
-                               scratch=scratch)
+                               scratch=scratch, eps=EPS)
     (grid, args), = fake.warmed
     assert grid == (4,) and list(args) == fake.arg_names and args["SPLIT"] is split
     assert args["HAS_MASK"] is with_mask and args["num_warps"] == hf.launch_config(cfg.seq_len, 32, 2, 48, split)[
@@ -251,7 +300,7 @@ def test_a_prepared_launch_passes_each_calls_tensors_in_the_kernels_order(monkey
     assert hf.PreparedLaunch.serves(x2, m2) and not hf.PreparedLaunch.serves(x2.transpose(0, 1), m2)
     assert not hf.PreparedLaunch.serves(torch.randn(2 * x.numel() + 1)[1:x.numel() + 1].view(x.shape), m2)
     with pytest.raises(ValueError, match="16-byte aligned"):
-        hf.PreparedLaunch(x.transpose(0, 1), packed, num_heads=2, causal=True, mask=mask)
+        hf.PreparedLaunch(x.transpose(0, 1), packed, num_heads=2, causal=True, mask=mask, eps=EPS)
 
 
 class _CLaunch:
@@ -303,7 +352,7 @@ def test_a_prepared_launch_hands_the_c_launcher_addresses_and_a_descriptor_encod
     _on_a_fake_hopper(monkeypatch, fake)
     scratch = hf.split_scratch(2, 2, 2, 16, "cpu") if split else None
     launch = hf.PreparedLaunch(x, packed, num_heads=2, causal=True, mask=mask, programs=4, split=split,
-                               scratch=scratch)
+                               scratch=scratch, eps=EPS)
     (_, args), = fake.warmed
     names = fake.arg_names
     assert launch.direct is not None and len(encoded) == 1 and encoded[0][1] == {"swizzle": 128}
@@ -368,7 +417,7 @@ def test_kernel_matches_fp64(shape, causal, mask_kind):
     packed = {k: v.cuda() for k, v in _packed(ref, cfg, torch.float16).items()}
     xc, mc = x.cuda(), None if mask is None else mask.cuda()
     out = torch.full_like(xc, float("nan"))  # poisoned: every element must be written
-    got = hf.hopper_forward(xc, packed, num_heads=cfg.num_heads, causal=causal, mask=mc, out=out)
+    got = hf.hopper_forward(xc, packed, num_heads=cfg.num_heads, causal=causal, mask=mc, out=out, eps=EPS)
     check_official(want.float(), got.cpu(), f"hopper_forward {shape} causal={causal} {mask_kind}")
     rel = ((got.cpu().double() - want).norm() / want.norm()).item()
     assert rel < 3e-3, rel
@@ -389,7 +438,7 @@ def test_pipelined_heads_match_fp64(shape, causal, mask_kind):
     for programs in (None, 1):
         out = torch.full_like(xc, float("nan"))
         got = hf.hopper_forward(xc, packed, num_heads=cfg.num_heads, causal=causal, mask=mc, out=out,
-                                programs=programs, pipeline=True)
+                                programs=programs, pipeline=True, eps=EPS)
         check_official(want.float(), got.cpu(), f"pipelined {shape} causal={causal} {mask_kind} {programs}")
 
 
@@ -415,7 +464,7 @@ def test_split_matches_fp64(shape, mask_kind):
     for launch in range(2):
         out = torch.full_like(xc, float("nan"))  # poisoned: every element must be written
         got = hf.hopper_forward(xc, packed, num_heads=cfg.num_heads, causal=True, mask=mc, out=out, split=True,
-                                scratch=scratch)
+                                scratch=scratch, eps=EPS)
         check_official(want.float(), got.cpu(), f"split {shape} {mask_kind} launch {launch}")
         rel = ((got.cpu().double() - want).norm() / want.norm()).item()
         assert rel < 3e-3, rel
@@ -433,7 +482,7 @@ def test_split_pairs_run_across_sequences_and_launches(programs):
 
     def run():
         return hf.hopper_forward(xc, packed, num_heads=2, causal=True, mask=mc, split=True, scratch=scratch,
-                                 programs=programs)
+                                 programs=programs, eps=EPS)
 
     first = run()
     check_official(want.float(), first.cpu(), f"split across sequences, {programs} programs")
@@ -460,10 +509,10 @@ def test_split_launches_are_pairs_all_resident():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for programs in (3, sms + 2):
         with pytest.raises(ValueError, match="pairs, all resident"):
-            hf.hopper_forward(xc, packed, num_heads=2, causal=True, split=True, programs=programs)
+            hf.hopper_forward(xc, packed, num_heads=2, causal=True, split=True, programs=programs, eps=EPS)
     with pytest.raises(ValueError, match="split_scratch"):
         hf.hopper_forward(xc, packed, num_heads=2, causal=True, split=True,
-                          scratch={"kv": scratch["kv"][:1], "flags": scratch["flags"]})
+                          scratch={"kv": scratch["kv"][:1], "flags": scratch["flags"]}, eps=EPS)
 
 
 @pytest.mark.gpu
@@ -473,7 +522,8 @@ def test_the_ring_runs_across_sequences_of_one_program():
     cfg, ref, x, mask, want = _case((37, 50, 64, 2, 64, 3), True, "holes")
     packed = {k: v.cuda() for k, v in _packed(ref, cfg, torch.float16).items()}
     for programs in (1, 5, 36):
-        got = hf.hopper_forward(x.cuda(), packed, num_heads=2, causal=True, mask=mask.cuda(), programs=programs)
+        got = hf.hopper_forward(x.cuda(), packed, num_heads=2, causal=True, eps=EPS, mask=mask.cuda(),
+                                programs=programs)
         check_official(want.float(), got.cpu(), f"{programs} programs")
 
 
@@ -564,7 +614,7 @@ def test_a_prepared_launch_equals_the_jit_launch(mask_kind, split):
     packed = {k: v.cuda() for k, v in _packed(ref, cfg, torch.float16).items()}
     scratch = hf.split_scratch(5, 2, 2, 32, "cuda") if split else None
     mc = None if mask is None else mask.cuda()
-    keywords = dict(num_heads=2, causal=True, split=split, scratch=scratch)
+    keywords = dict(num_heads=2, causal=True, eps=EPS, split=split, scratch=scratch)
     launch = hf.PreparedLaunch(x.cuda(), packed, mask=mc, **keywords)
     assert launch.direct is not None  # this Triton's C launcher reached (kernels.hopper_forward._c_launcher)
     for trial in range(3):

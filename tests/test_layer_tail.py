@@ -9,7 +9,7 @@ final norm, fp16 and bf16 operands.
 import pytest
 import torch
 import triton
-from test_fused_layer import DEVICE, TOL, check, make_mask, weights
+from test_fused_layer import DEVICE, EPS, TOL, check, make_mask, weights
 
 from shapewise.kernels.attention import flash_attention
 from shapewise.kernels.fused_layer import (
@@ -41,8 +41,8 @@ def test_layer_tail_matches_fp64(shape, mask_kind, final):
     o = torch.randn(B, S, d, device=DEVICE).to(torch.float16)
     mask = make_mask(mask_kind, B, S)
     norm = ((1 + 0.1 * torch.randn(d)).to(DEVICE), (0.1 * torch.randn(d)).to(DEVICE)) if final else None
-    y = layer_tail(o, x, w, mask=mask, final=norm, out_dtype=torch.float32, block_m=16, ffn_block=16)
-    want = layer_tail_reference(o, x, w, mask=mask, final=norm)
+    y = layer_tail(o, x, w, mask=mask, final=norm, out_dtype=torch.float32, block_m=16, ffn_block=16, eps=EPS)
+    want = layer_tail_reference(o, x, w, mask=mask, final=norm, eps=EPS)
     check(y, want, torch.float16)
     if mask is not None and (~mask).any():
         assert y[~mask].abs().max().item() == 0.0, "invalid rows are not exactly zero"
@@ -61,7 +61,7 @@ def test_ln_qkv_matches_fp64(dtype, shape, launch):
     w = weights(d, ffn, dtype, seed=12)
     x = torch.randn(B, S, d, device=DEVICE)
     block_t, col_blocks = launch
-    qkv = ln_qkv(x, w, block_t=block_t, col_blocks=col_blocks)
+    qkv = ln_qkv(x, w, block_t=block_t, col_blocks=col_blocks, eps=EPS)
     assert qkv.shape == (B, S, 3 * d) and qkv.dtype == dtype
     h = torch.nn.functional.layer_norm(x.double(), (d,), w["n1_w"].double(), w["n1_b"].double(), 1e-5)
     want = h @ w["qkv_w"].double().t() + w["qkv_b"].double()
@@ -89,12 +89,12 @@ def test_ln_qkv_writes_the_mask_summary_on_the_side(S, launch):
     x = torch.randn(B, S, d, device=DEVICE)
     mask = _masks(B, S)
     block_t, col_blocks = launch
-    plain = ln_qkv(x, w, block_t=block_t, col_blocks=col_blocks)
-    qkv, summary = ln_qkv(x, w, block_t=block_t, col_blocks=col_blocks, mask=mask)
+    plain = ln_qkv(x, w, block_t=block_t, col_blocks=col_blocks, eps=EPS)
+    qkv, summary = ln_qkv(x, w, block_t=block_t, col_blocks=col_blocks, mask=mask, eps=EPS)
     assert torch.equal(qkv, plain)
     assert summary.dtype == torch.int32 and torch.equal(summary.cpu(), prefix_lengths_reference(mask).cpu())
     with pytest.raises(ValueError, match="mask"):
-        ln_qkv(x, w, mask=mask.int())
+        ln_qkv(x, w, mask=mask.int(), eps=EPS)
 
 
 @pytest.mark.parametrize("B, S, n_cols", [(1, 128, 384), (64, 128, 384), (10000, 128, 384), (2, 7, 240),
@@ -127,10 +127,11 @@ def test_split_layer_is_the_layer(shape, mask_kind):
     w = weights(d, ffn, torch.float16, seed=13)
     x = torch.randn(B, S, d, device=DEVICE)
     mask = make_mask(mask_kind, B, S)
-    q, k, v = ln_qkv(x, w).view(B, S, 3, H, d // H).unbind(2)
+    q, k, v = ln_qkv(x, w, eps=EPS).view(B, S, 3, H, d // H).unbind(2)
     o = flash_attention(q, k, v, causal=causal, key_mask=mask, precision="fp16")
-    y = layer_tail(o.view(B, S, d), x, w, mask=mask)
-    want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal, mask=mask)
+    y = layer_tail(o.view(B, S, d), x, w, mask=mask, eps=EPS)
+    want = fused_layer_reference(x, {k: v.double() for k, v in w.items()}, num_heads=H, causal=causal, eps=EPS,
+                                 mask=mask)
     check(y, want, torch.float16)
 
 
@@ -140,15 +141,15 @@ def test_bad_inputs_are_named():
     x = torch.randn(B, S, d, device=DEVICE)
     o = torch.randn(B, S, d, device=DEVICE).to(torch.float16)
     with pytest.raises(ValueError, match="the layer tail serves"):
-        layer_tail(torch.zeros(1, 2, 256, dtype=torch.float16), torch.zeros(1, 2, 256), w)
+        layer_tail(torch.zeros(1, 2, 256, dtype=torch.float16), torch.zeros(1, 2, 256), w, eps=EPS)
     with pytest.raises(ValueError, match="contiguous"):
-        layer_tail(o.transpose(0, 1), x.transpose(0, 1), w)
+        layer_tail(o.transpose(0, 1), x.transpose(0, 1), w, eps=EPS)
     with pytest.raises(TypeError, match="share a float16/bfloat16 dtype"):
-        layer_tail(o.float(), x, w)
+        layer_tail(o.float(), x, w, eps=EPS)
     with pytest.raises(ValueError, match="mask must be bool"):
-        layer_tail(o, x, w, mask=torch.ones(B, S, dtype=torch.int32, device=DEVICE))
+        layer_tail(o, x, w, mask=torch.ones(B, S, dtype=torch.int32, device=DEVICE), eps=EPS)
     with pytest.raises(ValueError, match="ln_qkv: qkv_w must be"):
-        ln_qkv(x, {**w, "qkv_w": w["qkv_w"].float()})
+        ln_qkv(x, {**w, "qkv_w": w["qkv_w"].float()}, eps=EPS)
 
 
 

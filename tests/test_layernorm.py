@@ -152,11 +152,11 @@ def test_layer_norm_matches_torch_eps():
 def test_bad_inputs_raise():
     residual, branch, weight, bias = make(3, 32)
     cases = [
-        ("branch", lambda: add_layernorm(residual, branch[:, :16], weight, bias)),
-        ("weight", lambda: add_layernorm(residual, branch, weight[:16], bias)),
-        ("bias", lambda: add_layernorm(residual, branch, weight, bias[:16])),
+        ("branch", lambda: add_layernorm(residual, branch[:, :16], weight, bias, eps=EPS)),
+        ("weight", lambda: add_layernorm(residual, branch, weight[:16], bias, eps=EPS)),
+        ("bias", lambda: add_layernorm(residual, branch, weight, bias[:16], eps=EPS)),
         ("row_mask", lambda: add_layernorm(residual, branch, weight, bias, row_mask=torch.ones(5, dtype=torch.bool,
-                                                                                            device=DEVICE))),
+                                                                                            device=DEVICE), eps=EPS)),
     ]
     for name, call in cases:
         with pytest.raises((ValueError, TypeError)) as ei:

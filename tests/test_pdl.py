@@ -15,6 +15,7 @@ from test_fused_layer import weights
 from shapewise.kernels import INTERPRET
 from shapewise.model import TransformerConfig, UserOptimizedTransformer, routing
 from shapewise.model.optimized import OPTIMIZATIONS, switches_used
+from shapewise.model.reference import LAYER_NORM_EPS as EPS
 from shapewise.model.routing import ROUTE_SPECS, Route, with_pdl
 from shapewise.report_data import route_label
 
@@ -72,11 +73,11 @@ def test_every_launcher_refuses_pdl_under_the_interpreter():
     x, w = torch.randn(B, S, d), weights(d, 32, torch.float16)
     q = torch.randn(B, S, H, d // H).half()
     calls = {
-        "ln_qkv": lambda: ln_qkv(x, w, pdl=True),
+        "ln_qkv": lambda: ln_qkv(x, w, pdl=True, eps=EPS),
         "flash_attention": lambda: flash_attention(q, q, q, causal=True, pdl=True),
-        "layer_tail": lambda: layer_tail(x.half(), x, w, pdl=True),
-        "fused_layer": lambda: fused_layer(x, w, num_heads=H, causal=True, pdl=True),
-        "add_layernorm": lambda: add_layernorm(x, None, w["n1_w"], w["n1_b"], pdl=True),
+        "layer_tail": lambda: layer_tail(x.half(), x, w, pdl=True, eps=EPS),
+        "fused_layer": lambda: fused_layer(x, w, num_heads=H, causal=True, pdl=True, eps=EPS),
+        "add_layernorm": lambda: add_layernorm(x, None, w["n1_w"], w["n1_b"], pdl=True, eps=EPS),
     }
     for name, call in calls.items():
         with pytest.raises(ValueError, match=f"{name}: pdl=True needs a CUDA GPU"):

@@ -85,7 +85,7 @@ def _results(row, kind):
     if kind == "skip":
         reason = "optimized model needs ~1000000000000000 bytes, budget 1000000000 bytes"
         acc.update(status="resource-skip", skip_reason=reason)
-        tim["skips"] = {m: f"resource skip: estimated 1000000000000000 bytes > budget 1000000000 bytes"
+        tim["skips"] = {m: "resource skip: estimated 1000000000000000 bytes > budget 1000000000 bytes"
                         for m in ("reference", "optimized")}
         # as the timing job writes a resource skip: nothing built, nothing timed
         tim.update(status="resource-skip", call=None, speedup=None, speedup_ci=None, noisy=None, gpu=None,

@@ -13,7 +13,7 @@ import pytest
 from shapewise import compare, report, report_data
 from shapewise.cli import main as cli_main
 
-from test_report import make_run  # noqa: E402 (tests/ is on sys.path under pytest)
+from test_report import make_run  # tests/ is on sys.path under pytest
 
 HEADER = ["id", "machine", "status", "route", "reference_median_ms", "reference_ci_low_ms", "reference_ci_high_ms",
           "optimized_median_ms", "optimized_ci_low_ms", "optimized_ci_high_ms", "speedup", "failed_elements",

@@ -12,7 +12,7 @@ import pytest
 
 from shapewise import paths, report
 
-from test_report import make_run, write_json  # noqa: E402 (tests/ is on sys.path under pytest)
+from test_report import make_run, write_json  # tests/ is on sys.path under pytest
 
 # Closes a double-quoted attribute, then opens a script and an image with a handler.
 PAYLOAD = '"><script>alert(1)</script><img src=x onerror=alert(2)>'
@@ -108,7 +108,7 @@ def test_markdown_carries_no_tag(poisoned):
     _, md = poisoned
     assert "<script" not in md and "<img" not in md
     assert "&lt;script>alert(1)&lt;/script>&lt;img src=x onerror=alert(2)>" in md
-    assert f"&lt;img src=x onerror=alert(3)>" in md  # the baseline's name
+    assert "&lt;img src=x onerror=alert(3)>" in md  # the baseline's name
 
 
 def test_a_value_with_a_line_break_stays_on_its_line():

@@ -14,8 +14,8 @@ import pytest
 
 from shapewise import paths, report
 
-import test_report  # noqa: E402 (tests/ is on sys.path under pytest)
-from test_report import make_run, write_json  # noqa: E402
+import test_report  # tests/ is on sys.path under pytest
+from test_report import make_run, write_json
 
 
 @pytest.fixture
@@ -116,7 +116,7 @@ def test_ablation_heat_map_of_fifteen_switches_keeps_its_labels_readable(tmp_pat
     """The page shows a figure at most 1200 px wide; a heat map drawn wider is shrunk, and its labels with it."""
     from PIL import Image
 
-    from test_browser import MANY_SWITCHES  # noqa: E402
+    from test_browser import MANY_SWITCHES
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(test_report, "SWITCHES", MANY_SWITCHES)

@@ -14,7 +14,7 @@ import torch
 from shapewise import paths, provenance, report, report_data
 from shapewise.jobs import io
 
-from test_report import make_run, write_json  # noqa: E402 (tests/ is on sys.path under pytest)
+from test_report import make_run, write_json  # tests/ is on sys.path under pytest
 
 
 @pytest.fixture

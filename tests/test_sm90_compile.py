@@ -44,7 +44,7 @@ SCRIPT = textwrap.dedent('''
 
     done = []
     fp16, fp32, i8, i32 = "*fp16", "*fp32", "*i8", "*i32"
-    att = dict(Q=fp16, K=fp16, V=fp16, O=fp16, KeyLen=i32, KeyMask=i8)
+    att = dict(Q=fp16, K=fp16, V=fp16, Out=fp16, KeyLen=i32, KeyMask=i8)
     for lens, keys, own_loop in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
         consts = dict(HEAD_DIM=32, BLOCK_D=32, BLOCK_M=64, BLOCK_N=64, IS_CAUSAL=True, HAS_KEY_LEN=lens,
                       HAS_KEY_MASK=keys, EVEN_N=False, PRECISION=2, MASK_LOOP=own_loop, PDL=2 * keys)
@@ -59,7 +59,7 @@ SCRIPT = textwrap.dedent('''
                          dict(X=fp32, KV=fp16, Wqkv=fp16, Bqkv=fp16, N1w=fp32, N1b=fp32, Mask=i8, PrefixOut=i32),
                          dict(BLOCK_T=64, BLOCK_D=128, BLOCK_N=64, MASK_BLOCK=128, **f), 4, 1)
         done.append(f"_ln_kv_fwd {f}")
-    tail = dict(O=fp16, X=fp32, Y=fp32, Mask=i8, Wo=fp16, Bo=fp16, Win=fp16, Bin=fp16, Wout=fp16, Bout=fp16,
+    tail = dict(Att=fp16, X=fp32, Y=fp32, Mask=i8, Wo=fp16, Bo=fp16, Win=fp16, Bin=fp16, Wout=fp16, Bout=fp16,
                 N2w=fp32, N2b=fp32, NFw=fp32, NFb=fp32)
     # the four mask / final-norm variants
     for f in flags("HAS_MASK", "FINAL_NORM"):

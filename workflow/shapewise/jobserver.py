@@ -522,7 +522,7 @@ def _child(conn, listener, server):
     except gpushare.NeedsExclusiveGPU as exc:
         final, rc = {"restart": str(exc)}, 0
         _log(f"runs again holding its GPU alone: {exc}")
-    except BaseException:  # noqa: BLE001 - a job's crash ends its own process only, with its traceback in its log
+    except BaseException:  # a job's crash ends its own process only, with its traceback in its log
         traceback.print_exc()
         rc = 1
     if final is None:

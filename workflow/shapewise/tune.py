@@ -122,7 +122,7 @@ def _load(path, what):
 
 
 def main(sweep_path, policy_path=None):
-    from shapewise.model.routing import POLICY_PATH
+    from shapewise.model.policy import POLICY_PATH
 
     sweep = _load(sweep_path, "sweep")
     check_sweep(sweep, sweep_path)

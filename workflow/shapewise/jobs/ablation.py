@@ -69,7 +69,7 @@ def main(args):
     x, mask, _ = make_case(row, config, device, FIRST_TRIAL_SEED)
     result["call"] = call_of(mask)
     set_precision(reference=False)
-    used = None  # the switches the all-on route uses, known after its first call
+    used = base_route = None  # the switches the all-on route uses and its route, known after its first call
     for name, disable in variants():
         variant = {"variant": name, "disable": list(disable)}
         if disable:
@@ -86,7 +86,7 @@ def main(args):
                 times = []
                 for _ in range(protocol["rounds"]):
                     times += time_calls(lambda: run_optimized(model, x, mask, row), device, protocol["calls"])
-        except Exception as exc:  # noqa: BLE001 - recorded, and re-raised for the all-on model
+        except Exception as exc:  # recorded, and re-raised for the all-on model
             if not disable:
                 raise
             variant["error"] = f"{type(exc).__name__}: {exc}"
@@ -105,7 +105,7 @@ def main(args):
         result["variants"].append(variant)
         log(f"{row['id']} {name}: {variant['median_ms']:.4f} ms, route {variant['route']}, "
             f"{'pass' if variant['passed'] else 'FAIL'}")
-        del model, out
+        model = out = None  # this variant's model and output freed before the next variant builds its own
     base = result["variants"][0]["median_ms"]
     for variant in result["variants"]:
         if "median_ms" in variant:
