@@ -6,7 +6,7 @@ Usage (sm_90 GPU): python -m benchmarks.hopper_forward [OUT.json] [--rows 1,5,6,
 Per official row, on the pipeline's weights and first-trial inputs (the official call's all-True mask): the
 reference in fp32 (TF32 off); then `hopper_forward` in each of VARIANTS (`overlap`: a head's q, k, v projections
 issued back to back before one wait, or each waited for alone; `pipeline`: issued under the previous head's
-softmax; `split`: two 4-warp programs a sequence, on causal rows of 65 to 128 tokens only, on one `split_scratch`
+softmax; `pair`: two 4-warp programs a sequence, on causal rows of 65 to 128 tokens only, on one `pair_scratch`
 allocated outside the timed calls): its output against the reference at the official and strict tolerances, and
 its median GPU time per call (a CUDA graph of 10 launches replayed `reps` times, each replay between its own pair of
 CUDA events, divided by 10).
@@ -32,7 +32,7 @@ from shapewise.model.weights import layer_weights, per_layer
 ROWS = "1,5,6,2,9,10,12,11,7,3,4"
 # the kernel's variants timed alone: hopper_forward's keyword arguments (the route runs its defaults)
 VARIANTS = {"overlap=True": {"overlap": True}, "overlap=False": {"overlap": False}, "pipeline=True": {"pipeline": True},
-            "split=True": {"split": True}}
+            "pair=True": {"pair": True}}
 
 
 def row_result(shape_row, reps):
@@ -47,14 +47,14 @@ def row_result(shape_row, reps):
     y = torch.empty_like(x)
     with torch.inference_mode():
         for name, variant in VARIANTS.items():
-            if variant.get("split"):
+            if variant.get("pair"):
                 why = hf.why_unsupported(cfg.seq_len, cfg.d_model, cfg.num_heads, cfg.ffn_dim, causal=cfg.causal,
-                                         split=True)
+                                         pair=True)
                 if why:
                     out[name] = {"skipped": why}
                     continue
-                variant = {**variant, "scratch": hf.split_scratch(cfg.batch_size, cfg.num_layers, cfg.num_heads,
-                                                                  out["launch"]["HD"], x.device)}
+                variant = {**variant, "scratch": hf.pair_scratch(cfg.batch_size, cfg.num_layers, cfg.num_heads,
+                                                                 out["launch"]["HD"], x.device)}
 
             def fn(variant=variant):
                 hf.hopper_forward(x, packed, num_heads=cfg.num_heads, causal=cfg.causal, mask=mask, out=y,

@@ -1,13 +1,13 @@
 """The Hopper forward kernel built for sm_90 offline (no GPU): registers, spills, shared memory, SASS instructions.
 
-Usage: python -m benchmarks.hopper_sass [OUT.json] [--rows 1,12,7] [--pipeline] [--split]
+Usage: python -m benchmarks.hopper_sass [OUT.json] [--rows 1,12,7] [--pipeline] [--pair]
 
 Per official row it serves, `_hopper_forward_fwd` compiled as the route launches it (fp32 input, the row's causal
-flag, a mask, `overlap` on; `--pipeline`, `--split`: those variants, the split one on the rows it serves) through
-the ptxas that ships with Triton: ptxas's registers and spills (`benchmarks.attention_registers.usage`), the SASS
-instructions of the whole kernel by opcode (cuobjdump; its layer loop is not unrolled, so the count is about one
-layer's and one sequence's prologue and epilogue), and the TMA loads in its Triton IR (one per ring slot to start,
-then one per weight tile of a layer).
+flag, a mask, `overlap` on; `--pipeline`, `--pair`: those variants, `pair` (two programs a sequence) on the rows it
+serves) through the ptxas that ships with Triton: ptxas's registers and spills
+(`benchmarks.attention_registers.usage`), the SASS instructions of the whole kernel by opcode (cuobjdump; its layer
+loop is not unrolled, so the count is about one layer's and one sequence's prologue and epilogue), and the TMA loads
+in its Triton IR (one per ring slot to start, then one per weight tile of a layer).
 """
 from __future__ import annotations
 
@@ -31,23 +31,23 @@ TMA_LOAD = "ttng.async_tma_copy_global_to_local"
 SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
-def compile_hopper(S, d, H, F, causal=True, masked=True, pipeline=False, split=False):
-    """The kernel compiled for sm_90 at this shape (with `split`: its split variant), and its launch_config."""
+def compile_hopper(S, d, H, F, causal=True, masked=True, pipeline=False, pair=False):
+    """The kernel compiled for sm_90 at this shape (with `pair`: two programs a sequence), and its launch_config."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    cfg = hf.launch_config(S, d, H, F, split=split)
+    cfg = hf.launch_config(S, d, H, F, pair=pair)
     stream = torch.zeros(hf.stream_tiles(H, F, cfg["HD"]) * cfg["HD"], d, dtype=torch.float16)
     fn = hf._hopper_forward_fwd
     consts = dict(S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=H, F_CHUNKS=cfg["F_CHUNKS"],
                   NUM_SLOTS=cfg["NUM_SLOTS"], V_PAD=cfg["V_PAD"], IS_CAUSAL=causal, HAS_MASK=masked, OVERLAP=True,
-                  PIPELINE=pipeline, SPLIT=split, num_warps=cfg["num_warps"])
+                  PIPELINE=pipeline, PAIR=pair, num_warps=cfg["num_warps"])
     sig = {n: "constexpr" if n in consts else mangle_type(hf.weight_descriptor(stream, cfg["HD"]))
            if n == "w_desc" else "*i8" if n == "Mask" else "*fp16" if n == "KV" else "*i32" if n == "Flags"
            else "fp32" if n in ("qk_scale", "eps")
            else "*fp32" if n[0].isupper() else "i32" for n in fn.arg_names}
-    # the split's scratch 16-byte aligned, as a launch specializes it (its copies move 16 bytes)
-    attrs = {(fn.arg_names.index("KV"),): [["tt.divisibility", 16]]} if split else None
+    # the pair's scratch 16-byte aligned, as a launch specializes it (its copies move 16 bytes)
+    attrs = {(fn.arg_names.index("KV"),): [["tt.divisibility", 16]]} if pair else None
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                          attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"])), cfg
@@ -68,18 +68,18 @@ def main():
     p.add_argument("out", nargs="?", help="JSON file to write (default: print only)")
     p.add_argument("--rows", default="1,12,7", help="official rows")
     p.add_argument("--pipeline", action="store_true", help="the kernel with `pipeline` on (hopper_forward's argument)")
-    p.add_argument("--split", action="store_true", help="the kernel with `split` on, on the rows it serves")
+    p.add_argument("--pair", action="store_true", help="the kernel with `pair` on, on the rows it serves")
     args = p.parse_args()
     out = []
     for n in row_numbers(args.rows):
         r = official(n)
         S, d, H, F = r["seq_len"], r["d_model"], r["num_heads"], r["ffn_dim"]
         causal = r.get("causal", True)
-        if hf.why_unsupported(S, d, H, F, causal=causal, split=args.split):
+        if hf.why_unsupported(S, d, H, F, causal=causal, pair=args.pair):
             continue
-        kernel, cfg = compile_hopper(S, d, H, F, causal=causal, pipeline=args.pipeline, split=args.split)
+        kernel, cfg = compile_hopper(S, d, H, F, causal=causal, pipeline=args.pipeline, pair=args.pair)
         ops = sass_opcodes(kernel)
-        rec = {"row": r["id"], "launch": cfg, "pipeline": args.pipeline, "split": args.split,
+        rec = {"row": r["id"], "launch": cfg, "pipeline": args.pipeline, "pair": args.pair,
                **usage(kernel, cfg["num_warps"]),
                "sass_instructions": sum(ops.values()), "sass_by_opcode": dict(ops.most_common(20)),
                "tma_loads_in_ir": kernel.asm["ttgir"].count(TMA_LOAD)}

@@ -15,12 +15,12 @@ L2 by TMA into a ring of NUM_SLOTS shared-memory slots that runs NUM_SLOTS tiles
 layers and sequences. Head dims are padded to HD (>= 16, a wgmma k step) and the FFN to a multiple of HD with zero
 weights, which changes no output bit of the unpadded math but the summation order.
 
-Split (`split=True`, off by default; causal sequences of SPLIT_MIN_SEQ_LEN to MAX_SEQ_LEN tokens): two 4-warp
+Program pair (`pair=True`, off by default; causal sequences of PAIR_MIN_SEQ_LEN to MAX_SEQ_LEN tokens): two 4-warp
 programs serve each sequence, program 2p + 0 its rows 0-63 and program 2p + 1 its rows 64-127, each with its own
 64-row residual stream and its own LayerNorms, projections, FFN and masks as above; both score 128 keys. Under the
 causal mask the first half's queries see only its own keys (its key rows 64-127 are zeros that the mask hides),
 so the first program never waits. It stores each head's k and v (the fp16 [64, HD] tiles it puts in shared
-memory, from the same registers) to a global scratch `split_scratch` ([B, layers, heads, 2, 64, HD] fp16, one
+memory, from the same registers) to a global scratch `pair_scratch` ([B, layers, heads, 2, 64, HD] fp16, one
 slot per sequence: a first program running ahead overwrites nothing its second still reads), and after the next
 CTA barrier (the next head's, or the layer's last) one GPU-scope release exchange sets the sequence's flag to the
 count of heads published in its forward (layer * heads + heads done). The second program reads the flag (acquire
@@ -60,8 +60,8 @@ MIN_HEAD_DIM = 16  # a wgmma k step for fp16: narrower heads are padded to it wi
 SMEM_BYTES = 216 * 1024  # shared memory one program may take (the H200 offers 227 KB per block)
 MAX_SLOTS = 16  # the weight ring's depth at most
 MIN_SLOTS = 4  # and at least: a head's q, k, v tiles are waited for while the previous head's out-projection's is held
-SPLIT_ROWS = 64  # rows of each program of a split pair: one warpgroup, the 64-row tile's code path
-SPLIT_MIN_SEQ_LEN = SPLIT_ROWS + 1  # a pair's second program holds a token (shorter: one 64-row program serves)
+PAIR_ROWS = 64  # rows of each program of a pair: one warpgroup, the 64-row tile's code path
+PAIR_MIN_SEQ_LEN = PAIR_ROWS + 1  # a pair's second program holds a token (shorter: one 64-row program serves)
 # A layer's fp32 vectors, one row of `pack_weights`'s `vecs` in this order (the kernel's offsets follow it): read
 # from shared memory, where the next layer's are staged during each layer (an L2 load at each use stalled the math)
 VECTOR_ORDER = ("n1_w", "n1_b", "n2_w", "n2_b", "o_b", "out_b", "q_b", "in_b")
@@ -77,14 +77,14 @@ def head_dim_padded(head_dim: int) -> int:
 
 
 def why_unsupported(seq_len: int, d_model: int, num_heads: int, ffn_dim: int, *, causal: bool = True,
-                    split: bool = False) -> str | None:
-    """Why the Hopper forward (with `split`: its split variant) cannot serve this shape (any device), or None: the
-    one statement of its limits."""
-    if split and not causal:
-        return "the Hopper forward's split serves causal attention only (its first half reads no later key)"
-    if split and not SPLIT_MIN_SEQ_LEN <= seq_len <= MAX_SEQ_LEN:
-        return (f"the Hopper forward's split serves seq_len in [{SPLIT_MIN_SEQ_LEN}, {MAX_SEQ_LEN}] (two halves of "
-                f"{SPLIT_ROWS} rows), got {seq_len}")
+                    pair: bool = False) -> str | None:
+    """Why the Hopper forward (with `pair`: two programs a sequence) cannot serve this shape (any device), or None:
+    the one statement of its limits."""
+    if pair and not causal:
+        return "the Hopper forward's program pair serves causal attention only (its first half reads no later key)"
+    if pair and not PAIR_MIN_SEQ_LEN <= seq_len <= MAX_SEQ_LEN:
+        return (f"the Hopper forward's program pair serves seq_len in [{PAIR_MIN_SEQ_LEN}, {MAX_SEQ_LEN}] (two "
+                f"halves of {PAIR_ROWS} rows), got {seq_len}")
     if gluon is None:
         return "the Hopper forward needs Triton's Gluon (triton >= 3.5)"
     if d_model not in D_MODELS:
@@ -195,12 +195,12 @@ def packed_bytes(num_layers: int, d_model: int, num_heads: int, ffn_dim: int, op
     return num_layers * (stream + o_b + vectors) + 4 * 2 * d_model
 
 
-def _split_attention(q, k, v, valid, scale):
-    """One head's attention over a causal sequence as a split pair computes it: the first program's rows (0 to
-    SPLIT_ROWS - 1) against its own keys and SPLIT_ROWS zero keys (masked), the second's against the first's k and
+def _pair_attention(q, k, v, valid, scale):
+    """One head's attention over a causal sequence as a pair computes it: the first program's rows (0 to
+    PAIR_ROWS - 1) against its own keys and PAIR_ROWS zero keys (masked), the second's against the first's k and
     v (published) beside its own: [B, S, HD]."""
     B, S = valid.shape
-    r = SPLIT_ROWS
+    r = PAIR_ROWS
     pos = torch.arange(2 * r, device=q.device)
     key_ok = torch.nn.functional.pad(valid, (0, 2 * r - S))  # keys past the sequence: invalid
     zeros = k.new_zeros(B, r, k.shape[-1])  # the first program's key rows r to 2r - 1
@@ -214,16 +214,16 @@ def _split_attention(q, k, v, valid, scale):
     return torch.cat(out, 1)
 
 
-def forward_from_stream(x, w, *, num_heads, causal, eps, mask=None, split=False):
+def forward_from_stream(x, w, *, num_heads, causal, eps, mask=None, pair=False):
     """The forward computed in fp64 from `pack_weights`'s layout, tile by tile in the kernel's order (padded heads
     and FFN chunks included): what the kernel computes, up to its fp16 operands and summation order; `eps`: the
-    LayerNorms' epsilon. `split`: each
-    head's attention as a split pair computes it (`_split_attention`; causal, SPLIT_MIN_SEQ_LEN <= S <= 128)."""
+    LayerNorms' epsilon. `pair`: each
+    head's attention as a pair computes it (`_pair_attention`; causal, PAIR_MIN_SEQ_LEN <= S <= 128)."""
     B, S, d = x.shape
     hd = d // num_heads
     L, hdp = w["o_b"].shape[0], head_dim_padded(hd)
-    if split and (not causal or not SPLIT_MIN_SEQ_LEN <= S <= MAX_SEQ_LEN):
-        raise ValueError(f"forward_from_stream: {why_unsupported(S, d, num_heads, 0, causal=causal, split=True)}")
+    if pair and (not causal or not PAIR_MIN_SEQ_LEN <= S <= MAX_SEQ_LEN):
+        raise ValueError(f"forward_from_stream: {why_unsupported(S, d, num_heads, 0, causal=causal, pair=True)}")
     tiles = w["stream"].double().view(L, -1, hdp, d)
     chunks = (tiles.shape[1] - 4 * num_heads) // 2
     valid = torch.ones(B, S, dtype=torch.bool, device=x.device) if mask is None else mask
@@ -238,8 +238,8 @@ def forward_from_stream(x, w, *, num_heads, causal, eps, mask=None, split=False)
         for head in range(num_heads):
             q, k, v = (n1 @ t[4 * head + j].t() for j in range(3))
             q = q + q_b[head]
-            if split:
-                o = _split_attention(q, k, v, valid, hd**-0.5)
+            if pair:
+                o = _pair_attention(q, k, v, valid, hd**-0.5)
             else:
                 s = (q @ k.transpose(1, 2) * hd**-0.5).masked_fill(~visible, float("-inf"))
                 o = torch.softmax(s, -1).nan_to_num(0.0) @ v
@@ -333,13 +333,13 @@ if gluon is not None:
 
     @gluon.jit
     def _publish(t, dst, ROWS: gl.constexpr, HD: gl.constexpr, layout: gl.constexpr):
-        """A split pair's first program: its fp16 k or v [ROWS, HD] in `layout` (a head's, in registers as it is
+        """A pair's first program: its fp16 k or v [ROWS, HD] in `layout` (a head's, in registers as it is
         stored to shared memory: no registers beyond it) to the scratch tile at dst."""
         gl.store(dst + _kv_offsets(ROWS, HD, layout), t)
 
     @gluon.jit
     def _copy_published(k_s, v_s, src, ROWS: gl.constexpr, HD: gl.constexpr, layout: gl.constexpr):
-        """A split pair's second program: the scratch tile pair at src (k, v; published: the caller's acquire) into
+        """A pair's second program: the scratch tile pair at src (k, v; published: the caller's acquire) into
         rows 0 to ROWS - 1 of k_s and v_s, copied asynchronously (cp.async, 16 bytes, bypassing L1: no registers
         hold the tiles) as one group; the caller waits for the group before its barrier."""
         offs = _kv_offsets(ROWS, HD, layout)
@@ -349,13 +349,13 @@ if gluon is not None:
 
     @gluon.jit
     def _release(flag, heads):
-        """Set a split pair's flag to the count of heads published: GPU-scope release, after a CTA barrier that
+        """Set a pair's flag to the count of heads published: GPU-scope release, after a CTA barrier that
         follows every warp's scratch stores (cumulative: those stores are visible to whoever acquires it)."""
         gl.atomic_xchg(flag, heads, sem="release", scope="gpu")
 
     @gluon.jit
     def _acquire(flag, need):
-        """A split pair's second program: the flag's count of heads published, spun on (GPU-scope acquire) until it
+        """A pair's second program: the flag's count of heads published, spun on (GPU-scope acquire) until it
         reaches `need`; the scratch tiles of every head below the count are then visible."""
         seen = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
         while seen < need:
@@ -369,13 +369,13 @@ if gluon is not None:
         VEC, NFw, NFb,  # fp32: [L, V_PAD] layer vectors (pack_weights' vecs), the final norm's weight and bias
         batch, seq_len, num_layers, qk_scale, eps,  # qk_scale = head_dim**-0.5 * log2(e)
         stride_xb, stride_xs, stride_yb, stride_ys, stride_mb,
-        KV, Flags,  # SPLIT: fp16 [B, L, NUM_HEADS, 2, S_PAD, HD] k, v of first halves; int32 [B] heads published
+        KV, Flags,  # PAIR: fp16 [B, L, NUM_HEADS, 2, S_PAD, HD] k, v of first halves; int32 [B] heads published
         S_PAD: gl.constexpr, D: gl.constexpr, HD: gl.constexpr, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr,
         NUM_SLOTS: gl.constexpr, V_PAD: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_MASK: gl.constexpr,
-        OVERLAP: gl.constexpr, PIPELINE: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr,
+        OVERLAP: gl.constexpr, PIPELINE: gl.constexpr, PAIR: gl.constexpr, num_warps: gl.constexpr,
     ):
-        # keys a program scores: its own rows', or with SPLIT the whole (two-halves) sequence's
-        if SPLIT:
+        # keys a program scores: its own rows', or with PAIR the whole (two-halves) sequence's
+        if PAIR:
             KEYS: gl.constexpr = 2 * S_PAD
         else:
             KEYS: gl.constexpr = S_PAD
@@ -390,7 +390,7 @@ if gluon is not None:
         A_D: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_D, k_width=2)  # -> [S, D] products
         A_S: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_S, k_width=2)  # -> scores
         KV_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HD], gl.float16)
-        # SPLIT's scratch tiles [S_PAD, HD] fp16 in 16-byte vectors, a warp's lanes along a row first
+        # PAIR's scratch tiles [S_PAD, HD] fp16 in 16-byte vectors, a warp's lanes along a row first
         L_KV: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HD, HD // 8], [num_warps, 1], [1, 0])
         TILES: gl.constexpr = 4 * NUM_HEADS + 2 * F_CHUNKS
         # heads up to 32 wide: the next head's q, k, v accumulators (48 registers) fit beside this head's scores
@@ -418,7 +418,7 @@ if gluon is not None:
 
         pid = gl.program_id(0)
         programs = gl.num_programs(0)
-        if SPLIT:  # programs 2p, 2p + 1: pair p, each its half of the pair's sequences; below pid is the pair's
+        if PAIR:  # programs 2p, 2p + 1: pair p, each its half of the pair's sequences; below pid is the pair's
             half = pid % 2
             pid = pid // 2
             programs = programs // 2
@@ -432,7 +432,7 @@ if gluon is not None:
 
         v_offs = gl.arange(0, V_PAD, layout=L_V)
         vec_s.index(0).store(gl.load(VEC + v_offs))  # layer 0's vectors; each layer stages the next one's
-        if SPLIT:
+        if PAIR:
             if half == 0:  # its key rows S_PAD.. stay zero: masked, and finite for p @ v
                 k_s.slice(S_PAD, S_PAD).store(gl.zeros([S_PAD, HD], gl.float16, L_KV))
                 v_s.slice(S_PAD, S_PAD).store(gl.zeros([S_PAD, HD], gl.float16, L_KV))
@@ -443,7 +443,7 @@ if gluon is not None:
         hcols = gl.arange(0, HD, layout=H_COL)
         q_rows = gl.arange(0, S_PAD, layout=gl.SliceLayout(1, L_S))
         keys = gl.arange(0, KEYS, layout=gl.SliceLayout(0, L_S))
-        if SPLIT:  # this program's rows: positions half * S_PAD.. of the sequence
+        if PAIR:  # this program's rows: positions half * S_PAD.. of the sequence
             rows = rows + half * S_PAD
             q_rows = q_rows + half * S_PAD
         row_in = rows < seq_len
@@ -466,7 +466,7 @@ if gluon is not None:
             visible = gl.expand_dims(key_ok, 0) & gl.expand_dims(q_rows >= 0, 1)
             if IS_CAUSAL:
                 visible = visible & (gl.expand_dims(keys, 0) <= gl.expand_dims(q_rows, 1))
-            if SPLIT:
+            if PAIR:
                 flag = Flags + b
                 seen = pid * 0  # heads of this sequence the second program knows published
             for layer in range(num_layers):
@@ -485,7 +485,7 @@ if gluon is not None:
                 for head in range(NUM_HEADS):
                     b_q = gl.load(VEC + layer * V_PAD + QB + head * HD + hcols)  # arrives under the projections
                     lo = gl.where(head > 0, g - 1, g)  # the previous head's out-projection's tile, where there is one
-                    if SPLIT:  # this head's scratch tiles
+                    if PAIR:  # this head's scratch tiles
                         kv_tile = KV + ((b64 * num_layers + layer) * NUM_HEADS + head) * (2 * S_PAD * HD)
                         if half == 1:  # published (waited for where not yet seen), copied under the projections
                             need = layer * NUM_HEADS + head + 1
@@ -496,7 +496,7 @@ if gluon is not None:
                     if HD >= 128:  # q, k, v accumulators at once (192 registers) beside the residual spill:
                         # k, v, then q, each waited for alone
                         k = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, False)
-                        if SPLIT:  # k stored before v is projected: one [64, HD] fp32 tile at a time beside x
+                        if PAIR:  # k stored before v is projected: one [64, HD] fp32 tile at a time beside x
                             gl.thread_barrier()  # every warp is past the previous head's reads of k_s and v_s
                             if (half == 0) & (head > 0):  # every warp's stores of the previous head's tiles done
                                 _release(flag, layer * NUM_HEADS + head)
@@ -535,7 +535,7 @@ if gluon is not None:
                         # every warp is past the previous head's probs @ v and out-projection: k_s, v_s and the
                         # consumed tiles' slots (q, k, v; the previous head's out-projection) are free
                         _refill_last(w_desc, ring, bars, g, 4, lo, first, total, tiles_per_forward, HD, NUM_SLOTS)
-                        if SPLIT:
+                        if PAIR:
                             if (half == 0) & (head > 0):  # every warp's stores of the previous head's tiles done
                                 _release(flag, layer * NUM_HEADS + head)
                             if half == 0:
@@ -578,7 +578,7 @@ if gluon is not None:
                     g += 1
                 # the out-projection's tile
                 _refill_last(w_desc, ring, bars, g, 1, 0, first, total, tiles_per_forward, HD, NUM_SLOTS)
-                if SPLIT:
+                if PAIR:
                     if half == 0:  # the refill's barrier follows every warp's stores of the last head's tiles
                         _release(flag, (layer + 1) * NUM_HEADS)
                 x = x + gl.expand_dims(_vec(vecs, OB, D, L_COL), 0)
@@ -607,7 +607,7 @@ if gluon is not None:
                 # every warp is past this layer's last read of the other buffer (the refill's barrier above)
                 vec_s.index(1 - parity).store(upcoming)
                 gl.thread_barrier()
-            if SPLIT:
+            if PAIR:
                 if half == 1:  # every head seen (the count is final): the flag back to 0 for the next launch
                     gl.atomic_xchg(flag, 0, sem="relaxed", scope="gpu")
             y = _layer_norm(x, gl.load(NFw + cols), gl.load(NFb + cols), D, eps)
@@ -621,17 +621,17 @@ if gluon is not None:
 # ----------------------------------------------------------------------------------------------
 # Launcher and public function
 # ----------------------------------------------------------------------------------------------
-def launch_config(seq_len: int, d_model: int, num_heads: int, ffn_dim: int, split: bool = False) -> dict:
+def launch_config(seq_len: int, d_model: int, num_heads: int, ffn_dim: int, pair: bool = False) -> dict:
     """The kernel's compile-time shape for this model shape: S_PAD (a program's rows), HD, F_CHUNKS, NUM_SLOTS,
-    V_PAD, SPLIT, num_warps. With `split` a program holds SPLIT_ROWS rows and scores all 128 keys (k and v take
+    V_PAD, PAIR, num_warps. With `pair` a program holds PAIR_ROWS rows and scores all 128 keys (k and v take
     shared memory for 128 rows, as without it)."""
     hd = head_dim_padded(d_model // num_heads)
     keys = _seq_pad(seq_len)
-    s_pad = SPLIT_ROWS if split else keys
+    s_pad = PAIR_ROWS if pair else keys
     v_pad = _vector_pad(d_model, num_heads, ffn_dim, hd)
     return {"S_PAD": s_pad, "HD": hd, "F_CHUNKS": -(-ffn_dim // hd),
             "NUM_SLOTS": _ring_slots(keys, hd, d_model, stream_tiles(num_heads, ffn_dim, hd), v_pad),
-            "V_PAD": v_pad, "SPLIT": bool(split), "num_warps": s_pad // 16}
+            "V_PAD": v_pad, "PAIR": bool(pair), "num_warps": s_pad // 16}
 
 
 def weight_descriptor(stream: torch.Tensor, hd: int):
@@ -641,31 +641,31 @@ def weight_descriptor(stream: torch.Tensor, hd: int):
     return TensorDescriptor(stream, list(stream.shape), list(stream.stride()), [hd, d], layout)
 
 
-def programs_for(batch: int, device, split: bool = False) -> int:
-    """Persistent programs of one launch: one per SM (a program takes most of an SM's shared memory); with `split`
+def programs_for(batch: int, device, pair: bool = False) -> int:
+    """Persistent programs of one launch: one per SM (a program takes most of an SM's shared memory); with `pair`
     two per sequence, in pairs, at most as many as SMs (a pair's second program waits on its first: both
     resident)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if split:
+    if pair:
         return 2 * max(1, min(batch, sms // 2))
     return max(1, min(batch, sms))
 
 
-def split_scratch(batch: int, num_layers: int, num_heads: int, hd: int, device) -> dict:
-    """The split variant's global scratch: `kv` fp16 [B, L, heads, 2, SPLIT_ROWS, hd] (each first half's k and v
-    per layer and head: one slot per sequence, so a first program running ahead overwrites nothing its second
-    still reads) and `flags` int32 [B] (heads published), zero. A launch leaves every flag at zero again: the same
-    scratch serves launch after launch (CUDA-graph replays included), one launch at a time."""
-    return {"kv": torch.empty(batch, num_layers, num_heads, 2, SPLIT_ROWS, hd, dtype=torch.float16, device=device),
+def pair_scratch(batch: int, num_layers: int, num_heads: int, hd: int, device) -> dict:
+    """The global scratch of `pair` (two programs a sequence): `kv` fp16 [B, L, heads, 2, PAIR_ROWS, hd] (each
+    first half's k and v per layer and head: one slot per sequence, so a first program running ahead overwrites
+    nothing its second still reads) and `flags` int32 [B] (heads published), zero. A launch leaves every flag at
+    zero again: the same scratch serves launch after launch (CUDA-graph replays included), one launch at a time."""
+    return {"kv": torch.empty(batch, num_layers, num_heads, 2, PAIR_ROWS, hd, dtype=torch.float16, device=device),
             "flags": torch.zeros(batch, dtype=torch.int32, device=device)}
 
 
-def split_scratch_bytes(batch: int, num_layers: int, num_heads: int, hd: int) -> int:
-    """Bytes of `split_scratch(batch, num_layers, num_heads, hd, ...)`: its kv fp16 and its int32 flags."""
-    return batch * (num_layers * num_heads * 2 * SPLIT_ROWS * hd * 2 + 4)
+def pair_scratch_bytes(batch: int, num_layers: int, num_heads: int, hd: int) -> int:
+    """Bytes of `pair_scratch(batch, num_layers, num_heads, hd, ...)`: its kv fp16 and its int32 flags."""
+    return batch * (num_layers * num_heads * 2 * PAIR_ROWS * hd * 2 + 4)
 
 
-def _arguments(x, w, *, num_heads, causal, eps, mask, out, desc, programs, overlap, pipeline, split, scratch):
+def _arguments(x, w, *, num_heads, causal, eps, mask, out, desc, programs, overlap, pipeline, pair, scratch):
     """(programs, the kernel's arguments by parameter name) for `hopper_forward`'s call, checked: every name of
     `_hopper_forward_fwd`'s signature, constexprs and num_warps included."""
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.stride(-1) != 1:
@@ -674,12 +674,12 @@ def _arguments(x, w, *, num_heads, causal, eps, mask, out, desc, programs, overl
     B, S, d = x.shape
     L = w["o_b"].shape[0]
     ffn = w["in_b"].shape[1]  # padded: the same chunks as the real width
-    why = why_unsupported(S, d, num_heads, ffn, causal=bool(causal), split=bool(split))
+    why = why_unsupported(S, d, num_heads, ffn, causal=bool(causal), pair=bool(pair))
     if why:
         raise ValueError(f"hopper_forward: {why}")
     if not _on_hopper(x.device):
         raise ValueError(f"hopper_forward: needs a Hopper GPU (sm_90), got {x.device}")
-    cfg = launch_config(S, d, num_heads, ffn, split=bool(split))
+    cfg = launch_config(S, d, num_heads, ffn, pair=bool(pair))
     stream = w["stream"]
     if stream.dtype != torch.float16 or stream.shape != (L * stream_tiles(num_heads, ffn, cfg["HD"]) * cfg["HD"], d):
         raise ValueError(f"hopper_forward: the weight stream must be fp16 [{L} layers * tiles * {cfg['HD']}, {d}] "
@@ -698,20 +698,20 @@ def _arguments(x, w, *, num_heads, causal, eps, mask, out, desc, programs, overl
     if mask is not None and m.stride(-1) != 1:
         m = m.contiguous()
     desc = desc if desc is not None else weight_descriptor(stream, cfg["HD"])
-    programs = programs or programs_for(B, x.device, bool(split))
-    kv = flags = out  # not read without split
-    if split:
+    programs = programs or programs_for(B, x.device, bool(pair))
+    kv = flags = out  # not read without pair
+    if pair:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         if programs % 2 or programs > sms:
-            raise ValueError(f"hopper_forward: split runs programs in pairs, all resident: an even count of at most "
+            raise ValueError(f"hopper_forward: `pair` runs programs in pairs, all resident: an even count of at most "
                              f"{sms} (the SMs), got {programs}")
-        scratch = scratch if scratch is not None else split_scratch(B, L, num_heads, cfg["HD"], x.device)
+        scratch = scratch if scratch is not None else pair_scratch(B, L, num_heads, cfg["HD"], x.device)
         kv, flags = scratch["kv"], scratch["flags"]
-        want = (L, num_heads, 2, SPLIT_ROWS, cfg["HD"])
+        want = (L, num_heads, 2, PAIR_ROWS, cfg["HD"])
         if (kv.dtype != torch.float16 or tuple(kv.shape[1:]) != want or kv.shape[0] < B or not kv.is_contiguous()
                 or flags.dtype != torch.int32 or flags.numel() < B or not flags.is_contiguous()
                 or kv.device != x.device or flags.device != x.device):
-            raise ValueError(f"hopper_forward: scratch must be split_scratch's: kv fp16 [>= {B}, "
+            raise ValueError(f"hopper_forward: scratch must be pair_scratch's: kv fp16 [>= {B}, "
                              f"{', '.join(map(str, want))}], flags int32 [>= {B}] on {x.device}")
     return programs, dict(
         X=x, Y=out, Mask=m, w_desc=desc, VEC=w["vecs"], NFw=w["final_w"], NFb=w["final_b"], batch=B, seq_len=S,
@@ -720,23 +720,23 @@ def _arguments(x, w, *, num_heads, causal, eps, mask, out, desc, programs, overl
         stride_mb=m.stride(0) if mask is not None else 0, KV=kv, Flags=flags,
         S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=num_heads, F_CHUNKS=cfg["F_CHUNKS"],
         NUM_SLOTS=cfg["NUM_SLOTS"], V_PAD=cfg["V_PAD"], IS_CAUSAL=bool(causal), HAS_MASK=mask is not None,
-        OVERLAP=bool(overlap), PIPELINE=bool(pipeline), SPLIT=bool(split), num_warps=cfg["num_warps"],
+        OVERLAP=bool(overlap), PIPELINE=bool(pipeline), PAIR=bool(pair), num_warps=cfg["num_warps"],
     )
 
 
 def hopper_forward(x, w, *, num_heads, causal, eps, mask=None, out=None, desc=None, programs=None, overlap=True,
-                   pipeline=False, split=False, scratch=None):
+                   pipeline=False, pair=False, scratch=None):
     """The whole forward over `x [B, S, d]` with `pack_weights`'s weights `w`: [B, S, d] in x's dtype (or into
     `out`), invalid rows 0. `eps`: the LayerNorms' epsilon (the model's, model/reference.py). `desc`: the stream's
     `weight_descriptor` (built here when None); `programs`: persistent programs (default one per SM); `overlap`: a
     head's q, k, v projections (and an FFN chunk's out-projection with the next chunk's in-projection) issued back
     to back before one wait, else each waited for alone; `pipeline`: a head's q, k, v projections issued under the
     previous head's softmax (heads up to 32 wide; measured before it becomes the default:
-    docs/decisions.md#hopper-head-pipeline); `split`: two 4-warp programs per sequence, rows 0-63 and 64-127
-    (causal, SPLIT_MIN_SEQ_LEN <= S <= 128; the module's docstring), `programs` then even and at most the SMs,
-    `scratch` its `split_scratch` (allocated here when None; reused, one launch at a time)."""
+    docs/decisions.md#hopper-head-pipeline); `pair`: two 4-warp programs per sequence, rows 0-63 and 64-127
+    (causal, PAIR_MIN_SEQ_LEN <= S <= 128; the module's docstring), `programs` then even and at most the SMs,
+    `scratch` its `pair_scratch` (allocated here when None; reused, one launch at a time)."""
     programs, args = _arguments(x, w, num_heads=num_heads, causal=causal, eps=eps, mask=mask, out=out, desc=desc,
-                                programs=programs, overlap=overlap, pipeline=pipeline, split=split, scratch=scratch)
+                                programs=programs, overlap=overlap, pipeline=pipeline, pair=pair, scratch=scratch)
     _hopper_forward_fwd[(programs,)](**args)
     return args["Y"]
 
@@ -760,14 +760,14 @@ class PreparedLaunch:
                  "run", "function", "metadata", "kernel", "c_launch", "direct", "direct_at")
 
     def __init__(self, x, w, *, num_heads, causal, eps, mask=None, desc=None, programs=None, overlap=True,
-                 pipeline=False, split=False, scratch=None, direct=True):
+                 pipeline=False, pair=False, scratch=None, direct=True):
         if not _aligned(x, mask):
             raise ValueError("PreparedLaunch: x and the mask must be contiguous and 16-byte aligned (the layout the "
                              "kernel is specialized on); hopper_forward serves any layout")
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         self.programs, args = _arguments(x, w, num_heads=num_heads, causal=causal, eps=eps, mask=mask, out=out,
                                          desc=desc,
-                                         programs=programs, overlap=overlap, pipeline=pipeline, split=split,
+                                         programs=programs, overlap=overlap, pipeline=pipeline, pair=pair,
                                          scratch=scratch)
         with torch.cuda.device(x.device):  # the module loads into this device's context
             kernel = _hopper_forward_fwd.warmup(grid=(self.programs,), **args)
@@ -889,5 +889,5 @@ def _aligned(x, mask) -> bool:
             and (mask is None or (mask.is_contiguous() and mask.data_ptr() % 16 == 0)))
 
 
-__all__ = ["PreparedLaunch", "forward_from_stream", "hopper_forward", "pack_weights", "packed_bytes", "split_scratch",
-           "split_scratch_bytes", "why_unsupported"]
+__all__ = ["PreparedLaunch", "forward_from_stream", "hopper_forward", "pack_weights", "packed_bytes", "pair_scratch",
+           "pair_scratch_bytes", "why_unsupported"]

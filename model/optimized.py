@@ -53,7 +53,7 @@ OPTIMIZATIONS = (
     # the one before it has finished)
     "hopper_forward",  # where the policy says so, on sm_90: the whole forward in one Gluon kernel (off: the per-layer
     # routes)
-    "hopper_split",  # where the policy says so: the Hopper forward with two programs a causal sequence (off: one)
+    "hopper_pair",  # where the policy says so: the Hopper forward with two programs a causal sequence (off: one)
     "hopper_attention",  # where the policy says so, on sm_90: the triton route's attention as kernels.attention_hopper
     # (off: the attention the policy gives without it, SDPA at these lengths)
 )
@@ -251,7 +251,7 @@ class UserOptimizedTransformer(BaselineTransformer):
 
     def _follow_stream(self, device, handle) -> None:
         """A CUDA call on another stream than the previous one's: this stream waits for what that one queued. The
-        captured graphs' static buffers, the split's scratch and the derived weights belong to the model and serve
+        captured graphs' static buffers, the program pair's scratch and the derived weights belong to the model and serve
         every call, so its calls run on the GPU in the order they were made, on any streams (no host
         synchronization). A call inside a caller's CUDA-graph capture, or right after one, adds no wait: a capture
         may depend on no work outside it, and its replays are ordered by whoever replays them."""

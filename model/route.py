@@ -30,7 +30,7 @@ class Route:
     pdl: bool = False  # kernels after the forward's first launch with programmatic dependent launch (`with_pdl`)
     eager: bool = False  # a captured route launched eagerly here: policy `hopper.eager_min_batch`, or beyond
     # `graph.max_tokens_x_d_model` (`_hopper_route`)
-    split_sequence: bool = False  # hopper route: two programs a causal sequence (policy `hopper.split_max_batch`)
+    pair: bool = False  # hopper route: two programs a causal sequence (policy `hopper.pair_max_batch`)
     prepared_launch: bool = False  # hopper route: eager through its signature's PreparedLaunch (eager_min_batch)
     direct_launch: bool = False  # prepared launch: Triton's C launcher called with an argument list built once
     # (policy `hopper.direct_launch`; off: through the compiled kernel's `run`)
@@ -42,12 +42,12 @@ class Route:
         kv = " kv=precomputed" if self.kv_precompute else ""
         blocks = "".join(f" {n}={v}" for n, v in (("key_block", self.key_block), ("ffn_block", self.ffn_block)) if v)
         split = " split-layer" if self.split_layer else ""
+        pair = " pair" if self.pair else ""
         pdl = " pdl" if self.pdl else ""
         eager = " eager" if self.eager else ""
-        split += " split-sequence" if self.split_sequence else ""
         eager += " prepared-launch" if self.prepared_launch else ""
         eager += " direct-launch" if self.direct_launch else ""
-        return f"{self.name}/{self.precision}{attn}{launch}{kv}{blocks}{split}{pdl}{eager} ({how}: {self.reason})"
+        return f"{self.name}/{self.precision}{attn}{launch}{kv}{blocks}{split}{pair}{pdl}{eager} ({how}: {self.reason})"
 
     def as_dict(self) -> dict:  # JSON-ready: the launch tuple as a list
         return {**asdict(self), "launch": list(self.launch)}

@@ -33,8 +33,8 @@ class HopperForward:
         # the stream is refreshed in place (model/weights.py): its descriptor stays valid across weight edits
         self.hd = kernel.head_dim_padded(model.config.head_dim)
         self.desc = kernel.weight_descriptor(self.weights["stream"], self.hd)
-        self.split_scratch = kernel.split_scratch
-        self.scratch = None  # the split's k, v exchange and flags: one per runner (one signature), made on first use
+        self.pair_scratch = kernel.pair_scratch
+        self.scratch = None  # the pair's k, v exchange and flags: one per runner (one signature), made on first use
         self.launch = None  # the signature's PreparedLaunch (route.prepared_launch), made on its first call with the
         # layout the kernel is specialized on
 
@@ -49,11 +49,11 @@ class HopperForward:
         if x.stride(-1) != 1:  # a view sliced along d_model: the kernel reads rows with unit stride
             x = x.contiguous()
         cfg = model.config
-        split = self.route.split_sequence
-        if split and self.scratch is None:  # before any capture: a graph replays the launch on this scratch
-            self.scratch = self.split_scratch(x.shape[0], cfg.num_layers, cfg.num_heads, self.hd, x.device)
+        pair = self.route.pair
+        if pair and self.scratch is None:  # before any capture: a graph replays the launch on this scratch
+            self.scratch = self.pair_scratch(x.shape[0], cfg.num_layers, cfg.num_heads, self.hd, x.device)
         keywords = dict(num_heads=cfg.num_heads, causal=cfg.causal, eps=LAYER_NORM_EPS, mask=mask, desc=self.desc,
-                        split=split, scratch=self.scratch)
+                        pair=pair, scratch=self.scratch)
         if self.route.prepared_launch and self.launch is None and self.prepared_launch.serves(x, mask):
             self.launch = self.prepared_launch(x, self.weights, direct=self.route.direct_launch, **keywords)
             return self.launch(x, mask)
@@ -75,8 +75,8 @@ def settle(route, x, disabled):
     them is refused, an automatic one runs as graph instead."""
     if "hopper_forward" in disabled:  # select_route picks it unasked only with the switch on
         raise RouteUnavailable("route 'hopper' was forced, but the hopper_forward optimization is disabled")
-    if route.split_sequence and "hopper_split" in disabled:
-        route = replace(route, split_sequence=False, reason=route.reason + "; hopper_split disabled")
+    if route.pair and "hopper_pair" in disabled:
+        route = replace(route, pair=False, reason=route.reason + "; hopper_pair disabled")
     if route.precision != "fp16":
         if route.forced:
             raise RouteUnavailable(f"route 'hopper' needs fp16 operands, not {route.precision}")
@@ -86,17 +86,17 @@ def settle(route, x, disabled):
 
 
 def switches(route) -> set:
-    return {"hopper_forward"} | ({"hopper_split"} if route.split_sequence else set())
+    return {"hopper_forward"} | ({"hopper_pair"} if route.pair else set())
 
 
 def working_set(config, dtype, route) -> int:
     """The packed weights (the kernel's packer says their bytes) and, with two programs a sequence, their scratch:
     no activations beside the input and output."""
-    from shapewise.kernels.hopper_forward import head_dim_padded, packed_bytes, split_scratch_bytes  # deferred: triton
+    from shapewise.kernels.hopper_forward import head_dim_padded, packed_bytes, pair_scratch_bytes  # deferred: triton
 
     weights = packed_bytes(config.num_layers, config.d_model, config.num_heads, config.ffn_dim,
                            operand_dtype=OPERAND_DTYPES[route.precision])
-    if not route.split_sequence:
+    if not route.pair:
         return weights
-    return weights + split_scratch_bytes(config.batch_size, config.num_layers, config.num_heads,
-                                         head_dim_padded(config.head_dim))
+    return weights + pair_scratch_bytes(config.batch_size, config.num_layers, config.num_heads,
+                                        head_dim_padded(config.head_dim))

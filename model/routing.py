@@ -12,7 +12,7 @@ Routes (ROUTE_SPECS: each route's module, which runs it, and what it needs):
   residual stream in registers), one program per sequence, on sm_90 only, where the policy's `hopper` entry covers
   the shape (`max_seq_len`, `min_batch`, `max_heads`; `max_seq_len` null: never unasked), fp16 operands; captured
   in a CUDA graph, or launched eagerly where `eager_min_batch` covers the batch (one prepared launch a call: no
-  output copy); two programs a causal sequence where `split_max_batch` covers the batch and `split_max_head_dim`
+  output copy); two programs a causal sequence where `pair_max_batch` covers the batch and `pair_max_head_dim`
   the head width.
 
 Operand precision (`Route.precision`; accumulation is fp32 always, and the kernel routes keep an fp32 residual
@@ -161,20 +161,20 @@ def _hopper_route(precision: str, reason: str, shape: Shape, forced: bool = Fals
     compiled kernel where Triton's JIT launch binds every argument again) where `hopper.eager_min_batch` (null or
     absent: never) covers the batch: a kernel long enough to hide the host's launch; that launch calls Triton's C
     launcher with an argument list built once where `hopper.direct_launch` is true (`Route.direct_launch`). Two
-    programs a sequence where `hopper.split_max_batch` (null or absent: never) covers the batch,
-    `hopper.split_max_head_dim` (null or absent: any) the head width, and the kernel's split serves the shape: a
+    programs a sequence where `hopper.pair_max_batch` (null or absent: never) covers the batch,
+    `hopper.pair_max_head_dim` (null or absent: any) the head width, and the kernel's `pair` serves the shape: a
     batch that leaves SMs idle."""
     route = Route("hopper", precision, reason, forced=forced)
     hopper = POLICY["hopper"]
-    most_split, widest = hopper.get("split_max_batch"), hopper.get("split_max_head_dim")
-    if (most_split is not None and shape.batch_size <= most_split
+    most_pair, widest = hopper.get("pair_max_batch"), hopper.get("pair_max_head_dim")
+    if (most_pair is not None and shape.batch_size <= most_pair
             and (widest is None or shape.head_dim <= widest)):
         from shapewise.kernels.hopper_forward import why_unsupported  # deferred: routing imports no torch
 
         if why_unsupported(shape.seq_len, shape.d_model, shape.num_heads, shape.ffn_dim, causal=shape.causal,
-                           split=True) is None:
-            route = replace(route, split_sequence=True, reason=route.reason + (
-                f"; two programs a sequence (batch {shape.batch_size} <= {most_split})"))
+                           pair=True) is None:
+            route = replace(route, pair=True, reason=route.reason + (
+                f"; two programs a sequence (batch {shape.batch_size} <= {most_pair})"))
     fewest_eager = hopper.get("eager_min_batch")
     if fewest_eager is not None and shape.batch_size >= fewest_eager:
         direct = bool(hopper.get("direct_launch", False))

@@ -1,7 +1,7 @@
 """kernels/hopper_forward.py and route `hopper`: the weight stream's layout (CPU: the forward computed from the packed
-tiles equals an fp64 forward written independently of it, padded heads and FFN chunks included; so does the split
+tiles equals an fp64 forward written independently of it, padded heads and FFN chunks included; so does the pair
 variant's order of it, two halves of a causal sequence), the kernel's limits, its sm_90 build (offline, no GPU), and
-on an H200 the kernel (split too) and the route against fp64 on every mask kind."""
+on an H200 the kernel (pair too) and the route against fp64 on every mask kind."""
 
 import contextlib
 import os
@@ -28,9 +28,9 @@ CUDA = torch.cuda.is_available()
 # head width; S short, odd and at the tile's 128 rows
 SHAPES = [(3, 17, 32, 4, 32, 2), (2, 20, 64, 2, 96, 2), (2, 9, 32, 1, 40, 1), (2, 12, 64, 8, 64, 2),
           (2, 5, 32, 2, 24, 1)]
-# the split variant's (causal, 65 <= S <= 128): the second half one token, ragged, full; heads 16, 16 (8 padded),
+# the pair variant's (causal, 65 <= S <= 128): the second half one token, ragged, full; heads 16, 16 (8 padded),
 # 32, 64 wide
-SPLIT_SHAPES = [(2, 65, 32, 2, 48, 2), (2, 100, 32, 4, 40, 1), (3, 128, 64, 2, 64, 2), (2, 97, 64, 1, 32, 1)]
+PAIR_SHAPES = [(2, 65, 32, 2, 48, 2), (2, 100, 32, 4, 40, 1), (3, 128, 64, 2, 64, 2), (2, 97, 64, 1, 32, 1)]
 
 
 def _packed(model, cfg, operand_dtype=torch.float64):
@@ -58,39 +58,40 @@ def test_the_stream_computes_the_reference_forward(shape, causal, mask_kind):
 
 
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
-@pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_the_split_order_computes_the_reference_forward(shape, mask_kind):
+@pytest.mark.parametrize("shape", PAIR_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_pair_order_computes_the_reference_forward(shape, mask_kind):
     """Two halves of 64 rows, the first against its own keys and 64 zero keys, the second against the first's
     k and v beside its own: the causal forward exactly."""
     cfg, ref, x, mask, want = _case(shape, True, mask_kind)
     got = hf.forward_from_stream(x.double(), _packed(ref, cfg), num_heads=cfg.num_heads, causal=True, mask=mask,
-                                 split=True, eps=EPS)
+                                 pair=True, eps=EPS)
     assert (got - want).abs().max().item() < 1e-12
 
 
-def test_split_limits_are_named_in_one_place():
-    assert "causal" in hf.why_unsupported(128, 128, 4, 128, causal=False, split=True)
+def test_pair_limits_are_named_in_one_place():
+    assert "causal" in hf.why_unsupported(128, 128, 4, 128, causal=False, pair=True)
     for s in (64, 1, 129):
-        assert "seq_len in [65, 128]" in hf.why_unsupported(s, 128, 4, 128, split=True)
-    assert hf.why_unsupported(65, 128, 4, 128, split=True) is None
+        assert "seq_len in [65, 128]" in hf.why_unsupported(s, 128, 4, 128, pair=True)
+    assert hf.why_unsupported(65, 128, 4, 128, pair=True) is None
     assert hf.why_unsupported(64, 128, 4, 128) is None  # the default serves it
     cfg, ref, x, _, _ = _case((1, 64, 32, 2, 32, 1), True, "none")
     with pytest.raises(ValueError, match="seq_len in"):
-        hf.forward_from_stream(x.double(), _packed(ref, cfg), num_heads=2, causal=True, split=True, eps=EPS)
+        hf.forward_from_stream(x.double(), _packed(ref, cfg), num_heads=2, causal=True, pair=True, eps=EPS)
     with pytest.raises(ValueError, match="causal"):  # before any device check
-        hf.hopper_forward(x, _packed(ref, cfg, torch.float16), num_heads=2, causal=False, split=True, eps=EPS)
+        hf.hopper_forward(x, _packed(ref, cfg, torch.float16), num_heads=2, causal=False, pair=True, eps=EPS)
 
 
 @pytest.mark.parametrize("args", [(128, 128, 4, 128), (128, 128, 1, 128), (128, 128, 2, 128), (65, 32, 4, 32)])
-def test_the_split_launch_is_two_warpgroups_of_the_same_shared_memory(args):
-    """A split program: 64 rows, 4 warps, scoring 128 keys: k and v of 128 rows, so the ring of the 128-row launch."""
-    one, split = hf.launch_config(*args), hf.launch_config(*args, split=True)
-    assert split["S_PAD"] == hf.SPLIT_ROWS == 64 and split["num_warps"] == 4 and split["SPLIT"]
-    assert {k: v for k, v in split.items() if k not in ("S_PAD", "num_warps", "SPLIT")} == \
-        {k: v for k, v in one.items() if k not in ("S_PAD", "num_warps", "SPLIT")}
-    assert one["S_PAD"] == 128 and not one["SPLIT"]
-    scratch = hf.split_scratch(3, 4, args[2], split["HD"], "cpu")
-    assert scratch["kv"].shape == (3, 4, args[2], 2, 64, split["HD"]) and scratch["kv"].dtype == torch.float16
+def test_the_pair_launch_is_two_warpgroups_of_the_same_shared_memory(args):
+    """A program of a pair: 64 rows, 4 warps, scoring 128 keys: k and v of 128 rows, so the ring of the 128-row
+    launch."""
+    one, pair = hf.launch_config(*args), hf.launch_config(*args, pair=True)
+    assert pair["S_PAD"] == hf.PAIR_ROWS == 64 and pair["num_warps"] == 4 and pair["PAIR"]
+    assert {k: v for k, v in pair.items() if k not in ("S_PAD", "num_warps", "PAIR")} == \
+        {k: v for k, v in one.items() if k not in ("S_PAD", "num_warps", "PAIR")}
+    assert one["S_PAD"] == 128 and not one["PAIR"]
+    scratch = hf.pair_scratch(3, 4, args[2], pair["HD"], "cpu")
+    assert scratch["kv"].shape == (3, 4, args[2], 2, 64, pair["HD"]) and scratch["kv"].dtype == torch.float16
     assert scratch["flags"].dtype == torch.int32 and not scratch["flags"].any()
 
 
@@ -116,23 +117,23 @@ def test_padding_is_zero_and_the_stream_is_tile_ordered():
 
 
 @pytest.mark.parametrize("operand_dtype", [torch.float16, torch.float64], ids=["fp16", "fp64"])
-@pytest.mark.parametrize("shape", SHAPES + SPLIT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", SHAPES + PAIR_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_the_packers_size_is_what_it_packs_and_what_the_route_counts(shape, operand_dtype):
-    """packed_bytes states pack_weights' layout (padded heads, FFN chunks, `vecs`); split_scratch_bytes states
-    split_scratch's; route `hopper`'s working set is the two, as the model holds them."""
+    """packed_bytes states pack_weights' layout (padded heads, FFN chunks, `vecs`); pair_scratch_bytes states
+    pair_scratch's; route `hopper`'s working set is the two, as the model holds them."""
     cfg = cfg_of(shape)
     ref, _ = build_pair(cfg)
     w = _packed(ref, cfg, operand_dtype)
     args = (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.ffn_dim)
     assert hf.packed_bytes(*args, operand_dtype=operand_dtype) == sum(t.nbytes for t in w.values())
     hd = hf.head_dim_padded(cfg.head_dim)
-    scratch = hf.split_scratch(cfg.batch_size, cfg.num_layers, cfg.num_heads, hd, "cpu")
-    assert hf.split_scratch_bytes(cfg.batch_size, cfg.num_layers, cfg.num_heads, hd) == \
+    scratch = hf.pair_scratch(cfg.batch_size, cfg.num_layers, cfg.num_heads, hd, "cpu")
+    assert hf.pair_scratch_bytes(cfg.batch_size, cfg.num_layers, cfg.num_heads, hd) == \
         sum(t.nbytes for t in scratch.values())
     held = sum(t.nbytes for t in route_hopper.packed(ref, torch.float16).values())
-    for split in (False, True):
-        route = Route("hopper", "fp16", "test", split_sequence=split)
-        assert route_hopper.working_set(cfg, torch.float16, route) == held + split * sum(
+    for pair in (False, True):
+        route = Route("hopper", "fp16", "test", pair=pair)
+        assert route_hopper.working_set(cfg, torch.float16, route) == held + pair * sum(
             t.nbytes for t in scratch.values())
 
 
@@ -195,14 +196,14 @@ COMPILE = textwrap.dedent('''
     from benchmarks.hopper_sass import TMA_LOAD, compile_hopper
     from shapewise.kernels import hopper_forward as hf
 
-    for S, d, H, F, causal, masked, pipeline, split in (
+    for S, d, H, F, causal, masked, pipeline, pair in (
             (128, 128, 4, 128, True, True, False, False), (128, 128, 1, 128, True, False, False, False),
             (32, 128, 16, 128, False, True, False, False), (128, 32, 4, 32, True, True, False, False),
             (128, 128, 4, 128, True, True, True, False),
-            # the split variant at official rows 1, 9, 10 (4, 1, 2 heads)
+            # the pair variant at official rows 1, 9, 10 (4, 1, 2 heads)
             (128, 128, 4, 128, True, True, False, True), (128, 128, 1, 128, True, True, False, True),
             (128, 128, 2, 128, True, True, False, True)):
-        k, cfg = compile_hopper(S, d, H, F, causal, masked, pipeline, split)
+        k, cfg = compile_hopper(S, d, H, F, causal, masked, pipeline, pair)
         ptx = k.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, (S, d, H)
         assert k.metadata.shared <= 227 * 1024, (S, d, H, k.metadata.shared)
@@ -211,12 +212,12 @@ COMPILE = textwrap.dedent('''
         # no refill is a loop over a tile count carried from sequence to sequence
         loads = k.asm["ttgir"].count(TMA_LOAD)
         assert loads == cfg["NUM_SLOTS"] + 4 + 1 + 2 * cfg["F_CHUNKS"], (S, d, H, loads)
-        if split:  # the pair's protocol: release exchange, acquire load (GPU scope), the first half's tiles by cp.async
+        if pair:  # the pair's protocol: release exchange, acquire load (GPU scope), the first half's tiles by cp.async
             assert "atom.global.gpu.release.exch" in ptx and "ld.global.gpu.acquire" in ptx, (S, d, H)
             assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx, (S, d, H)
             use = usage(k, cfg["num_warps"])
             assert cfg["num_warps"] == 4 and use["spill_store_bytes"] == 0, (S, d, H, use)
-            print("split", S, d, H, F, use)
+            print("pair", S, d, H, F, use)
         print("compiled", S, d, H, F, k.metadata.shared)
 ''')
 
@@ -257,23 +258,23 @@ def _on_a_fake_hopper(monkeypatch, kernel):
 
 
 @pytest.mark.skipif(hf.gluon is None, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("pair", [False, True])
 @pytest.mark.parametrize("with_mask", [True, False])
-def test_a_prepared_launch_passes_each_calls_tensors_in_the_kernels_order(monkeypatch, split, with_mask):
+def test_a_prepared_launch_passes_each_calls_tensors_in_the_kernels_order(monkeypatch, pair, with_mask):
     """The launch assembled once (every kernel parameter, in order, constexprs included) takes each call's x,
     mask and a new output in their places (KV, Flags and Mask stand in for the output where unused); the first
     call's tensors are not held; a profiler's launch hooks are honoured."""
-    cfg, ref, x, mask, _ = _case((2, 100 if split else 40, 32, 2, 48, 2), True, "holes")
+    cfg, ref, x, mask, _ = _case((2, 100 if pair else 40, 32, 2, 48, 2), True, "holes")
     mask = mask if with_mask else None
     packed = _packed(ref, cfg, torch.float16)
     fake = _FakeKernel()
     _on_a_fake_hopper(monkeypatch, fake)
-    scratch = hf.split_scratch(2, 2, 2, 16, "cpu") if split else None
-    launch = hf.PreparedLaunch(x, packed, num_heads=2, causal=True, mask=mask, programs=4, split=split,
+    scratch = hf.pair_scratch(2, 2, 2, 16, "cpu") if pair else None
+    launch = hf.PreparedLaunch(x, packed, num_heads=2, causal=True, mask=mask, programs=4, pair=pair,
                                scratch=scratch, eps=EPS)
     (grid, args), = fake.warmed
-    assert grid == (4,) and list(args) == fake.arg_names and args["SPLIT"] is split
-    assert args["HAS_MASK"] is with_mask and args["num_warps"] == hf.launch_config(cfg.seq_len, 32, 2, 48, split)[
+    assert grid == (4,) and list(args) == fake.arg_names and args["PAIR"] is pair
+    assert args["HAS_MASK"] is with_mask and args["num_warps"] == hf.launch_config(cfg.seq_len, 32, 2, 48, pair)[
         "num_warps"]
     assert not any(v is x or v is args["Y"] for v in launch.values)  # the first call's tensors are not held
     names = fake.arg_names
@@ -287,7 +288,7 @@ def test_a_prepared_launch_passes_each_calls_tensors_in_the_kernels_order(monkey
         assert len(values) == len(names) and values[names.index("X")] is x2 and values[names.index("Y")] is y
         assert y.shape == x.shape and y.dtype == x.dtype
         assert values[names.index("Mask")] is (m2 if with_mask else y)
-        if split:
+        if pair:
             assert values[names.index("KV")] is scratch["kv"] and values[names.index("Flags")] is scratch["flags"]
         else:
             assert values[names.index("KV")] is y and values[names.index("Flags")] is y
@@ -333,14 +334,14 @@ class _FakeLauncher:
 
 
 @pytest.mark.skipif(hf.gluon is None, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("pair", [False, True])
 @pytest.mark.parametrize("with_mask", [True, False])
-def test_a_prepared_launch_hands_the_c_launcher_addresses_and_a_descriptor_encoded_once(monkeypatch, split,
+def test_a_prepared_launch_hands_the_c_launcher_addresses_and_a_descriptor_encoded_once(monkeypatch, pair,
                                                                                         with_mask):
     """The C launcher gets the argument list Triton's wrapper would expand, built once: the weight descriptor
     encoded at preparation only, every other tensor as its address; per call x's, the mask's and a new output's
     addresses in their places. With a profiler's launch hook set, the launch goes through `run` as a JIT launch."""
-    cfg, ref, x, mask, _ = _case((2, 100 if split else 40, 32, 2, 48, 2), True, "holes")
+    cfg, ref, x, mask, _ = _case((2, 100 if pair else 40, 32, 2, 48, 2), True, "holes")
     mask = mask if with_mask else None
     packed = _packed(ref, cfg, torch.float16)
     fake = _FakeKernel()
@@ -350,8 +351,8 @@ def test_a_prepared_launch_hands_the_c_launcher_addresses_and_a_descriptor_encod
     monkeypatch.setattr(hf, "make_tensordesc_arg", lambda desc, meta: (encoded.append((desc, meta)), [
         "encoded map", *desc.shape, *desc.strides])[1])
     _on_a_fake_hopper(monkeypatch, fake)
-    scratch = hf.split_scratch(2, 2, 2, 16, "cpu") if split else None
-    launch = hf.PreparedLaunch(x, packed, num_heads=2, causal=True, mask=mask, programs=4, split=split,
+    scratch = hf.pair_scratch(2, 2, 2, 16, "cpu") if pair else None
+    launch = hf.PreparedLaunch(x, packed, num_heads=2, causal=True, mask=mask, programs=4, pair=pair,
                                scratch=scratch, eps=EPS)
     (_, args), = fake.warmed
     names = fake.arg_names
@@ -375,10 +376,10 @@ def test_a_prepared_launch_hands_the_c_launcher_addresses_and_a_descriptor_encod
         assert len(values) == len(expanded)
         assert values[place["X"]] == x2.data_ptr() and values[place["Y"]] == y.data_ptr()
         assert values[place["Mask"]] == (m2.data_ptr() if with_mask else y.data_ptr())
-        others = ("KV", "Flags") if split else ()
+        others = ("KV", "Flags") if pair else ()
         for name in others:
             assert values[place[name]] == scratch[name.lower()].data_ptr(), name
-        per_call = {place[n] for n in ("X", "Y", "Mask") + (() if split else ("KV", "Flags"))}
+        per_call = {place[n] for n in ("X", "Y", "Mask") + (() if pair else ("KV", "Flags"))}
         assert all(v == expanded[i] for i, v in enumerate(values) if i not in per_call)
     assert len(encoded) == 1 and launcher.calls == []  # no descriptor encoded, no JIT path, per call
     monkeypatch.setattr(hf.knobs.runtime, "launch_enter_hook", lambda *a: None)
@@ -393,7 +394,7 @@ def test_the_kernel_builds_for_sm90_with_wgmma_and_tma():
     done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("compiled") == 8 and done.stdout.count("split") == 3
+    assert done.stdout.count("compiled") == 8 and done.stdout.count("pair") == 3
 
 
 # ----------------------------------------------------------------------------------------------
@@ -442,30 +443,30 @@ def test_pipelined_heads_match_fp64(shape, causal, mask_kind):
         check_official(want.float(), got.cpu(), f"pipelined {shape} causal={causal} {mask_kind} {programs}")
 
 
-# the split variant on an H200: the CPU's split shapes and official rows 1, 9, 10 (64 sequences, 4/1/2 heads)
-SPLIT_GPU_SHAPES = SPLIT_SHAPES + [(64, 128, 128, 4, 128, 4), (64, 128, 128, 1, 128, 4), (64, 128, 128, 2, 128, 4)]
+# the pair variant on an H200: the CPU's pair shapes and official rows 1, 9, 10 (64 sequences, 4/1/2 heads)
+PAIR_GPU_SHAPES = PAIR_SHAPES + [(64, 128, 128, 4, 128, 4), (64, 128, 128, 1, 128, 4), (64, 128, 128, 2, 128, 4)]
 
 
-def _split_case(shape, mask_kind):
+def _pair_case(shape, mask_kind):
     cfg, ref, x, mask, want = _case(shape, True, mask_kind)
     packed = {k: v.cuda() for k, v in _packed(ref, cfg, torch.float16).items()}
-    scratch = hf.split_scratch(cfg.batch_size, cfg.num_layers, cfg.num_heads, hf.head_dim_padded(cfg.head_dim), "cuda")
+    scratch = hf.pair_scratch(cfg.batch_size, cfg.num_layers, cfg.num_heads, hf.head_dim_padded(cfg.head_dim), "cuda")
     return cfg, x.cuda(), None if mask is None else mask.cuda(), want, packed, scratch
 
 
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
-@pytest.mark.parametrize("shape", SPLIT_GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_split_matches_fp64(shape, mask_kind):
+@pytest.mark.parametrize("shape", PAIR_GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_pair_matches_fp64(shape, mask_kind):
     """Two programs a sequence against fp64, launched twice on one scratch: each launch leaves every flag at 0, so
     the second reads no count of the first."""
-    cfg, xc, mc, want, packed, scratch = _split_case(shape, mask_kind)
+    cfg, xc, mc, want, packed, scratch = _pair_case(shape, mask_kind)
     for launch in range(2):
         out = torch.full_like(xc, float("nan"))  # poisoned: every element must be written
-        got = hf.hopper_forward(xc, packed, num_heads=cfg.num_heads, causal=True, mask=mc, out=out, split=True,
+        got = hf.hopper_forward(xc, packed, num_heads=cfg.num_heads, causal=True, mask=mc, out=out, pair=True,
                                 scratch=scratch, eps=EPS)
-        check_official(want.float(), got.cpu(), f"split {shape} {mask_kind} launch {launch}")
+        check_official(want.float(), got.cpu(), f"pair {shape} {mask_kind} launch {launch}")
         rel = ((got.cpu().double() - want).norm() / want.norm()).item()
         assert rel < 3e-3, rel
         assert not scratch["flags"].any()
@@ -474,18 +475,18 @@ def test_split_matches_fp64(shape, mask_kind):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("programs", [2, 8, None])
-def test_split_pairs_run_across_sequences_and_launches(programs):
+def test_pairs_run_across_sequences_and_launches(programs):
     """More sequences than pairs (3 a pair; 200 on the default pairs, one per two SMs), launch after launch on one
     scratch and in a replayed CUDA graph: the same output bits each time, against fp64."""
     shape = (3 * programs // 2 if programs else 200, 100, 64, 2, 64, 3)
-    cfg, xc, mc, want, packed, scratch = _split_case(shape, "holes")
+    cfg, xc, mc, want, packed, scratch = _pair_case(shape, "holes")
 
     def run():
-        return hf.hopper_forward(xc, packed, num_heads=2, causal=True, mask=mc, split=True, scratch=scratch,
+        return hf.hopper_forward(xc, packed, num_heads=2, causal=True, mask=mc, pair=True, scratch=scratch,
                                  programs=programs, eps=EPS)
 
     first = run()
-    check_official(want.float(), first.cpu(), f"split across sequences, {programs} programs")
+    check_official(want.float(), first.cpu(), f"pair across sequences, {programs} programs")
     for _ in range(3):
         assert torch.equal(run(), first)
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
@@ -504,14 +505,14 @@ def test_split_pairs_run_across_sequences_and_launches(programs):
 
 @pytest.mark.gpu
 @needs_hopper
-def test_split_launches_are_pairs_all_resident():
-    cfg, xc, mc, want, packed, scratch = _split_case((2, 100, 64, 2, 64, 1), "none")
+def test_pair_launches_are_pairs_all_resident():
+    cfg, xc, mc, want, packed, scratch = _pair_case((2, 100, 64, 2, 64, 1), "none")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for programs in (3, sms + 2):
         with pytest.raises(ValueError, match="pairs, all resident"):
-            hf.hopper_forward(xc, packed, num_heads=2, causal=True, split=True, programs=programs, eps=EPS)
-    with pytest.raises(ValueError, match="split_scratch"):
-        hf.hopper_forward(xc, packed, num_heads=2, causal=True, split=True,
+            hf.hopper_forward(xc, packed, num_heads=2, causal=True, pair=True, programs=programs, eps=EPS)
+    with pytest.raises(ValueError, match="pair_scratch"):
+        hf.hopper_forward(xc, packed, num_heads=2, causal=True, pair=True,
                           scratch={"kv": scratch["kv"][:1], "flags": scratch["flags"]}, eps=EPS)
 
 
@@ -553,12 +554,12 @@ def test_route_serves_the_official_row_shape_and_sees_weight_edits(dtype):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
-def test_route_splits_sequences_where_the_policy_says_so(monkeypatch, mask_kind):
-    """Policy `hopper.split_max_batch` covering the batch: the route runs two programs a sequence, captured and
+def test_route_pairs_programs_where_the_policy_says_so(monkeypatch, mask_kind):
+    """Policy `hopper.pair_max_batch` covering the batch: the route runs two programs a sequence, captured and
     replayed on one scratch, exact on every mask kind and after a weight edit; the switch off runs one."""
     from shapewise.model import routing
 
-    monkeypatch.setitem(routing.POLICY, "hopper", {**routing.POLICY["hopper"], "split_max_batch": 64, "min_batch": 1})
+    monkeypatch.setitem(routing.POLICY, "hopper", {**routing.POLICY["hopper"], "pair_max_batch": 64, "min_batch": 1})
     cfg = cfg_of((6, 100, 128, 4, 128, 2))
     ref, opt = build_pair(cfg, "auto")
     ref, opt = ref.cuda(), opt.cuda()
@@ -567,20 +568,20 @@ def test_route_splits_sequences_where_the_policy_says_so(monkeypatch, mask_kind)
     want = fp64_forward(ref.state_dict(), cfg, x.cpu(), None if mask is None else mask.cpu()).nan_to_num(0.0).float()
     with torch.inference_mode():
         ys = [opt(x, mask).cpu() for _ in range(4)]  # capture, then replays of the graph that reads x in place
-    assert opt.last_route.name == "hopper" and opt.last_route.split_sequence, str(opt.last_route)
+    assert opt.last_route.name == "hopper" and opt.last_route.pair, str(opt.last_route)
     for y in ys:
-        check_official(want, y, f"split route, {mask_kind}")
+        check_official(want, y, f"pair route, {mask_kind}")
     with torch.no_grad():
         opt.layers[1].ffn_in.weight.mul_(1.5)
         ref.layers[1].ffn_in.weight.mul_(1.5)
     want = fp64_forward(ref.state_dict(), cfg, x.cpu(), None if mask is None else mask.cpu()).nan_to_num(0.0).float()
     with torch.inference_mode():
-        check_official(want, opt(x, mask).cpu(), f"split route after a weight edit, {mask_kind}")
-    _, one = build_pair(cfg, "auto", disable=("hopper_split",))
+        check_official(want, opt(x, mask).cpu(), f"pair route after a weight edit, {mask_kind}")
+    _, one = build_pair(cfg, "auto", disable=("hopper_pair",))
     one.load_state_dict(opt.state_dict())
     with torch.inference_mode():
-        check_official(want, one.cuda()(x, mask).cpu(), f"hopper_split off, {mask_kind}")
-    assert one.last_route.name == "hopper" and not one.last_route.split_sequence
+        check_official(want, one.cuda()(x, mask).cpu(), f"hopper_pair off, {mask_kind}")
+    assert one.last_route.name == "hopper" and not one.last_route.pair
 
 
 @pytest.mark.gpu
@@ -607,14 +608,14 @@ def test_route_launches_eagerly_beyond_the_graph_bound():
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
-@pytest.mark.parametrize("split", [False, True])
-def test_a_prepared_launch_equals_the_jit_launch(mask_kind, split):
+@pytest.mark.parametrize("pair", [False, True])
+def test_a_prepared_launch_equals_the_jit_launch(mask_kind, pair):
     """Call after call with new inputs, and captured in a CUDA graph: the bits of hopper_forward's output."""
     cfg, ref, x, mask, want = _case((5, 100, 64, 2, 64, 2), True, mask_kind)
     packed = {k: v.cuda() for k, v in _packed(ref, cfg, torch.float16).items()}
-    scratch = hf.split_scratch(5, 2, 2, 32, "cuda") if split else None
+    scratch = hf.pair_scratch(5, 2, 2, 32, "cuda") if pair else None
     mc = None if mask is None else mask.cuda()
-    keywords = dict(num_heads=2, causal=True, eps=EPS, split=split, scratch=scratch)
+    keywords = dict(num_heads=2, causal=True, eps=EPS, pair=pair, scratch=scratch)
     launch = hf.PreparedLaunch(x.cuda(), packed, mask=mc, **keywords)
     assert launch.direct is not None  # this Triton's C launcher reached (kernels.hopper_forward._c_launcher)
     for trial in range(3):
@@ -622,7 +623,7 @@ def test_a_prepared_launch_equals_the_jit_launch(mask_kind, split):
         got = launch(xc, mc)
         assert torch.equal(got, hf.hopper_forward(xc, packed, mask=mc, **keywords)), trial
         if trial == 0:
-            check_official(want.float(), got.cpu(), f"prepared launch, {mask_kind}, split={split}")
+            check_official(want.float(), got.cpu(), f"prepared launch, {mask_kind}, pair={pair}")
     xc = x.cuda()
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -692,5 +693,5 @@ def test_the_routes_weight_stream_is_refreshed_in_place_after_an_edit():
     att = opt.layers[1].attention
     folded = (att.out_proj.bias.double() + att.out_proj.weight.double() @ att.v_proj.bias.double()).float()
     assert torch.allclose(table["o_b"][1], folded, rtol=0, atol=1e-6)
-    one = Route("hopper", "fp16", "the unsplit route")
+    one = Route("hopper", "fp16", "the one-program route")
     assert route_hopper.working_set(cfg, torch.float32, one) >= stream.numel() * 2

@@ -1,6 +1,6 @@
-"""Calls of one UserOptimizedTransformer share its state (memory plans, captured graphs' static buffers, the split's
-scratch, derived weights): threads take turns at forward (CPU), calls on different CUDA streams run on the GPU in the
-order they were made (H200), and a copy or a pickle of the model makes its own lock."""
+"""Calls of one UserOptimizedTransformer share its state (memory plans, captured graphs' static buffers, the program
+pair's scratch, derived weights): threads take turns at forward (CPU), calls on different CUDA streams run on the
+GPU in the order they were made (H200), and a copy or a pickle of the model makes its own lock."""
 
 import copy
 import pickle

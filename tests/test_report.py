@@ -319,9 +319,9 @@ def test_route_label_is_the_models_string_without_its_reason():
 
     assert report_data.route_label(ROUTE_STR) == LABEL
     hopper = Route("hopper", "bf16", "wide rows (tokens > 4096): hopper attention", attention="hopper", eager=True,
-                   split_sequence=True, prepared_launch=True, direct_launch=True)
+                   pair=True, prepared_launch=True, direct_launch=True)
     label = report_data.route_label(str(hopper))
-    assert label == "hopper/bf16+hopper-attention split-sequence eager prepared-launch direct-launch"
+    assert label == "hopper/bf16+hopper-attention pair eager prepared-launch direct-launch"
     # every boolean field of Route that is on shows in the label: none is dropped as the model adds fields
     plain = Route("graph", "fp16", "r")
     for field in fields(Route):

@@ -375,11 +375,11 @@ def test_split_layer_has_a_token_floor(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 # hopper: built for sm_90 alone, picked unasked only where the policy's hopper entry covers the shape
 # ----------------------------------------------------------------------------------------------
-def _hopper_policy(monkeypatch, max_seq_len=128, min_batch=None, max_heads=None, split_max_batch=None,
-                   split_max_head_dim=None, eager_min_batch=None, direct_launch=False):
+def _hopper_policy(monkeypatch, max_seq_len=128, min_batch=None, max_heads=None, pair_max_batch=None,
+                   pair_max_head_dim=None, eager_min_batch=None, direct_launch=False):
     monkeypatch.setitem(routing.POLICY, "hopper", {"max_seq_len": max_seq_len, "min_batch": min_batch,
-                                                   "max_heads": max_heads, "split_max_batch": split_max_batch,
-                                                   "split_max_head_dim": split_max_head_dim,
+                                                   "max_heads": max_heads, "pair_max_batch": pair_max_batch,
+                                                   "pair_max_head_dim": pair_max_head_dim,
                                                    "eager_min_batch": eager_min_batch,
                                                    "direct_launch": direct_launch})
 
@@ -449,37 +449,37 @@ def test_hopper_runs_eagerly_where_the_policy_covers_the_batch(monkeypatch):
     row1 = select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0))
     assert row1.direct_launch and " prepared-launch direct-launch (" in str(row1) and "built once" in row1.reason
     assert not {"cuda_graph", "direct_input"} & set(switches_used(row1, torch.float32, "cuda"))
-    _hopper_policy(monkeypatch, eager_min_batch=1, split_max_batch=64)  # the split too: its scratch serves each launch
+    _hopper_policy(monkeypatch, eager_min_batch=1, pair_max_batch=64)  # the pair too: its scratch serves each launch
     both = select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0))
-    assert both.eager and both.split_sequence
+    assert both.eager and both.pair
 
 
-def test_hopper_splits_a_sequence_where_the_policy_and_the_kernel_say_so(monkeypatch):
+def test_hopper_pairs_programs_where_the_policy_and_the_kernel_say_so(monkeypatch):
     from shapewise.model import route_hopper
     from shapewise.model.memory import working_set_bytes
     from shapewise.model.optimized import switches_used
 
     row1 = SHAPES[2]  # 64 causal sequences of 128 tokens
-    _hopper_policy(monkeypatch)  # split_max_batch null: never
+    _hopper_policy(monkeypatch)  # pair_max_batch null: never
     one = select_route(row1, torch.float32, "cuda", capability=(9, 0))
-    assert one.name == "hopper" and not one.split_sequence and "hopper_split" not in switches_used(
+    assert one.name == "hopper" and not one.pair and "hopper_pair" not in switches_used(
         one, torch.float32, "cuda")
-    _hopper_policy(monkeypatch, split_max_batch=63)
-    assert not select_route(row1, torch.float32, "cuda", capability=(9, 0)).split_sequence  # batch 64
-    _hopper_policy(monkeypatch, split_max_batch=64, split_max_head_dim=16)  # heads of 32
-    assert not select_route(row1, torch.float32, "cuda", capability=(9, 0)).split_sequence
-    _hopper_policy(monkeypatch, split_max_batch=64, split_max_head_dim=32)
+    _hopper_policy(monkeypatch, pair_max_batch=63)
+    assert not select_route(row1, torch.float32, "cuda", capability=(9, 0)).pair  # batch 64
+    _hopper_policy(monkeypatch, pair_max_batch=64, pair_max_head_dim=16)  # heads of 32
+    assert not select_route(row1, torch.float32, "cuda", capability=(9, 0)).pair
+    _hopper_policy(monkeypatch, pair_max_batch=64, pair_max_head_dim=32)
     two = select_route(row1, torch.float32, "cuda", capability=(9, 0))
-    assert two.name == "hopper" and two.split_sequence and " split-sequence" in str(two) and "two programs" in two.reason
-    assert "hopper_split" in switches_used(two, torch.float32, "cuda") and two.as_dict()["split_sequence"] is True
-    assert select_route(row1, torch.float32, "cuda", forced="hopper", capability=(9, 0)).split_sequence
-    # the kernel's split limits: causal only, 65 to 128 tokens
+    assert two.name == "hopper" and two.pair and " pair (auto: " in str(two) and "two programs" in two.reason
+    assert "hopper_pair" in switches_used(two, torch.float32, "cuda") and two.as_dict()["pair"] is True
+    assert select_route(row1, torch.float32, "cuda", forced="hopper", capability=(9, 0)).pair
+    # the kernel's pair limits: causal only, 65 to 128 tokens
     for shape in (dataclasses.replace(row1, causal=False), dataclasses.replace(row1, seq_len=64)):
         r = select_route(shape, torch.float32, "cuda", capability=(9, 0))
-        assert r.name == "hopper" and not r.split_sequence, r
+        assert r.name == "hopper" and not r.pair, r
     # the switch turns it off, saying so; its scratch counts in the memory plan
-    off = route_hopper.settle(two, None, {"hopper_split"})
-    assert not off.split_sequence and "hopper_split disabled" in off.reason
+    off = route_hopper.settle(two, None, {"hopper_pair"})
+    assert not off.pair and "hopper_pair disabled" in off.reason
     assert working_set_bytes(row1, torch.float32, two) > working_set_bytes(row1, torch.float32, one)
 
 

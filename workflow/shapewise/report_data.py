@@ -184,7 +184,7 @@ _ROUTE_REASON = re.compile(r" \((auto|forced): .*\)\Z", re.S)
 
 def route_label(route):
     """The label of a route as a result records it: the string Route.__str__ wrote (`hopper/bf16+hopper-attention
-    split-sequence eager prepared-launch (auto: ...)`: name, precision and every field that changes what runs)
+    pair eager prepared-launch (auto: ...)`: name, precision and every field that changes what runs)
     without its closing `(auto: reason)`; a forced route keeps ` (forced)`. A string without that clause is kept
     whole; None for none."""
     if not route:
