@@ -28,7 +28,8 @@ from shapewise.kernels.layer_tail import layer_tail
 from shapewise.kernels.layernorm import add_layernorm
 from shapewise.kernels.mask import prefix_lengths
 from shapewise.model.reference import LAYER_NORM_EPS
-from shapewise.model.routing import Shape, select_route
+from shapewise.model.config import TransformerConfig
+from shapewise.model.routing import select_route
 
 
 def tuned_configs():
@@ -53,7 +54,7 @@ def kernel_runs(number):
         "attention_key_lengths": lambda: flash_attention(q, k, v, causal=True, key_lengths=lengths),
         "prefix_lengths": lambda: prefix_lengths(mask),
     }
-    route = select_route(Shape(B, S, d, H, ffn, 4, True), torch.float32, CUDA, "general")
+    route = select_route(TransformerConfig(B, S, d, H, ffn, 4, True), torch.float32, CUDA, "general")
     w, _ = kernel_weights(d, ffn, "cuda")
     if route.name == "fused":
         block_m, warps, stages = route.launch

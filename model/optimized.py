@@ -35,8 +35,7 @@ from .captured import MAX_GRAPHS, CapturedForward, Captures
 from .config import TransformerConfig
 from .memory import available_bytes, memory_fraction, user_budget_bytes
 from .reference import BaselineTransformer, check_inputs, check_parameters_match
-from .routing import (KERNEL_DTYPES, ROUTE_SPECS, ROUTES, RouteUnavailable, Shape, route_module, select_route,
-                      with_pdl)
+from .routing import KERNEL_DTYPES, ROUTE_SPECS, ROUTES, RouteUnavailable, route_module, select_route, with_pdl
 from .weights import FP16_SAFE_ABS, DerivedWeights, share_one_counter
 
 # Ablation switches: each can be turned off alone (constructor `disable=` or env SHAPEWISE_DISABLE).
@@ -233,7 +232,8 @@ class UserOptimizedTransformer(BaselineTransformer):
                 f"reference route is differentiable; for route {self.route!r} call model.eval() (with an x that does "
                 f"not require grad) or run under torch.no_grad() or torch.inference_mode()")
         cfg = self.config
-        shape = Shape(x.shape[0], x.shape[1], cfg.d_model, cfg.num_heads, cfg.ffn_dim, cfg.num_layers, cfg.causal)
+        shape = TransformerConfig(x.shape[0], x.shape[1], cfg.d_model, cfg.num_heads, cfg.ffn_dim, cfg.num_layers,
+                                  cfg.causal)
         route = select_route(shape, x.dtype, x.device, "none" if mask is None else "general", forced="reference")
         reason = f"autograd: {why}; the reference computation is the differentiable route"
         if self.route == "reference":
@@ -251,8 +251,8 @@ class UserOptimizedTransformer(BaselineTransformer):
 
     def _follow_stream(self, device, handle) -> None:
         """A CUDA call on another stream than the previous one's: this stream waits for what that one queued. The
-        captured graphs' static buffers, the program pair's scratch and the derived weights belong to the model and serve
-        every call, so its calls run on the GPU in the order they were made, on any streams (no host
+        captured graphs' static buffers, the program pair's scratch and the derived weights belong to the model and
+        serve every call, so its calls run on the GPU in the order they were made, on any streams (no host
         synchronization). A call inside a caller's CUDA-graph capture, or right after one, adds no wait: a capture
         may depend on no work outside it, and its replays are ordered by whoever replays them."""
         stream = torch.cuda.current_stream(device)
@@ -279,7 +279,8 @@ class UserOptimizedTransformer(BaselineTransformer):
         """The route of this input signature: the policy's (routing.select_route), under the model's switches,
         the caller's precision and the fp16 screen, then settled by the route's own module."""
         cfg = self.config
-        shape = Shape(x.shape[0], x.shape[1], cfg.d_model, cfg.num_heads, cfg.ffn_dim, cfg.num_layers, cfg.causal)
+        shape = TransformerConfig(x.shape[0], x.shape[1], cfg.d_model, cfg.num_heads, cfg.ffn_dim, cfg.num_layers,
+                                  cfg.causal)
         capability = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
         route = select_route(shape, x.dtype, x.device, "none" if mask is None else "general", forced=self.route,
                              allow_fused="fused_layer" not in self.disabled,

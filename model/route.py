@@ -84,7 +84,7 @@ class OptionalHooks(Protocol):
     one means what its docstring says."""
 
     def why_unsupported(self, shape) -> str | None:
-        """Why its kernels cannot serve `shape` (a routing.Shape), or None. Absent: they serve any shape."""
+        """Why its kernels cannot serve `shape` (a TransformerConfig: batch_size and seq_len the input's), or None. Absent: they serve any shape."""
 
     def settle(self, route: Route, x, disabled: set) -> Route:
         """The route under the model's switches `disabled` and operand precision, for input `x`: refused

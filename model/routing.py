@@ -78,10 +78,6 @@ def route_module(name: str) -> RouteModule:
     return importlib.import_module(f"{__package__}.{ROUTE_SPECS[name].module}")
 
 
-# The shape of one input signature: the config's fields, with batch_size and seq_len taken from the input.
-Shape = TransformerConfig
-
-
 def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -96,7 +92,7 @@ def _device_type(device) -> str:
 _NATIVE_PRECISION = {"float16": "fp16", "bfloat16": "bf16"}
 
 
-def _precision_for(name: str, dtype: str, shape: Shape) -> str:
+def _precision_for(name: str, dtype: str, shape: TransformerConfig) -> str:
     if name in ("reference", "sdpa"):  # PyTorch in the input dtype (exact fp32 for float32 inputs)
         return _NATIVE_PRECISION.get(dtype, "fp32")
     if dtype in POLICY["low_precision_operands"]:
@@ -108,7 +104,7 @@ def _precision_for(name: str, dtype: str, shape: Shape) -> str:
     return rules["default"]
 
 
-def _fused_entry(shape: Shape) -> dict:
+def _fused_entry(shape: TransformerConfig) -> dict:
     """The policy's first `fused.launch` entry that covers the shape: batch_size * seq_len up to its
     `max_tokens` and num_heads up to its `max_heads` (each null or absent: no bound)."""
     for entry in POLICY["fused"]["launch"]:
@@ -122,14 +118,14 @@ def _launch_of(entry: dict) -> tuple:
     return (entry["block_m"], entry["num_warps"], entry["num_stages"])
 
 
-def _fused_route(name: str, precision: str, reason: str, shape: Shape, forced: bool = False) -> Route:
+def _fused_route(name: str, precision: str, reason: str, shape: TransformerConfig, forced: bool = False) -> Route:
     entry = _fused_entry(shape)  # one lookup gives the launch, kv_precompute and the block sizes
     return Route(name, precision, reason, forced=forced, launch=_launch_of(entry),
                  kv_precompute=bool(entry.get("kv_precompute", False)), key_block=int(entry.get("key_block", 0)),
                  ffn_block=int(entry.get("ffn_block", 0)))
 
 
-def _fused_pays(shape: Shape) -> bool:
+def _fused_pays(shape: TransformerConfig) -> bool:
     """Whether the policy expects the fused route to beat the graph route here: tokens*d_model up to
     `fused.max_tokens_x_d_model`, seq_len*d_model (one sequence's activations, which one program of the fused
     kernel holds) up to `fused.max_seq_len_x_d_model`, batch_size*seq_len in [`fused.min_tokens`,
@@ -142,7 +138,7 @@ def _fused_pays(shape: Shape) -> bool:
             and (hi is None or shape.tokens <= hi) and (heads is None or shape.num_heads <= heads))
 
 
-def _hopper_pays(shape: Shape) -> bool:
+def _hopper_pays(shape: TransformerConfig) -> bool:
     """Whether the policy expects the Hopper forward to beat the per-layer routes here: seq_len up to
     `hopper.max_seq_len` (null: never), batch_size at least `hopper.min_batch` (a program runs a sequence's layers
     in a fixed time: a batch that leaves most SMs idle is faster split over kernels) and num_heads up to
@@ -153,7 +149,7 @@ def _hopper_pays(shape: Shape) -> bool:
             and (heads is None or shape.num_heads <= heads))
 
 
-def _hopper_route(precision: str, reason: str, shape: Shape, forced: bool = False) -> Route:
+def _hopper_route(precision: str, reason: str, shape: TransformerConfig, forced: bool = False) -> Route:
     """Route `hopper`, captured in a CUDA graph up to the policy's `graph.max_tokens_x_d_model`, launched eagerly
     beyond (its one launch is then a small part of the forward, and the graph's copy of its output out of the
     graph's buffer a large one: row 6, 308 µs of 5.55 ms); through the signature's prepared launch
@@ -189,7 +185,7 @@ def _hopper_route(precision: str, reason: str, shape: Shape, forced: bool = Fals
         f"; launched eagerly (tokens*d = {size} > {most}: no graph, no output copy)"))
 
 
-def _with_split_layer(route: Route, shape: Shape) -> Route:
+def _with_split_layer(route: Route, shape: TransformerConfig) -> Route:
     """The triton/graph `route` with the split layer where the policy's `split_layer.max_d_model` (null: never)
     covers d_model, batch_size*seq_len is at least `split_layer.min_tokens` (null or absent: any), the operands
     are fp16/bf16 and the attention is our kernel; else `route` itself."""
@@ -216,7 +212,7 @@ def with_pdl(route: Route, capability) -> Route:
                    reason=route.reason + f"; programmatic dependent launch (sm_{least[0]}{least[1]}+)")
 
 
-def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool, capability=None) -> str | None:
+def why_unavailable(name: str, shape: TransformerConfig, dtype, device, interpret: bool, capability=None) -> str | None:
     """Why route `name` cannot serve this input, or None if it can. `capability`: the CUDA device's (major,
     minor), asked of the device where None and the route is built for one (RouteSpec.sm)."""
     dev, dt = _device_type(device), _dtype_name(dtype)
@@ -250,7 +246,7 @@ def why_unavailable(name: str, shape: Shape, dtype, device, interpret: bool, cap
     return None
 
 
-def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: str | None = None,
+def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none", forced: str | None = None,
                  interpret: bool | None = None, allow_fused: bool = True, allow_hopper: bool = True,
                  capability=None) -> Route:
     """Pick the route for one input signature. Pure: reads only its arguments and the policy data.
@@ -309,7 +305,7 @@ def select_route(shape: Shape, dtype, device, mask_kind: str = "none", forced: s
     return _with_split_layer(route, shape)
 
 
-def _hopper_attention_pays(shape: Shape, precision: str, capability, hopper_from) -> bool:
+def _hopper_attention_pays(shape: TransformerConfig, precision: str, capability, hopper_from) -> bool:
     """The policy's `attention.hopper_from_seq_len` (null: never) covers seq_len, on sm_90, with fp16 operands and a
     head dim the kernel serves."""
     if (hopper_from is None or shape.seq_len < hopper_from or capability is None or capability[0] != 9

@@ -37,7 +37,7 @@ def cfg_of(t, causal=True):
 def cpu_routes():
     """Names of the routes model.routing says serve a CPU tensor (read from the module, not hard-coded)."""
     names = []
-    shape = routing.Shape(batch_size=2, seq_len=8, d_model=32, num_heads=2, ffn_dim=64, num_layers=1, causal=True)
+    shape = TransformerConfig(batch_size=2, seq_len=8, d_model=32, num_heads=2, ffn_dim=64, num_layers=1, causal=True)
     for name in routing.ROUTES:
         try:
             r = routing.select_route(shape, torch.float32, torch.device("cpu"), "general", forced=name)

@@ -166,14 +166,14 @@ MASKED_CFGS = {
 def test_masked_inputs_every_route(shape, route, mask_kind, causal, no_tf32):
     from shapewise.model import (TOLERANCES, BaselineTransformer, TransformerConfig, UserOptimizedTransformer,
                        compare_outputs, generate_random_case)
-    from shapewise.model.routing import RouteUnavailable, Shape, select_route
+    from shapewise.model.routing import RouteUnavailable, select_route
 
     B, S, d, H, f, L = MASKED_CFGS[shape]
     cfg = TransformerConfig(B, S, d, H, f, L, causal)
     dev = torch.device("cuda")
     if route != "auto":
         try:
-            select_route(Shape(B, S, d, H, f, L, causal), torch.float32, dev, "general", forced=route)
+            select_route(cfg, torch.float32, dev, "general", forced=route)
         except RouteUnavailable as e:
             pytest.skip(f"route {route} does not serve {shape} (model.routing says: {e})")
     torch.manual_seed(5)

@@ -12,7 +12,7 @@ import torch
 from model_helpers import build_pair, cfg_of, make_inputs
 from shapewise.model import TransformerConfig, memory
 from shapewise.model import optimized as optimized_module
-from shapewise.model.routing import Shape, select_route
+from shapewise.model.routing import select_route
 
 CFG = (5, 9, 32, 2, 48, 2)  # B=5: chunks of 2 give passes of 2, 2 and 1
 STREAMED_ATOL = 1e-6  # a few fp32 roundings of O(1) outputs
@@ -190,7 +190,7 @@ def test_available_bytes_on_cuda_honours_the_fraction_and_the_cap(monkeypatch):
 def _cuda_plan(B, S, d, H, f, L, available, masked=True):
     """The plan for an official shape on a CUDA device, routes from select_route (no GPU needed)."""
     def working_set(b):
-        shape = Shape(b, S, d, H, f, L, True)
+        shape = TransformerConfig(b, S, d, H, f, L, True)
         route = select_route(shape, torch.float32, "cuda", "general" if masked else "none")
         captured = route.name in ("graph", "fused")
         return memory.working_set_bytes(shape, torch.float32, route, captured=captured), str(route)

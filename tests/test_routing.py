@@ -8,18 +8,19 @@ import torch
 
 from shapewise.kernels import PRECISIONS
 from shapewise.model import routing
-from shapewise.model.routing import ROUTES, Route, RouteUnavailable, Shape, select_route
+from shapewise.model.config import TransformerConfig
+from shapewise.model.routing import ROUTES, Route, RouteUnavailable, select_route
 
 MASK_KINDS = ("none", "prefix", "general")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 SHAPES = [
-    Shape(batch_size=2, seq_len=33, d_model=64, num_heads=4, ffn_dim=96, num_layers=2, causal=True),
-    Shape(batch_size=1, seq_len=1, d_model=32, num_heads=2, ffn_dim=64, num_layers=1, causal=False),
-    Shape(batch_size=64, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=4, causal=True),
-    Shape(batch_size=10000, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=4, causal=True),
-    Shape(batch_size=32, seq_len=100000, d_model=1024, num_heads=16, ffn_dim=1024, num_layers=2, causal=True),
-    Shape(batch_size=2, seq_len=16, d_model=1024, num_heads=2, ffn_dim=64, num_layers=1, causal=True),  # hd 512
+    TransformerConfig(batch_size=2, seq_len=33, d_model=64, num_heads=4, ffn_dim=96, num_layers=2, causal=True),
+    TransformerConfig(batch_size=1, seq_len=1, d_model=32, num_heads=2, ffn_dim=64, num_layers=1, causal=False),
+    TransformerConfig(batch_size=64, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=4, causal=True),
+    TransformerConfig(batch_size=10000, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=4, causal=True),
+    TransformerConfig(batch_size=32, seq_len=100000, d_model=1024, num_heads=16, ffn_dim=1024, num_layers=2),
+    TransformerConfig(batch_size=2, seq_len=16, d_model=1024, num_heads=2, ffn_dim=64, num_layers=1),  # hd 512
 ]
 SHAPE_IDS = ["small", "S1", "row1", "row6", "row14", "hd512"]
 
@@ -202,7 +203,7 @@ def test_policy_can_send_long_attention_to_sdpa(monkeypatch):
     so); null never switches."""
     from shapewise.model import routing
 
-    long_row = Shape(2, 100_000, 1024, 16, 1024, 2, True)
+    long_row = TransformerConfig(2, 100_000, 1024, 16, 1024, 2, True)
     monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": 4096})
     assert select_route(long_row, torch.float32, "cuda").attention == "sdpa"
     masked = select_route(long_row, torch.float32, "cuda", "general")
@@ -222,7 +223,7 @@ def test_fused_launch_follows_the_policy_buckets(monkeypatch):
     monkeypatch.setitem(routing.POLICY, "fused", {**_fused_any_length(), "launch": [
         {"max_tokens": 1024, "block_m": 16, "num_warps": 4, "num_stages": 2},
         {"max_tokens": None, "block_m": 64, "num_warps": 4, "num_stages": 1}]})
-    small = Shape(batch_size=8, seq_len=128, d_model=64, num_heads=4, ffn_dim=64, num_layers=1, causal=True)
+    small = TransformerConfig(batch_size=8, seq_len=128, d_model=64, num_heads=4, ffn_dim=64, num_layers=1, causal=True)
     large = dataclasses.replace(small, batch_size=9)
     assert select_route(small, torch.float32, "cuda").launch == (16, 4, 2)
     route = select_route(large, torch.float32, "cuda")
@@ -239,7 +240,7 @@ def test_fused_only_up_to_the_per_sequence_size(monkeypatch):
     """fused.max_seq_len_x_d_model: one program of the fused kernel holds a sequence's activations; longer or wider
     sequences go to the graph route (rows 3 and 4, 128 x 128), null means no bound."""
     monkeypatch.setitem(routing.POLICY, "fused", {**routing.POLICY["fused"], "max_seq_len_x_d_model": 4096})
-    short = Shape(batch_size=64, seq_len=32, d_model=128, num_heads=4, ffn_dim=128, num_layers=4, causal=True)
+    short = TransformerConfig(batch_size=64, seq_len=32, d_model=128, num_heads=4, ffn_dim=128, num_layers=4)
     longer = dataclasses.replace(short, batch_size=16, seq_len=128)
     assert select_route(short, torch.float32, "cuda").name == "fused"
     assert select_route(longer, torch.float32, "cuda").name == "graph"
@@ -255,7 +256,7 @@ def test_fused_launch_entries_can_bound_the_heads(monkeypatch):
                                                    "max_tokens_x_d_model": 2**24, "launch": [
         {"max_tokens": 8192, "max_heads": 4, "block_m": 32, "num_warps": 4, "num_stages": 2},
         {"max_tokens": None, "block_m": 32, "num_warps": 4, "num_stages": 1, "kv_precompute": True}]})
-    few = Shape(batch_size=64, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=1, causal=True)
+    few = TransformerConfig(batch_size=64, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=1)
     many = dataclasses.replace(few, num_heads=16)
     assert select_route(few, torch.float32, "cuda").launch == (32, 4, 2)
     assert not select_route(few, torch.float32, "cuda").kv_precompute
@@ -270,8 +271,8 @@ def test_fused_only_inside_the_policy_bounds(monkeypatch, tokens, heads, fused):
     graph route serves; a forced fused route still serves any shape the kernel supports."""
     monkeypatch.setitem(routing.POLICY, "fused", {**_fused_any_length(), "min_tokens": 256,
                                                    "max_tokens": 8192, "max_heads": 4, "max_tokens_x_d_model": 2**24})
-    shape = Shape(batch_size=tokens, seq_len=1, d_model=16 * heads, num_heads=heads, ffn_dim=64, num_layers=1,
-                  causal=True)
+    shape = TransformerConfig(batch_size=tokens, seq_len=1, d_model=16 * heads, num_heads=heads, ffn_dim=64,
+                              num_layers=1, causal=True)
     assert select_route(shape, torch.float32, "cuda").name == ("fused" if fused else "graph")
     assert select_route(shape, torch.float32, "cuda", forced="fused").name == "fused"
     monkeypatch.setitem(routing.POLICY, "fused", {**_fused_any_length(), "min_tokens": None,
@@ -294,8 +295,8 @@ def test_committed_policy_routes_the_official_rows_as_measured():
     from shapewise.manifest import official_rows
 
     for n, row in official_rows().items():
-        shape = Shape(**{f: row[f] for f in ("batch_size", "seq_len", "d_model", "num_heads", "ffn_dim",
-                                             "num_layers", "causal")})
+        shape = TransformerConfig(**{f: row[f] for f in ("batch_size", "seq_len", "d_model", "num_heads", "ffn_dim",
+                                                         "num_layers", "causal")})
         route = select_route(shape, torch.float32, "cuda")
         assert route.name == OFFICIAL_ROUTES[n], f"official row {n}: {route}"
         assert route.attention == ("sdpa" if n == 14 else "triton"), f"official row {n}: {route}"
@@ -305,7 +306,7 @@ def test_committed_policy_routes_the_official_rows_as_measured():
 
 def test_policy_can_precompute_keys_and_values(monkeypatch):
     """fused.launch entries may set kv_precompute; the route carries it (and says so), other routes never do."""
-    shape = Shape(batch_size=8, seq_len=128, d_model=64, num_heads=4, ffn_dim=64, num_layers=1, causal=True)
+    shape = TransformerConfig(batch_size=8, seq_len=128, d_model=64, num_heads=4, ffn_dim=64, num_layers=1, causal=True)
     launch = [{"max_tokens": None, "block_m": 32, "num_warps": 4, "num_stages": 2}]
     monkeypatch.setitem(routing.POLICY, "fused", {**_fused_any_length(), "launch": launch})
     assert select_route(shape, torch.float32, "cuda").kv_precompute is False
@@ -320,7 +321,7 @@ def test_policy_can_precompute_keys_and_values(monkeypatch):
 
 def test_policy_can_set_key_and_ffn_blocks(monkeypatch):
     """fused.launch entries may set key_block and ffn_block; absent, the route carries 0 (the kernel's default)."""
-    shape = Shape(batch_size=8, seq_len=128, d_model=64, num_heads=4, ffn_dim=64, num_layers=1, causal=True)
+    shape = TransformerConfig(batch_size=8, seq_len=128, d_model=64, num_heads=4, ffn_dim=64, num_layers=1, causal=True)
     launch = {"max_tokens": None, "block_m": 32, "num_warps": 4, "num_stages": 2, "kv_precompute": True}
     monkeypatch.setitem(routing.POLICY, "fused", {**_fused_any_length(), "launch": [launch]})
     route = select_route(shape, torch.float32, "cuda")
@@ -336,8 +337,8 @@ def test_policy_can_set_key_and_ffn_blocks(monkeypatch):
 def test_policy_can_split_layers(monkeypatch):
     """split_layer.max_d_model: triton/graph routes up to that width (and within the tail kernel's limit) run split
     layers, forced ones too; null means never; fused routes and SDPA attention never split."""
-    small = Shape(batch_size=64, seq_len=1024, d_model=128, num_heads=4, ffn_dim=128, num_layers=4, causal=True)
-    wide = Shape(batch_size=64, seq_len=128, d_model=1024, num_heads=4, ffn_dim=1024, num_layers=4, causal=True)
+    small = TransformerConfig(batch_size=64, seq_len=1024, d_model=128, num_heads=4, ffn_dim=128, num_layers=4)
+    wide = TransformerConfig(batch_size=64, seq_len=128, d_model=1024, num_heads=4, ffn_dim=1024, num_layers=4)
     monkeypatch.setitem(routing.POLICY, "split_layer", {"max_d_model": None})
     assert not select_route(small, torch.float32, "cuda").split_layer
     monkeypatch.setitem(routing.POLICY, "split_layer", {"max_d_model": 4096})
@@ -346,10 +347,10 @@ def test_policy_can_split_layers(monkeypatch):
     assert route.as_dict()["split_layer"] is True and "split layer" in route.reason
     assert not select_route(wide, torch.float32, "cuda").split_layer  # beyond the tail kernel's d_model
     assert select_route(small, torch.float32, "cpu", forced="triton", interpret=True).split_layer
-    fused = Shape(batch_size=8, seq_len=32, d_model=64, num_heads=4, ffn_dim=64, num_layers=1, causal=True)
+    fused = TransformerConfig(batch_size=8, seq_len=32, d_model=64, num_heads=4, ffn_dim=64, num_layers=1, causal=True)
     assert select_route(fused, torch.float32, "cuda").name == "fused"
     assert not select_route(fused, torch.float32, "cuda").split_layer
-    big = Shape(batch_size=256, seq_len=1024, d_model=128, num_heads=4, ffn_dim=128, num_layers=4, causal=True)
+    big = TransformerConfig(batch_size=256, seq_len=1024, d_model=128, num_heads=4, ffn_dim=128, num_layers=4)
     assert select_route(big, torch.float32, "cuda").split_layer  # the triton route
     monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": 512})
     long_row = select_route(big, torch.float32, "cuda")
@@ -359,7 +360,7 @@ def test_policy_can_split_layers(monkeypatch):
 def test_split_layer_has_a_token_floor(monkeypatch):
     """split_layer.min_tokens: fewer tokens than that keep the unfused layer (the committed policy sets none: launches
     sized to the token count made the split layer win on few tokens too); null or absent means no floor."""
-    one = Shape(batch_size=1, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=4, causal=True)
+    one = TransformerConfig(batch_size=1, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=4, causal=True)
     eight = dataclasses.replace(one, batch_size=8)  # 1024 tokens
     monkeypatch.setitem(routing.POLICY, "split_layer", {"max_d_model": 128, "min_tokens": 1024})
     assert not select_route(one, torch.float32, "cuda").split_layer
