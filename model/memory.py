@@ -26,7 +26,7 @@ from .routing import ROUTE_SPECS, Route, _dtype_name, _precision_for, route_modu
 BUDGET_ENV = "SHAPEWISE_MEMORY_BUDGET_GB"  # the user's cap, in GB (10^9 bytes): device memory this process may hold
 # A streamed forward keeps each chunk's working set under this, even when more memory is free: a chunk this large
 # (hundreds of thousands of tokens) keeps the GPU as busy as the whole batch, and a smaller peak leaves room for
-# the caller. Shapes whose whole working set stays under it are never split.
+# the caller. Shapes whose whole working set stays under it run in one chunk.
 CHUNK_WORKSPACE_BYTES = 4 * 2**30
 # Part of the available memory never planned for: cuBLAS / Triton workspaces, allocator rounding and fragmentation.
 RESERVE_FRACTION = 0.05

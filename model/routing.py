@@ -141,7 +141,7 @@ def _fused_pays(shape: TransformerConfig) -> bool:
 def _hopper_pays(shape: TransformerConfig) -> bool:
     """Whether the policy expects the Hopper forward to beat the per-layer routes here: seq_len up to
     `hopper.max_seq_len` (null: never), batch_size at least `hopper.min_batch` (a program runs a sequence's layers
-    in a fixed time: a batch that leaves most SMs idle is faster split over kernels) and num_heads up to
+    in a fixed time: a batch that leaves most SMs idle is faster on the per-layer routes) and num_heads up to
     `hopper.max_heads` (each null or absent: no bound)."""
     hopper = POLICY["hopper"]
     most, fewest, heads = hopper["max_seq_len"], hopper.get("min_batch") or 1, hopper.get("max_heads")
