@@ -21,7 +21,6 @@ import torch
 
 from ..kernels import OPERAND_DTYPES
 from .config import TransformerConfig, parameter_count
-from .routing import ROUTE_SPECS, Route, _dtype_name, _precision_for, route_module
 
 BUDGET_ENV = "SHAPEWISE_MEMORY_BUDGET_GB"  # the user's cap, in GB (10^9 bytes): device memory this process may hold
 # A streamed forward keeps each chunk's working set under this, even when more memory is free: a chunk this large
@@ -66,6 +65,8 @@ def working_set_bytes(config, dtype, route, sdpa_mask: bool = False, captured: b
     fused on CUDA), whose static input and output copies and mask live as long as the capture: 2 * e * d + 1 more
     per token, e the input dtype's bytes.
     """
+    from .routing import ROUTE_SPECS, route_module  # deferred: kept out of the reference's sources
+
     cfg = TransformerConfig.from_any(config)
     e = element_bytes(dtype)
     own = route_module(route.name).working_set(cfg, dtype, route)
@@ -86,6 +87,8 @@ def estimate_memory_bytes(config, dtype: torch.dtype, which: str) -> int:
     policy gives the input dtype; for the optimized model what it needs without streaming."""
     if which not in _ESTIMATE_ROUTES:
         raise ValueError(f"estimate_memory_bytes: which must be 'reference' or 'optimized', got {which!r}")
+    from .routing import Route, _dtype_name, _precision_for  # deferred: as in working_set_bytes
+
     cfg = TransformerConfig.from_any(config)
     name = _ESTIMATE_ROUTES[which]
     route = Route(name, _precision_for(name, _dtype_name(dtype), cfg), "estimate")
