@@ -16,6 +16,10 @@ written in place) reaches the reference it is judged against.
   device.
 - profile (`supervise`): no reference; the child captures the candidate and writes the result.
 
+The child is contained (`contain`): the job process is its subreaper and ends every process it started with it,
+the child confines its writes (Landlock) to its scratch directory, where it writes its progress, each handed-over
+output and a profile's files, before it imports the candidate, and its output is capped in the job's log.
+
 Whatever the candidate does wrong in the child (import, constructor, weights, forward) is caught there and answered
 as the row's failure (`CandidateFailed`); its output is checked there for type (a plain dense torch.Tensor, no
 subclass), shape, dtype, device, memory shared with its previous output and writes into its input, and the

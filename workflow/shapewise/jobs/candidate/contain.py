@@ -14,7 +14,7 @@ what it writes stays in directories of its own, and what it prints is capped in 
   by that candidate's jobs and by no other model's) and /dev (the GPU's device files, /dev/null, /dev/shm); a write
   anywhere else (results/, the report, the checkout) fails with EACCES. On a kernel with Landlock's signal scope
   (ABI 6) it cannot signal a process outside its domain either (the job process, the run's other jobs). Where the
-  kernel offers no Landlock, or the environment sets SHAPEWISE_CANDIDATE_CONFINE=off, the child runs unconfined,
+  kernel offers no Landlock, or config pass_env sets SHAPEWISE_CANDIDATE_CONFINE=off, the child runs unconfined,
   and the result's `containment` and the report say so.
 - output (`LogCap`, in the job process): the child's standard output and error go through a pipe into the job's
   log, the first LOG_HEAD_BYTES as they come and the last LOG_TAIL_BYTES at the end, with a line saying how many
@@ -186,7 +186,7 @@ def plan(writable, environ=None) -> dict:
     child may write under), or {"writes": "unconfined", "reason"}."""
     environ = os.environ if environ is None else environ
     if environ.get(SWITCH, "").lower() == "off":
-        return {"writes": "unconfined", "reason": f"{SWITCH}=off in the job's environment"}
+        return {"writes": "unconfined", "reason": f"{SWITCH}=off (config pass_env)"}
     abi = landlock_abi()
     if abi < 1:
         return {"writes": "unconfined", "reason": "this kernel offers no Landlock (landlock_create_ruleset: "
