@@ -5,7 +5,7 @@
   implementation digest;
 - `records`: one record per candidate and row with report_data.row_record's fields (summary.csv's columns: the
   `optimized_*` figures are the candidate's, `reference_*` the reference timed in the same rounds) plus the
-  candidate's name, its failures with their reasons and how its weights loaded;
+  candidate's name, its failures with their reasons, how its weights loaded and, where it ran unconfined, a note;
 - `side_by_side`: per machine and row, shapewise and every candidate in one table, the fastest passing one (lowest
   median among those that passed, timed on that machine) marked, and per model its geomean speedup;
 - `copy_sources`: each candidate's files copied into the report (candidates/<name>/...), their SHA-256 checked
@@ -67,6 +67,17 @@ def weights_text(weights):
             f"{len(weights.get('unexpected_keys') or [])} unexpected key(s)")
 
 
+def containment_notes(data):
+    """A note per job whose candidate ran with its writes unconfined (its result's `containment`, written by
+    shapewise.jobs.candidate.contain)."""
+    notes = []
+    for step in paths.CANDIDATE_STEPS:
+        held = data[step].get("containment")
+        if isinstance(held, dict) and held.get("writes") == "unconfined":
+            notes.append(f"ran unconfined [{step} job]: its writes were not restricted ({held.get('reason')})")
+    return notes
+
+
 def record(item, name):
     """The candidate's record on one row."""
     data = item["candidates"][name]["data"]
@@ -75,7 +86,7 @@ def record(item, name):
                 if isinstance(data[step].get("failure"), dict)]
     weights = next((data[s].get("weights") for s in paths.CANDIDATE_STEPS if data[s].get("weights")), None)
     rec.update(candidate=name, status="fail" if failures else data["accuracy"].get("status"), failures=failures,
-               weights=weights_text(weights), weights_detail=weights, route=None,
+               weights=weights_text(weights), weights_detail=weights, route=None, notes=containment_notes(data),
                environment=(data["timing"].get("environment") or data["accuracy"].get("environment") or {}))
     return rec
 
@@ -96,7 +107,8 @@ def side_by_side(groups, shapewise_rows, candidate_records):
     for g in groups:
         g["candidate_rows"] = []
         for x in g["rows"]:
-            entries = [dict(x["r"], candidate=SHAPEWISE, failures=[], weights="strict", elsewhere=None)]
+            entries = [dict(x["r"], candidate=SHAPEWISE, failures=[], notes=[], weights="strict",
+                            elsewhere=None)]
             entries += [dict(rec, elsewhere=None if rec["machine"] == g["key"] else rec["machine"])
                         for rec in by_row.get(x["id"], [])]
             timed = [e for e in entries if e["status"] == "pass" and e["optimized_median_ms"] is not None

@@ -16,6 +16,10 @@ written in place) reaches the reference it is judged against.
   device.
 - profile (`supervise`): no reference; the child captures the candidate and writes the result.
 
+The child is contained (`contain`): the job process is its subreaper and ends every process it started with it,
+the child confines its writes (Landlock) to its scratch directory, where it writes its progress, each handed-over
+output and a profile's files, before it imports the candidate, and its output is capped in the job's log.
+
 Whatever the candidate does wrong in the child (import, constructor, weights, forward) is caught there and answered
 as the row's failure (`CandidateFailed`); its output is checked there for type (a plain dense torch.Tensor, no
 subclass), shape, dtype, device, memory shared with its previous output and writes into its input, and the
@@ -36,6 +40,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import stat
 import sys
 import time
@@ -45,6 +50,7 @@ from pathlib import Path
 import torch
 
 from shapewise import candidates
+from shapewise.jobs.candidate.contain import Contained, confine
 from shapewise.jobs.device import setup
 from shapewise.jobs.inputs import DTYPES
 from shapewise.jobs.io import header, log, write_result
@@ -180,6 +186,11 @@ def build(args, row, config, device, progress):
     then the candidate imported, constructed, given them, and moved to the row's dtype and device."""
     progress.stage("reference weights", candidate_code=False)
     state = seeded_reference(config).state_dict()
+    progress.stage("confine", candidate_code=False)
+    try:
+        confine(args.confine)
+    except OSError as exc:
+        raise SystemExit(f"candidate {args.candidate}: cannot confine its process's writes: {exc}") from None
     progress.stage("import")
     cls = guarded("import", candidates.load_class, args.candidate_path, args.candidate)
     progress.stage("construct")
@@ -379,16 +390,21 @@ class CandidateProcess:
     ends the child with its process group."""
 
     def __init__(self, args, limit):
-        from shapewise import cpus, gpuslots, jobserver
-
         self.limit = limit
+        self.contained = Contained(args.candidate)
+        self.scratch = self.contained.scratch  # where the child writes: its progress, each handed-over output
+        self.progress = progress_path(self.scratch / "result")
+        self.state = self.containment = None  # the child's last progress and the containment record, once ended
         commands_r, self._commands = os.pipe()
         self._replies, replies_w = os.pipe()
-        payload = dict(vars(args), job_start=cpus.job_start(), gpu_slot=gpuslots.hand_over(),
-                       job_process=jobserver.process_record(), channel=[commands_r, replies_w])
         try:
-            self.process = candidates.Isolated([sys.executable, "-m", "shapewise.jobs.candidate"],
-                                               json.dumps(payload), pass_fds=(commands_r, replies_w))
+            self.process = start_child(args, self.contained, {"out": str(self.scratch / "result"),
+                                                              "channel": [commands_r, replies_w]},
+                                       pass_fds=(commands_r, replies_w))
+        except BaseException:
+            self.contained.end()
+            self.contained.remove()
+            raise
         finally:
             os.close(commands_r)
             os.close(replies_w)
@@ -458,7 +474,8 @@ class CandidateProcess:
         raise ChildEnded(self.outcome)
 
     def close(self):
-        """End the child: its requests end (it returns), then its group is killed; returns what became of it."""
+        """End the child: its requests end (it returns), then its group and every other descendant are killed;
+        its last progress is read and its scratch directory removed. Returns what became of it."""
         if self.outcome is None:
             os.close(self._commands)
             self._commands = None
@@ -468,7 +485,25 @@ class CandidateProcess:
             if fd is not None:
                 os.close(fd)
         self._commands = self._replies = None
+        if self.containment is None:
+            self.containment = self.contained.end()
+            self.state = read_progress(self.progress)
+            self.contained.remove()
         return self.outcome
+
+
+def start_child(args, contained, fields, pass_fds=()):
+    """The candidate's child (`python -m shapewise.jobs.candidate`) started as an isolated process under
+    `contained`, with the job's arguments, `fields` over them, on its standard input."""
+    from shapewise import cpus, gpuslots, jobserver
+
+    confinement = contained.child_fields()
+    payload = dict(vars(args), job_start=cpus.job_start(), gpu_slot=gpuslots.hand_over(),
+                   job_process=jobserver.process_record(), **fields, **confinement)
+    process = candidates.Isolated([sys.executable, "-m", "shapewise.jobs.candidate"], json.dumps(payload),
+                                  env=contained.environ, pass_fds=(*pass_fds, confinement["log_fd"]))
+    contained.started()
+    return process
 
 
 def check_digest(args):
@@ -478,10 +513,9 @@ def check_digest(args):
                          f"{args.impl_digest} as when the DAG was built: it changed since; run snakemake again")
 
 
-def ended_failure(args, outcome, limit):
-    """The failure record of a child that hung or died, from its progress file; a child that died outside the
-    candidate's code is the harness's own error (SystemExit)."""
-    state = read_progress(progress_path(args.out))
+def ended_failure(args, outcome, limit, state):
+    """The failure record of a child that hung or died, from its last progress `state`; a child that died outside
+    the candidate's code is the harness's own error (SystemExit)."""
     if not outcome["timed_out"] and not state["candidate_code"]:
         raise SystemExit(f"candidate {args.candidate}: the job's child process failed at stage {state['stage']} "
                          f"(outside the candidate's code): exit {outcome['returncode']}; see the log above")
@@ -503,54 +537,83 @@ def drive(args, work):
     candidate's failure where it failed, hung or died."""
     check_digest(args)
     limit = json.loads(args.time_limit)[args.device]
-    progress = Path(progress_path(args.out))
-    progress.unlink(missing_ok=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     device = setup(args.device, args.threads)
     row = json.loads(args.row)
     result = header(args.step, row, args.device, args)
     result["candidate"] = describe(args)
     result.update(status=None, failure=None)
+    started = []
+
+    def start():
+        started.append(CandidateProcess(args, limit))
+        return started[-1]
+
     try:
-        work(args, device, row, result, lambda: CandidateProcess(args, limit))
+        work(args, device, row, result, start)
     except CandidateFailed as failed:
         log(f"{args.candidate}: FAILED {failed}")
         result.update(status="fail", failure=failed.record())
     except ChildEnded as ended:
-        result.update(status="fail", failure=ended_failure(args, ended.outcome, limit), isolation=ended.outcome)
-    finally:
-        progress.unlink(missing_ok=True)
-        progress.with_name(progress.name + ".tmp").unlink(missing_ok=True)
+        result.update(status="fail", failure=ended_failure(args, ended.outcome, limit, started[-1].state),
+                      isolation=ended.outcome)
+    if started:
+        result["containment"] = started[-1].containment
     write_result(args.out, result)
     return 0
 
 
-def supervise(args, outputs_on_failure=None):
+def supervise(args, outputs_on_failure=None, extra=()):
     """The job process of a candidate step whose child writes the result (profile): the child under the time
-    limit, and the failure of a child that hung or died."""
+    limit, writing the result and the files of the `extra` arguments into its scratch directory, from where they
+    are put in place; the failure of a child that hung or died."""
     check_digest(args)
     limit = json.loads(args.time_limit)[args.device]
-    progress = Path(progress_path(args.out))
-    progress.unlink(missing_ok=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    from shapewise import cpus, gpuslots, jobserver
-
-    payload = dict(vars(args), job_start=cpus.job_start(), gpu_slot=gpuslots.hand_over(),
-                   job_process=jobserver.process_record())
-    outcome = candidates.run_isolated([sys.executable, "-m", "shapewise.jobs.candidate"], limit,
-                                      stdin_text=json.dumps(payload), log=log)
-    if outcome["returncode"] == 0 and not outcome["timed_out"] and Path(args.out).is_file():
-        return 0
-    record = ended_failure(args, outcome, limit)
-    state = read_progress(progress)
+    contained = Contained(args.candidate)
+    try:
+        written = {field: contained.scratch / f"{field}-{Path(getattr(args, field)).name}"
+                   for field in ("out", *extra)}
+        process = start_child(args, contained, {field: str(path) for field, path in written.items()})
+        timed_out = not process.wait(limit)
+        if timed_out:
+            log(f"the candidate's process ran past the time limit of {limit} s: killing its process group")
+        outcome = process.finish(timed_out)
+        containment = contained.end()
+        state = read_progress(progress_path(written["out"]))
+        if outcome["returncode"] == 0 and not timed_out and all(path.is_file() for path in written.values()):
+            result = json.loads(written["out"].read_text())
+            for field, path in written.items():
+                if field != "out":
+                    copy_regular(path, getattr(args, field))
+            result["containment"] = containment
+            write_result(args.out, result)
+            return 0
+    finally:
+        contained.end()
+        contained.remove()
+    record = ended_failure(args, outcome, limit, state)
     if state["header"] is None:  # the child died before its first stage: this process reads the machine instead
         result = header(args.step, json.loads(args.row), args.device, args)
         result["candidate"] = describe(args)
     else:
         result = state["header"]
-    result.update(status="fail", failure=record, isolation=outcome)
+    result.update(status="fail", failure=record, isolation=outcome, containment=containment)
     if outputs_on_failure is not None:
         outputs_on_failure(args, f"the candidate failed: {record['kind']} at {record['stage']}")
     write_result(args.out, result)
-    progress.unlink(missing_ok=True)
     return 0
+
+
+def copy_regular(source, target):
+    """Copy the regular file `source` (a link there is refused: the child made it) to `target`, atomically."""
+    fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as src:
+        if not stat.S_ISREG(os.fstat(src.fileno()).st_mode):
+            raise SystemExit(f"the candidate's process left {source} as no regular file")
+        target = Path(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".partial")
+        with open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        os.replace(tmp, target)

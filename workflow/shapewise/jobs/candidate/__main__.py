@@ -7,10 +7,12 @@ import json
 import sys
 
 from shapewise import cpus, gpuslots, jobserver, steps
+from shapewise.jobs.candidate.contain import adopt_log
 
 
 def main():
     payload = json.loads(sys.stdin.read())
+    adopt_log(payload.pop("log_fd"))  # what this process and its descendants print goes through the job's cap
     cpus.adopt_job_start(payload.pop("job_start"))  # the job process pinned this process's cores already
     gpuslots.take_over(payload.pop("gpu_slot", None))  # and holds the GPU's lock for this process's work
     jobserver.adopt_process_record(payload.pop("job_process", None))

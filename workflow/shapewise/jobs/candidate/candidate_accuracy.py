@@ -15,7 +15,6 @@ accuracy, or the way the candidate failed before a comparison was made).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 
@@ -41,35 +40,32 @@ def judge(args, device, row, result, start):
     config = model_config(row)
     fit = reference_fit(config, device, args.headroom)  # before anything is allocated, as the preflight job reads
     result.update(reference_fit=fit, trials=[], call=None)
-    handed = Path(f"{args.out}.output")  # one trial's output at a time, removed once read
     calls = set()
-    try:
-        with start() as child:
-            result["weights"] = child.request("build", "import")["weights"]
-            reference = beside("reference", place_reference, seeded_reference(config), row, device, torch.float32)
-            for t in range(row["trials"]):
-                seed = FIRST_TRIAL_SEED + t
-                stage = f"forward (trial {t})"
-                data = child.request("forward", stage, trial=t, path=str(handed))
-                x, mask, mask_kind = make_case(row, config, device, seed)  # drawn here, never the candidate's
-                out = read_plain(handed, data, x.shape, row["dtype"], stage).to(device)
-                handed.unlink()
-                calls.add(call_of(mask))
-                comparisons, checked = beside(f"compare (trial {t})", check, reference, out, x, mask, fit["fits"],
-                                              settings)
-                result["trials"].append({"trial": t, "seed": seed, "call": call_of(mask),
-                                         "input_generator": input_generator(config, device), "mask_kind": mask_kind,
-                                         "comparisons": comparisons, "checked": checked,
-                                         "output_finite": bool(torch.isfinite(out).all().item())})
-                official = comparisons["official"]
-                log(f"{row['id']} {args.candidate} trial {t} (seed {seed}): {official['failed_elements']}/"
-                    f"{official['total_elements']} failed, max abs {official['max_abs_error']:.3g}, check "
-                    f"{checked['method']}")
-                del x, mask, out
-                if row["trials"] == 1:  # a second call on the same input, for the check against the previous output
-                    child.request("again", SECOND_CALL)
-    finally:
-        handed.unlink(missing_ok=True)
+    with start() as child:
+        handed = child.scratch / "output"  # one trial's output at a time, where the child may write
+        result["weights"] = child.request("build", "import")["weights"]
+        reference = beside("reference", place_reference, seeded_reference(config), row, device, torch.float32)
+        for t in range(row["trials"]):
+            seed = FIRST_TRIAL_SEED + t
+            stage = f"forward (trial {t})"
+            data = child.request("forward", stage, trial=t, path=str(handed))
+            x, mask, mask_kind = make_case(row, config, device, seed)  # drawn here, never the candidate's
+            out = read_plain(handed, data, x.shape, row["dtype"], stage).to(device)
+            handed.unlink()
+            calls.add(call_of(mask))
+            comparisons, checked = beside(f"compare (trial {t})", check, reference, out, x, mask, fit["fits"],
+                                          settings)
+            result["trials"].append({"trial": t, "seed": seed, "call": call_of(mask),
+                                     "input_generator": input_generator(config, device), "mask_kind": mask_kind,
+                                     "comparisons": comparisons, "checked": checked,
+                                     "output_finite": bool(torch.isfinite(out).all().item())})
+            official = comparisons["official"]
+            log(f"{row['id']} {args.candidate} trial {t} (seed {seed}): {official['failed_elements']}/"
+                f"{official['total_elements']} failed, max abs {official['max_abs_error']:.3g}, check "
+                f"{checked['method']}")
+            del x, mask, out
+            if row["trials"] == 1:  # a second call on the same input, for the check against the previous output
+                child.request("again", SECOND_CALL)
     result["aggregate"] = aggregate(result["trials"])
     result["call"] = ",".join(sorted(calls))
     result["check_method"] = result["trials"][0]["checked"]["method"]

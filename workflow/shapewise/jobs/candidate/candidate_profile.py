@@ -19,7 +19,7 @@ STAGE = "profile"
 
 
 def main(args):
-    return supervise(args, empty_outputs)
+    return supervise(args, empty_outputs, extra=("csv", "trace"))
 
 
 def child(args):
