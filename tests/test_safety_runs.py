@@ -111,7 +111,7 @@ def test_a_jobs_log_keeps_its_first_and_last_bytes(tmp_path):
 def test_a_process_left_behind_holding_the_log_does_not_hold_the_job(tmp_path):
     """A child in a session of its own outlives the job with the pipe open: the keeper stops LOG_DRAIN_S later
     with what it kept."""
-    leftover = ("subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+    leftover = ("subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(15)'], "
                 "start_new_session=True)")
     text, seconds = run_chatty(tmp_path, leftover)
     assert seconds < 30 and text.endswith("the job ends\nafter the job\n")
