@@ -69,7 +69,7 @@ def test_tune_on_a_missing_sweep(tmp_path, policy):
 
 @pytest.mark.parametrize("content, says", [
     ('{"fused": [', "not valid JSON"),
-    ("\x00\x01binary", "not valid JSON"),
+    ("\x00\x01binary", "not UTF-8 text (byte 0 is 0x00"),
     ("[]", "not a launch sweep"),
     ({"fused": []}, "not a launch sweep"),
     ({"attention": []}, "not a launch sweep"),

@@ -90,6 +90,24 @@ def test_binary_manifest_names_the_file(tmp_path):
     assert "not UTF-8 text (byte 0 is 0x89)" in message and "UnicodeDecodeError" not in message
 
 
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be", "utf-32-le"])
+def test_utf16_or_utf32_text_without_a_bom_names_the_file(tmp_path, encoding):
+    """Without a BOM such text decodes as UTF-8 (ASCII and NUL bytes); YAML's reader then raised a ReaderError."""
+    path = tmp_path / "m.yaml"
+    path.write_bytes(row_text().encode(encoding))
+    message = refused(path)
+    assert "is 0x00: UTF-16 or UTF-32 text? save it as UTF-8" in message and "ReaderError" not in message
+    done = subprocess.run([sys.executable, "-m", "shapewise", "validate", str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and "UTF-16 or UTF-32 text?" in done.stderr + done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def test_a_character_yaml_refuses_is_named_with_the_file(tmp_path):
+    path = write_text(tmp_path, row_text(description="bell \x07"))
+    assert "not valid YAML: unacceptable character #x0007" in refused(path)
+
+
 def test_latin1_text_names_the_byte(tmp_path):
     path = tmp_path / "m.yaml"
     path.write_bytes(row_text(description="caf\xe9").encode("latin-1"))

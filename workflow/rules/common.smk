@@ -68,6 +68,11 @@ def _manifest_names():
 
 
 MANIFESTS = [sw_paths.manifest(name) for name in _manifest_names()]
+# The report records every input by its path under the checkout (shapewise.provenance): a manifest or config file
+# that it could not record (one linked from outside the checkout) stops the run now, not in its report job.
+_UNRECORDABLE = sw_provenance.unrecordable(".", inputs=[*MANIFESTS, sw_paths.CONFIG_FILE])
+if _UNRECORDABLE:
+    raise WorkflowError("\n".join(_UNRECORDABLE + ["nothing was run: keep the file itself under the checkout"]))
 # The bytes the rows are read from: the report refuses to pair results with a manifest edited since.
 MANIFEST_SHA256 = {m: sw_inventory.sha256_file(m) for m in MANIFESTS if Path(m).is_file()}
 try:
@@ -108,7 +113,15 @@ FINGERPRINTS = dict(sw_paths.FINGERPRINTS)
 # measuring job, so setting, changing or unsetting one reruns them; the
 # report records the same values.
 PASSED_ENV = sw_settings.pass_env(config["pass_env"])
-PASS_ENV = " ".join(f"--env {shlex.quote(f'{name}={value}')}" for name, value in PASSED_ENV.items())
+
+
+def verbatim(text):
+    """A params value that Snakemake keeps as it is: a string value is formatted with the job's wildcards, so a
+    `{name}` in text a user wrote (a passed variable's value, a candidate's path) would be read as one."""
+    return lambda wildcards: text
+
+
+PASS_ENV = verbatim(" ".join(f"--env {shlex.quote(f'{name}={value}')}" for name, value in PASSED_ENV.items()))
 
 
 def device_settings(section, shape=None):
@@ -244,6 +257,22 @@ try:
 except sw_candidates.CandidateError as exc:
     raise WorkflowError(str(exc)) from None
 CANDIDATE_DIGESTS = {name: sw_candidates.digest(path, BASEDIR) for name, path in CANDIDATES.items()}
+# Each candidate's path (recorded in the report's provenance.json) and its files' copies in the report, checked as
+# the report job would check them, before any job.
+_UNRECORDABLE = [
+    f"config candidates: {name}={path!r}: the path holds a control character (a line break or an escape)"
+    for name, path in CANDIDATES.items()
+    if sw_provenance.has_control_character(path)
+] or sw_provenance.unrecordable(
+    ".",
+    artifacts=[
+        f"{sw_paths.REPORT_SOURCES}/{name}/{rel}"
+        for name, path in CANDIDATES.items()
+        for rel in sw_candidates.files(path, BASEDIR)
+    ],
+)
+if _UNRECORDABLE:
+    raise WorkflowError("\n".join(_UNRECORDABLE + ["nothing was run: rename the candidate's files"]))
 # The candidate jobs' own code and the reference's: editing either reruns every candidate's jobs.
 _CANDIDATE_HARNESS = (
     HARNESS_FILES

@@ -9,7 +9,8 @@
 #   `--resources gpu=K` on the command line (or in a profile) wins. Registered while the workflow is read: the
 #   scheduler takes them from there; reading the pool writes nothing.
 # - The run itself starts in the onstart handler below, the one place that sets what the jobs inherit (the pool,
-#   the run's identity for its job server, its Triton cache) and writes the run's marker: shapewise.runs.begin.
+#   the run's identity for its job server, its Triton cache) and writes the run's marker: shapewise.runs.begin,
+#   which refuses the run while another one of this checkout is going on (after `snakemake --unlock`).
 #   Snakemake calls it once per invocation, in its main process, after building the DAG and before the first job;
 #   not in a dry run, when there is nothing to do, or with --no-hooks (then each job starts fresh, without the
 #   job server, and locks a GPU of all those here).
@@ -46,15 +47,42 @@ if workflow.is_main_process:
         if GPU_POOL
         else ""
     )
-    print(
-        f"GPU pool: {sw_gpuslots.pool_value(GPU_POOL) or 'none'}; at most "
-        f"{_gpus} GPU job(s) at once (gpu resource, from {_gpu_from}) that time{_share}",
-        file=sys.stderr,
-    )
+    if GPU_POOL or _gpu_from == "--resources":
+        print(
+            f"GPU pool: {sw_gpuslots.pool_value(GPU_POOL) or 'none'}; at most "
+            f"{_gpus} GPU job(s) at once (gpu resource, from {_gpu_from}) that time{_share}",
+            file=sys.stderr,
+        )
+    else:
+        _why = (
+            "device cpu (config device or SHAPEWISE_DEVICE)"
+            if DEVICE_ARG == "cpu"
+            else "no GPU found (`nvidia-smi -L` lists none)"
+        )
+        _what = (
+            "the CPU smoke test (shapes/smoke.yaml, in Triton's interpreter: not a performance measurement)"
+            if config["shapes"] == "auto"
+            else f"{', '.join(MANIFESTS)} on the CPU"
+        )
+        print(f"GPU pool: none: {_why}; the jobs run {_what}, one device job at a time", file=sys.stderr)
 
 
 onstart:
-    sw_runs.begin(GPU_POOL, sys.argv)
+    try:
+        sw_runs.begin(GPU_POOL, sys.argv)
+    except sw_runs.RunConflict as exc:
+        raise WorkflowError(str(exc)) from None
+
+
+# The run's last words: where its report is, or which jobs failed or did not finish, with their logs (read from
+# Snakemake's own log of the run, `log`); Snakemake's "At least one job did not complete successfully" names none.
+onsuccess:
+    if _said := sw_runs.success_message():
+        print(_said, file=sys.stderr)
+
+
+onerror:
+    print(sw_runs.error_message(log), file=sys.stderr)
 
 
 def gpu_resources(step, uses_gpu=None):

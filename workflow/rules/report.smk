@@ -36,7 +36,7 @@ rule report_inputs:
         mem_mb=1000,
         runtime=5,
     params:
-        text=REPORT_INPUTS_TEXT,
+        text=verbatim(REPORT_INPUTS_TEXT),
     script:
         "../scripts/report_inputs.py"
 

@@ -161,14 +161,15 @@ def job_environment_variables(passed):
 
 def run_job(args, argv):
     """A pipeline job: as a fork of the run's job server where there is one (shapewise.jobserver: it has imported
-    torch and the job code already), else in this process."""
+    torch and the job code already), else in this process; either way its log capped (jobserver.capped_output)."""
     job_environment_variables(getattr(args, "env", []))
     from shapewise import jobserver
 
-    rc = jobserver.run(args, argv)
-    if rc is not None:
-        return rc
-    return run_job_here(args, argv)
+    with jobserver.capped_output():
+        rc = jobserver.run(args, argv)
+        if rc is not None:
+            return rc
+        return run_job_here(args, argv)
 
 
 def run_job_here(args, argv, server_mode=None):

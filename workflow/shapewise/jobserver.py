@@ -14,7 +14,12 @@ output and log, and nothing of one job reaches another:
   `auto` resolved, the step;
 - a job that crashes or is killed takes only its own process; the client (the process Snakemake started) waits
   for it to be gone, so its GPU memory and locks are released, before it returns the job's exit status;
-- the client forwards SIGINT, SIGTERM and SIGHUP to the job, and a job whose client is gone kills itself.
+- the client forwards SIGINT, SIGTERM and SIGHUP to the job, and a job whose client is gone kills itself;
+- a job's log keeps at most LOG_HEAD_BYTES + LOG_TAIL_BYTES of its output (capped_output): the process Snakemake
+  started, before it forks or runs the job, hands the job a pipe whose other end a small keeper process copies
+  into the log, the first LOG_HEAD_BYTES at once, the last LOG_TAIL_BYTES when the output ends, and between them
+  one line saying how many bytes were left out. Everything the job starts (a candidate's child) writes into the
+  same pipe.
 
 Which jobs use it: those of a local pipeline run (SHAPEWISE_PIPELINE_RUN, set by shapewise.runs.begin in
 the main Snakemake process: its host, pid and start time) on that run's host. A job SLURM placed, one run by hand,
@@ -38,6 +43,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import struct
 import sys
 import threading
@@ -69,6 +75,11 @@ MAX_MESSAGE = 1 << 20
 MAX_ATTEMPTS = 12
 
 _RECORD = {"started_as": "fresh process", "reason": "not started by `shapewise job`"}
+# A job's log (capped_output): its first and last bytes. A job of shapewise writes kilobytes; a candidate may print
+# without bound, and the beginning (what it is) and the end (how it failed) are what a reader needs.
+LOG_HEAD_BYTES = 4 * 2**20
+LOG_TAIL_BYTES = 4 * 2**20
+LOG_DRAIN_S = 10  # after the job: how long the keeper may still copy output its leftover processes write
 
 
 class RunFresh(Exception):
@@ -310,6 +321,114 @@ def _std_fds():
         except OSError:
             fds.append(os.open(os.devnull, os.O_RDWR))
     return fds
+
+
+class capped_output:
+    """A context in which this process's stdout and stderr (fds 1 and 2), and those of every process it starts,
+    go through a pipe to a keeper process that writes the first `head` bytes into the log, keeps the last `tail`,
+    and writes them after a line counting the bytes left out. Only where stdout and stderr are one regular file
+    (the rule's `> {log} 2>&1`); a terminal or two files are left as they are. On leaving, fds 1 and 2 are the log
+    again and the keeper finishes: at the end of the output, or LOG_DRAIN_S later, when a process the job left
+    behind still holds the pipe (it then writes into a pipe nobody reads)."""
+
+    def __init__(self, head=LOG_HEAD_BYTES, tail=LOG_TAIL_BYTES):
+        self.head, self.tail = head, tail
+        self.keeper = self.saved = None
+
+    def __enter__(self):
+        try:
+            out, err = os.fstat(1), os.fstat(2)
+        except OSError:
+            return self
+        if not (stat.S_ISREG(out.st_mode) and (out.st_dev, out.st_ino) == (err.st_dev, err.st_ino)):
+            return self
+        sys.stdout.flush()
+        sys.stderr.flush()
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the keeper: the log's only writer until the output ends
+            code = 1
+            try:
+                os.close(write_end)
+                _keep_log(read_end, 1, self.head, self.tail)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(read_end)
+        self.keeper, self.saved = pid, os.dup(1)
+        os.dup2(write_end, 1)
+        os.dup2(write_end, 2)
+        os.close(write_end)
+        return self
+
+    def __exit__(self, *exc):
+        if self.keeper is None:
+            return False
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os.dup2(self.saved, 1)  # this process's ends of the pipe closed: the keeper sees the end of the output
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        deadline = time.monotonic() + LOG_DRAIN_S
+        while os.waitpid(self.keeper, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(self.keeper, signal.SIGUSR1)  # a leftover process holds the pipe: write what was kept
+                os.waitpid(self.keeper, 0)
+                break
+            time.sleep(0.02)
+        self.keeper = None
+        return False
+
+
+class _Finish(Exception):
+    """The keeper is told to stop reading (SIGUSR1)."""
+
+
+def _keep_log(read_end, log, head, tail):
+    """Copy `read_end` into `log` (file descriptors): the first `head` bytes as they come, then only the last `tail`
+    bytes, written at the end of the input (or on SIGUSR1) after one line counting the bytes left out between."""
+    from collections import deque
+
+    def finish(_signum, _frame):
+        raise _Finish
+
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)  # a Ctrl-C or kill of the job's group: the job ends, its tail is kept
+    signal.signal(signal.SIGUSR1, finish)
+    written, kept, kept_bytes, dropped = 0, deque(), 0, 0
+    try:
+        while chunk := os.read(read_end, 1 << 16):
+            if written < head:
+                now = chunk[:head - written]
+                _write_all(log, now)
+                written += len(now)
+                chunk = chunk[len(now):]
+            if chunk:
+                kept.append(chunk)
+                kept_bytes += len(chunk)
+                while kept_bytes - len(kept[0]) >= tail:
+                    dropped += len(kept[0])
+                    kept_bytes -= len(kept.popleft())
+    except _Finish:
+        pass
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    rest = b"".join(kept)
+    if len(rest) > tail:
+        dropped += len(rest) - tail
+        rest = rest[len(rest) - tail:]
+    if dropped:
+        _write_all(log, f"\n[shapewise: {dropped} bytes of this job's output left out here; a job's log keeps its "
+                        f"first {head} and last {tail} bytes]\n".encode())
+    _write_all(log, rest)
+
+
+def _write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _umask():

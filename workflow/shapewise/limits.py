@@ -54,10 +54,14 @@ def read_text(path, what, max_bytes):
     if len(data) > max_bytes:
         raise InputFileError(f"{path}: larger than the {max_bytes} bytes a {what} may have")
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputFileError(f"{path}: not UTF-8 text (byte {exc.start} is {data[exc.start]:#04x}); "
                              f"a {what} is a text file") from None
+    if (nul := data.find(b"\0")) >= 0:  # a text file holds none; UTF-16 or UTF-32 text without a BOM decodes
+        raise InputFileError(f"{path}: not UTF-8 text (byte {nul} is 0x00: UTF-16 or UTF-32 text? save it as "
+                             f"UTF-8); a {what} is a text file")
+    return text
 
 
 def _mark(mark):
@@ -112,14 +116,16 @@ def _mapping_name(node):
 def load_yaml(path, what="manifest", max_bytes=MAX_YAML_BYTES):
     """The one YAML document of `path`, checked against the limits above; InputFileError otherwise."""
     text = read_text(path, what, max_bytes)
-    loader = _Loader(text, str(path))
-    loader.name = str(path)  # PyYAML's own messages name the stream by it
+    loader = None
     try:
+        loader = _Loader(text, str(path))  # its reader refuses a character YAML does not print, at once
+        loader.name = str(path)  # PyYAML's own messages name the stream by it
         return loader.get_single_data()
     except yaml.YAMLError as exc:
         raise InputFileError(f"{path}: not valid YAML: {exc}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def _depth(value):

@@ -32,6 +32,13 @@ root a directory that holds the report directory; no `..` part, no absolute
 path, nothing that resolves (through a symbolic link) outside. verify refuses
 a record that breaks this before hashing any file.
 
+The root is a number of '..' steps up from the report directory as the root
+reaches it (results/report: "../.."), and verify takes those steps on the path
+it is given, without following symbolic links (root_dir): `results/` or
+`results/report` may be a symbolic link to another disk and
+`shapewise verify results/report` still finds the checkout, where the link's
+target directory's own parent is somewhere else.
+
 A result file also carries a digest of its own content (`content_sha256`, see
 seal): the SHA-256 of the canonical JSON of its other fields, written by the
 job that made it (shapewise.jobs.io.write_result). The report refuses a result
@@ -106,12 +113,17 @@ class ProvenanceError(ValueError):
     """A path a record would list that lies outside its base (see the module docstring)."""
 
 
+def has_control_character(text):
+    """Whether `text` holds a character below U+0020 or DEL: a line break or escape a record's path may not hold."""
+    return any(ord(c) < 32 or ord(c) == 127 for c in text)
+
+
 def outside(base, path):
     """None when `path` is a relative path that stays inside `base` (also after symbolic links are followed),
     else why not."""
     if not isinstance(path, str) or not path:
         return f"has no path ({path!r}); an entry needs a relative path"
-    if any(ord(c) < 32 or ord(c) == 127 for c in path):
+    if has_control_character(path):
         return f"{path!r}: holds a control character"
     pure = PurePosixPath(path)
     if pure.is_absolute():
@@ -123,12 +135,57 @@ def outside(base, path):
     return None
 
 
+def unrecordable(root=".", inputs=(), artifacts=()):
+    """What write would refuse among these paths, one line each (empty: nothing): `inputs` relative to `root`,
+    `artifacts` relative to the report directory (paths.REPORT_DIR under root). For the check while Snakemake
+    builds the DAG: a manifest linked from outside the checkout or a candidate file with a line break in its name
+    stops the run before any job, not in its report job."""
+    root = os.path.abspath(root)
+    lines = [f"the report could not record the input {problem}" for path in inputs if (problem := outside(root, path))]
+    report_dir = os.path.join(root, paths.REPORT_DIR)
+    lines += [f"the report could not record its copy {problem}"
+              for path in artifacts if (problem := outside(report_dir, path))]
+    return lines
+
+
 def _entry(path, base):
     problem = outside(base, Path(path).as_posix())
     if problem:
         raise ProvenanceError(f"cannot record {problem}")
     full = Path(base) / path
     return {"path": Path(path).as_posix(), "sha256": sha256_file(full), "bytes": full.stat().st_size}
+
+
+def root_dir(report_dir, root):
+    """The directory `root` ('..' steps, from a record) names from `report_dir`, the steps taken on the path as
+    given (os.path.normpath), not through the symbolic links it holds: `results/report/../..` is the checkout
+    even where `results` links to another disk."""
+    return Path(os.path.normpath(os.path.join(os.path.abspath(report_dir), root)))
+
+
+def _ups(path):
+    """`path` when it is only '..' parts (or '.'), else None."""
+    return path if all(part == ".." for part in PurePosixPath(Path(path).as_posix()).parts) else None
+
+
+def recorded_root(report_dir, root):
+    """The root as a record holds it: the '..' steps from the report directory up to `root`, as root_dir takes
+    them back. The report directory lies under the root on the path it is given (a symbolic link on that path or
+    not), or beside where paths.REPORT_DIR resolves to (the report job renders beside the directory a link at
+    REPORT_DIR points to, then swaps it in): then it is REPORT_DIR's depth. Raises ProvenanceError for a report
+    directory that lies nowhere under the root: no record could lead verify back to it."""
+    report_dir, root = Path(report_dir), Path(root)
+    lexical = os.path.relpath(os.path.abspath(root), os.path.abspath(report_dir))
+    if _ups(lexical):
+        return Path(lexical).as_posix()
+    if report_dir.resolve().parent == (root / paths.REPORT_DIR).resolve().parent:
+        return "/".join([".."] * len(PurePosixPath(paths.REPORT_DIR).parts))
+    physical = os.path.relpath(root.resolve(), report_dir.resolve())
+    if _ups(physical):
+        return Path(physical).as_posix()
+    raise ProvenanceError(f"cannot record the root {os.path.abspath(root)}: the report directory "
+                          f"{os.path.abspath(report_dir)} does not lie under it (write the report under the "
+                          f"root, e.g. {paths.REPORT_DIR}, a symbolic link there being fine)")
 
 
 def _git(root, *args):
@@ -189,7 +246,7 @@ def write(report_dir, inputs, artifacts, root=".", commit=None, candidates=()):
     record = {
         "format": FORMAT,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "root": os.path.relpath(Path(root).resolve(), report_dir.resolve()),
+        "root": recorded_root(report_dir, root),
         "commit": commit,
         "dirty": None if dirty is None else bool(dirty),
         "dirty_inputs": dirty or [],
@@ -232,7 +289,7 @@ def _record_problems(report_dir, record):
     dirty = record.get("dirty_inputs")
     if dirty is not None and not (isinstance(dirty, list) and all(isinstance(p, str) for p in dirty)):
         problems.append(f"dirty_inputs {dirty!r:.60}: a list of paths expected")
-    for kind, base in (("artifact", report_dir), ("input", report_dir / root)):
+    for kind, base in (("artifact", report_dir), ("input", root_dir(report_dir, root))):
         entries = record[f"{kind}s"]
         if not isinstance(entries, list):
             problems.append(f"{kind}s: a list of entries expected, got {type(entries).__name__}")
@@ -360,7 +417,7 @@ def verify(report_dir, artifacts_only=False, out=print):
         out(f"verify: FAILED: {manifest}: {len(unusable)} {noun} in the record; no file was read")
         return 1
     fmt = record["format"]
-    root = report_dir / record["root"]
+    root = root_dir(report_dir, record["root"])
 
     problems = _check_files("artifact", report_dir, record["artifacts"])
     n_art = len(record["artifacts"])

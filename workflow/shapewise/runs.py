@@ -9,18 +9,28 @@ they held them, whether the jobs forked from the run's job server, and its wall 
 the report job's own start when the report is that run's last job, else to the run's last result. Results of
 several runs (a partial rerun) are listed run by run; a run whose marker is not here (results made in another
 checkout or on another machine) is reported from its results alone.
+
+One run at a time in a checkout: a run that begins while another one's main process still lives on this host (its
+marker's run, jobserver.run_alive: same pid and start time) is refused before its first job (RunConflict), since
+the two runs' jobs would time beside each other on the same cores and GPUs. Snakemake's own lock refuses this too,
+until `snakemake --unlock` removes it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 
 from shapewise import gpuslots, jobserver, paths
 
 MARKERS = paths.ROOT / ".snakemake" / "shapewise-runs"
+
+
+class RunConflict(RuntimeError):
+    """Another run of this checkout is going on (see the module docstring); the message names it."""
 
 
 def begin(pool, argv, environ=None, directory=None):
@@ -35,7 +45,38 @@ def begin(pool, argv, environ=None, directory=None):
     env[gpuslots.RUN_SLURM_VAR] = env.get("SLURM_JOB_ID", "")
     env[jobserver.RUN_VAR] = jobserver.run_id()
     triton_cache = env.setdefault("TRITON_CACHE_DIR", str(paths.TRITON_CACHE))
-    return write_marker(env[jobserver.RUN_VAR], pool, triton_cache, argv, directory)
+    marker = write_marker(env[jobserver.RUN_VAR], pool, triton_cache, argv, directory)
+    others = live_runs(directory, but=marker["run"])  # after writing its own: of two beginning at once, both see
+    if others:
+        marker_path(marker["run"], directory).unlink(missing_ok=True)
+        raise RunConflict(conflict_message(others))
+    return marker
+
+
+def live_runs(directory=None, but=None):
+    """The markers of runs other than `but` whose main process lives on this host, oldest first."""
+    found = []
+    for path in sorted(Path(directory or MARKERS).glob("*.json")):
+        try:
+            marker = json.loads(path.read_text())
+            alive = marker["run"] != but and jobserver.run_alive(marker["run"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # a marker being written or damaged: no live run to name
+        if alive:
+            found.append(marker)
+    return sorted(found, key=lambda m: str(m.get("started")))
+
+
+def conflict_message(others):
+    """Why a run is refused beside `others` (live runs' markers), and what to do."""
+    lines = [("another pipeline run is going on in this checkout: its jobs and this run's would run beside each "
+              "other and time each other's load (Snakemake's lock, removed with --unlock, keeps one run at a time):")]
+    for m in others:
+        pid = str(m["run"]).rsplit(":", 2)[1]
+        command = " ".join(map(str, m.get("command") or []))
+        lines.append(f"  run {m['run']} (pid {pid}), started {m.get('started')}: {command}")
+    lines.append("nothing was run: wait for that run to end (or stop it: kill PID), then run again")
+    return "\n".join(lines)
 
 
 def marker_path(run, directory=None):
@@ -131,3 +172,79 @@ def summarize(results, report_run=None, report_started=None, directory=None):
             last_finished=entry["last_finished"].isoformat(timespec="seconds") if entry["last_finished"] else None)
         out.append(entry)
     return sorted(out, key=lambda e: e["started"] or "")
+
+
+# ---- what the run's end says (the workflow's onsuccess and onerror handlers) ------------------------------------
+
+_STARTED = re.compile(r"^(?:local)?rule (?P<rule>[\w-]+):$")
+_FAILED = re.compile(r"^Error in rule (?P<rule>[\w-]+):$")
+_FINISHED = re.compile(r"^Finished jobid: (?P<jobid>\d+)\b")
+_FIELD = re.compile(r"^    (?P<key>log|jobid): (?P<value>.*?)(?: \(check log file\(s\) for error details\))?$")
+
+
+def stopped_jobs(snakemake_log):
+    """The jobs of a run that failed or did not finish, from the text of Snakemake's own log of the run: [{"rule",
+    "jobid", "logs" [paths], "state" ("failed" or "did not finish")}] in the order they started."""
+    jobs, order, block = {}, [], None
+    for line in snakemake_log.splitlines():
+        started, failed = _STARTED.match(line), _FAILED.match(line)
+        if started or failed:
+            block = {"rule": (started or failed)["rule"], "failed": bool(failed), "logs": [], "job": None}
+            continue
+        if (finished := _FINISHED.match(line)) and finished["jobid"] in jobs:
+            jobs[finished["jobid"]]["state"] = None
+            continue
+        field = _FIELD.match(line) if block is not None else None
+        if field is None:
+            if not line.startswith("    "):
+                block = None
+            continue
+        if field["key"] == "log":
+            block["logs"] = [p.strip() for p in field["value"].split(",") if p.strip()]
+        else:
+            jobid = field["value"].strip()
+            if jobid not in jobs:
+                jobs[jobid] = {"rule": block["rule"], "jobid": jobid, "logs": [], "state": "did not finish"}
+                order.append(jobid)
+            block["job"] = jobs[jobid]
+            if block["failed"]:
+                block["job"]["state"] = "failed"
+        if block["job"] is not None and block["logs"]:
+            block["job"]["logs"] = block["logs"]
+    return [jobs[j] for j in order if jobs[j]["state"]]
+
+
+def error_message(snakemake_logs):
+    """What the end of a run that stopped says: each job that failed or did not finish with its log under
+    results/logs/, and where the run goes on from. `snakemake_logs`: Snakemake's log file of the run, or a list of
+    them (what Snakemake hands its onerror handler)."""
+    logs = [snakemake_logs] if isinstance(snakemake_logs, (str, os.PathLike)) else list(snakemake_logs or [])
+    text = ""
+    for path in logs:
+        try:
+            text += Path(path).read_text(encoding="utf-8", errors="replace")
+        except (OSError, TypeError):
+            pass
+    stopped = stopped_jobs(text)
+    lines = [("shapewise: the run did not complete; the results written so far are kept, and "
+              "`snakemake --cores all` goes on from them.")]
+    if stopped:
+        lines.append("Jobs that failed or did not finish (the end of each log says why):")
+        width = max(len(f"{j['rule']} ({j['state']})") for j in stopped)
+        lines += [f"  {(j['rule'] + ' (' + j['state'] + ')'):<{width}}  {', '.join(j['logs']) or '(no log)'}"
+                  for j in stopped]
+    else:
+        lines.append(f"Each job's log is under {paths.RESULTS}/logs/; Snakemake's own: {', '.join(map(str, logs))}")
+    return "\n".join(lines)
+
+
+def success_message(run=None, directory=None):
+    """What the end of a run that finished says: where its report is, when the run (default: this process's,
+    jobserver.RUN_VAR) wrote it; None when it did not."""
+    html = Path(paths.REPORT_DIR) / paths.REPORT_FILES["html"]
+    marker = read_marker(run or os.environ.get(jobserver.RUN_VAR, ""), directory)
+    started = _time(marker.get("started")) if marker else None
+    if started is None or not html.is_file() or html.stat().st_mtime < started.timestamp():
+        return None
+    return (f"shapewise: the report is {html} (report.md and summary.csv beside it); "
+            f"`shapewise verify {paths.REPORT_DIR}` checks it against its provenance.json")
