@@ -34,12 +34,12 @@ class Comparison:
         return describe_comparison(self.as_dict())
 
 
-def describe_comparison(fields) -> str:
+def describe_comparison(fields, tolerance: str = "the tolerance") -> str:
     """One sentence on a comparison: a Comparison's as_dict(), or a sum of several with the same keys. Non-finite
     elements are named apart from the error, which covers the finite pairs only."""
     failed, total = fields["failed_elements"], fields["total_elements"]
     nonfinite = fields.get("nonfinite_elements") or 0
-    text = f"{failed} of {total} elements outside the tolerance"
+    text = f"{failed} of {total} elements outside {tolerance}"
     if not nonfinite:
         return f"{text} (max abs error {fields['max_abs_error']:.3g})"
     text += f", {nonfinite} of them non-finite (NaN or inf in the reference or the optimized output)"

@@ -611,3 +611,18 @@ def test_stable_rounds_run_with_the_collector_off_and_the_jobs_objects_frozen(gc
     timing.run_rounds({"optimized": call}, torch.device("cpu"), "stable", stable)
     assert seen and set(seen) == ({(False, True)} if gc_off else {(True, False)})
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_the_accuracy_aggregate_counts_non_finite_elements_and_its_sentence_names_them():
+    """An output of NaN: the trials' sum keeps the non-finite count, so a failure reads 'non-finite', never 'max abs
+    error 0' alone."""
+    from shapewise.jobs.accuracy import aggregate
+    from shapewise.model import compare_outputs, describe_comparison
+
+    ref = torch.zeros(6)
+    trials = [{"comparisons": {"official": compare_outputs(ref, out, rtol=0.02, atol=0.002).as_dict()}}
+              for out in (torch.full((6,), float("nan")), torch.zeros(6))]
+    official = aggregate(trials)["official"]
+    assert official["nonfinite_elements"] == 6 and official["failed_elements"] == 6 and not official["passed"]
+    sentence = describe_comparison(official, "the official tolerance")
+    assert sentence.startswith("6 of 12 elements outside the official tolerance, 6 of them non-finite"), sentence

@@ -31,6 +31,7 @@ def aggregate(trials):
             "total_elements": sum(r["total_elements"] for r in runs),
             "max_abs_error": max(r["max_abs_error"] for r in runs),
             "max_rel_error": max(r["max_rel_error"] for r in runs),
+            "nonfinite_elements": sum(r.get("nonfinite_elements", 0) for r in runs),
         }
     return out
 

@@ -26,6 +26,7 @@ from shapewise.jobs.device import setup
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, input_generator, make_case
 from shapewise.jobs.io import log
 from shapewise.jobs.models import call_of, model_config, place_reference, seeded_reference, set_precision
+from shapewise.model import describe_comparison
 
 SECOND_CALL = "forward (second call on trial 0)"
 
@@ -73,8 +74,7 @@ def judge(args, device, row, result, start):
     result["status"] = "pass" if official["passed"] else "fail"
     if not official["passed"]:
         result["failure"] = CandidateFailed(
-            "accuracy", "compare", f"{official['failed_elements']} of {official['total_elements']} elements "
-            f"outside the official tolerance (max abs error {official['max_abs_error']:.3g})").record()
+            "accuracy", "compare", describe_comparison(official, "the official tolerance")).record()
     log(f"{row['id']} {args.candidate}: {result['status']}")
 
 
