@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from shapewise import cli, gpuslots, jobserver, paths
+from shapewise import gpuslots, jobprocess, jobserver, paths
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / "workflow"
@@ -219,7 +219,7 @@ def test_a_job_whose_device_is_not_the_servers_runs_fresh(tmp_path, monkeypatch)
     argv = ["job", "preflight", "--device", "cpu", "--row", json.dumps(ROW), "--headroom", "0.85",
             "--out", str(tmp_path / "p.json")]
     with pytest.raises(jobserver.RunFresh, match="runs on cpu, the job server serves cuda"):
-        cli.main(argv, server_mode="cuda")
+        jobprocess.run_forked(argv, "cuda")
     assert not (tmp_path / "p.json").exists()
 
 

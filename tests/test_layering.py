@@ -1,6 +1,7 @@
 """The layers of model/ and kernels/ that the import contracts (pyproject.toml, on the built wheel) cannot see:
 `routing.route_module` imports the route modules by name, so none may reach routing back; the hooks each route
-module defines are route.RouteModule's and route.OptionalHooks'; an import inside a function says why it waits."""
+module defines are route.RouteModule's and route.OptionalHooks'; an import inside a function, in model/, kernels/
+or the pipeline (workflow/shapewise/), says why it waits."""
 
 import ast
 import inspect
@@ -81,10 +82,22 @@ def _deferred_imports(path: Path):
                     yield inner.lineno, any("# deferred:" in line for line in span)
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "model").glob("*.py")) + sorted((ROOT / "kernels").glob("*.py")),
-                         ids=lambda p: f"{p.parent.name}/{p.name}")
+PIPELINE = ROOT / "workflow" / "shapewise"
+SOURCES = [*sorted((ROOT / "model").glob("*.py")), *sorted((ROOT / "kernels").glob("*.py")),
+           *sorted(PIPELINE.rglob("*.py"))]
+
+
+def test_the_sources_are_found():
+    """The pipeline's modules and its subpackages' are among the files checked below."""
+    wanted = {PIPELINE / "cli.py", PIPELINE / "jobserver.py", PIPELINE / "jobs" / "candidate" / "__init__.py"}
+    assert wanted <= set(SOURCES)
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_an_import_inside_a_function_says_why_it_waits(path):
-    """An import inside a function only defers a heavy one (triton, torch where the module imports none), and its
-    comment says so: `# deferred: <reason>`."""
+    """An import inside a function only defers a heavy one (triton, torch, matplotlib, pandas where the module
+    imports none of them) or one that reads files when imported, and its comment says so: `# deferred: <reason>`.
+    Every other import is at the module's top, where the import contracts (pyproject.toml) see it, so a cycle
+    among modules cannot hide in a function."""
     bare = [line for line, why in _deferred_imports(path) if not why]
     assert not bare, f"{path.relative_to(ROOT)}: imports inside functions without a '# deferred:' reason at {bare}"

@@ -35,7 +35,9 @@ from pathlib import Path
 
 import yaml
 
+import shapewise.model as model_package
 from shapewise import paths
+from shapewise.inventory import digest_of, sha256_file
 
 CLASS_NAME = "UserOptimizedTransformer"
 # Names the report and summary.csv give the two models every run measures; no candidate may take them.
@@ -139,8 +141,6 @@ def location(path, root=".") -> Path:
 def files(path, root=".") -> dict:
     """{relative path: SHA-256} of every file of the candidate: the file itself (by its name), or every file under
     the package directory (bytecode caches left out: importing the package writes them)."""
-    from shapewise.inventory import sha256_file
-
     full = location(path, root)
     if full.is_file():
         return {full.name: sha256_file(full)}
@@ -155,8 +155,6 @@ def files(path, root=".") -> dict:
 def digest(path, root=".") -> str:
     """The candidate's SHA-256: of the file's bytes, or over the package's {relative path: SHA-256} (canonical
     JSON), so an edit of any of its files changes it."""
-    from shapewise.inventory import digest_of
-
     found = files(path, root)
     if location(path, root).is_file():
         return next(iter(found.values()))
@@ -168,8 +166,6 @@ def reference_files(root=".") -> list[Path]:
     REFERENCE_NAMES (as shapewise.model's table of owners names them) and every module of model/ they import when
     they load. An import inside a function is left out: memory.py imports the routing only to estimate the
     optimized model, which no candidate job asks for."""
-    import shapewise.model as model_package
-
     owners = getattr(model_package, "_OWNERS")
     missing = [name for name in REFERENCE_NAMES if name not in owners]
     if missing:

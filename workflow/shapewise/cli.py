@@ -12,32 +12,15 @@
 from __future__ import annotations
 
 import argparse
-import os
+import re
 import sys
 
-
-def _job_parser(sub):
-    """`shapewise job STEP`: one sub-command per step of shapewise.steps, with the options every job takes and the
-    step's own (each required)."""
-    from shapewise import steps
-    from shapewise.settings import devices
-
-    job = sub.add_parser("job", help="run one pipeline job (Snakemake calls this)")
-    parsers = job.add_subparsers(dest="step", required=True)
-    for name, step in steps.STEPS.items():
-        p = parsers.add_parser(name)
-        p.add_argument("--device", choices=devices(), required=True)
-        p.add_argument("--threads", type=steps.JOB_WIDE["threads"].type, default=None)
-        p.add_argument("--out", required=True)
-        p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                       help="a SHAPEWISE_* variable the job keeps (config pass_env); every other one is removed")
-        p.add_argument("--impl-digest", default=None,
-                       help="digest of the implementation (model/, kernels/; a candidate's job: the candidate's), "
-                            "recorded in the result's identity")
-        p.add_argument("--env-digest", default=None,
-                       help="digest of the environment, recorded in the result's identity")
-        for option, spec in step.own_options().items():
-            p.add_argument(f"--{option}", type=spec.type, required=True)
+from shapewise import gpuslots, jobserver, paths
+from shapewise.compare import DEFAULT_FLOORS
+from shapewise.compare import main as compare_main
+from shapewise.jobprocess import add_job_parser, job_environment_variables, run_job_here
+from shapewise.manifest import ManifestError, load_manifests, load_schema
+from shapewise.provenance import verify
 
 
 def build_parser():
@@ -48,8 +31,6 @@ def build_parser():
     verify.add_argument("dir")
     verify.add_argument("--artifacts-only", action="store_true",
                         help="skip the inputs (sources, manifests, config): check only the report's own files")
-    from shapewise.compare import DEFAULT_FLOORS
-
     compare = sub.add_parser("compare", help="compare two report directories; exit 1 when the optimized model "
                                              "of a row is slower beyond noise, 2 on unreadable input")
     compare.add_argument("old")
@@ -79,28 +60,21 @@ def build_parser():
                                                    "times and never two on one GPU")
     gpus_check.add_argument("results", nargs="?", default="results")
     gpus_check.add_argument("--min-gpus", type=int, default=2)
-    _job_parser(sub)
+    add_job_parser(sub)
     return parser
 
 
-def main(argv=None, server_mode=None):
-    """`server_mode`: set in a job forked from the run's job server (shapewise.jobserver), the device it serves."""
+def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     if args.command == "verify":
-        from shapewise.provenance import verify
-
         return verify(args.dir, artifacts_only=args.artifacts_only)
     if args.command == "compare":
-        from shapewise.compare import main as compare_main
-
         floors = {m: f for m, f in (("optimized", args.optimized_floor), ("reference", args.reference_floor))
                   if f is not None}
         return compare_main(args.old, args.new, floors, err=lambda line: print(line, file=sys.stderr),
                             same_gpu=args.same_gpu)
     if args.command == "validate":
-        from shapewise.manifest import ManifestError, load_manifests
-
         try:
             rows = load_manifests(args.files)
         except ManifestError as exc:
@@ -113,15 +87,10 @@ def main(argv=None, server_mode=None):
         print(f"{len(rows)} rows valid")
         return 0
     if args.command == "tune":
-        from shapewise.tune import main as tune_main
+        from shapewise.tune import main as tune_main  # deferred: tune reads shapes/official.yaml when imported
 
         return tune_main(args.sweep, args.policy)
     if args.command == "targets":
-        import re
-
-        from shapewise import paths
-        from shapewise.manifest import load_schema
-
         pattern = load_schema()["items"]["properties"]["id"]["pattern"]
         bad = [i for i in args.ids if not re.fullmatch(pattern, i)]
         if bad:
@@ -130,113 +99,21 @@ def main(argv=None, server_mode=None):
         print(" ".join(path for i in args.ids for path in paths.per_shape(i).values()))
         return 0
     if args.command == "gpus":
-        from shapewise import gpuslots
-
         if args.gpus_command == "list":
             return gpuslots.list_main(args.gpus)
         return gpuslots.check_main(args.results, args.min_gpus)
-    if server_mode is not None:
-        return run_job_here(args, argv, server_mode)
     return run_job(args, argv)
-
-
-PIPELINE_PREFIX = "SHAPEWISE_PIPELINE_"  # the pipeline's own variables (GPU slot pool), never removed
-
-
-def job_environment_variables(passed):
-    """Remove every SHAPEWISE_* variable of the user's shell from this process, except the pipeline's own
-    (SHAPEWISE_PIPELINE_*), then set those passed explicitly as NAME=VALUE (config pass_env). Runs before
-    anything imports the model, which reads SHAPEWISE_ROUTE and SHAPEWISE_DISABLE."""
-    kept = {}
-    for item in passed:
-        name, sep, value = item.partition("=")
-        if not sep or not name.startswith("SHAPEWISE_") or name.startswith(PIPELINE_PREFIX):
-            raise SystemExit(f"--env {item!r}: expected NAME=VALUE with NAME a SHAPEWISE_* variable "
-                             f"(not {PIPELINE_PREFIX}*)")
-        kept[name] = value
-    for name in [n for n in os.environ if n.startswith("SHAPEWISE_") and not n.startswith(PIPELINE_PREFIX)]:
-        del os.environ[name]
-    os.environ.update(kept)
 
 
 def run_job(args, argv):
     """A pipeline job: as a fork of the run's job server where there is one (shapewise.jobserver: it has imported
     torch and the job code already), else in this process; either way its log capped (jobserver.capped_output)."""
     job_environment_variables(getattr(args, "env", []))
-    from shapewise import jobserver
-
     with jobserver.capped_output():
         rc = jobserver.run(args, argv)
         if rc is not None:
             return rc
         return run_job_here(args, argv)
-
-
-def run_job_here(args, argv, server_mode=None):
-    """Run the job in this process (fresh, or forked from the job server that serves `server_mode`)."""
-    job_environment_variables(getattr(args, "env", []))
-    # A GPU job takes one GPU of the run's pool for its whole run (shapewise.gpuslots), before anything
-    # imports torch: CUDA_VISIBLE_DEVICES must be set before CUDA initializes. `auto` is resolved after
-    # that. The GPU jobs are those measure.smk gives a GPU (all device jobs but the implementation
-    # fingerprint); a job that times holds it alone, the others may share it (gpuslots.GPU_USE). Triton reads
-    # TRITON_INTERPRET when it is imported: set it before any job module (the model, the kernels) is imported;
-    # torch itself does not import triton.
-    from shapewise import gpushare, gpuslots
-
-    mode = None
-    if getattr(args, "device", None) is not None:
-        from shapewise import cpus
-
-        def pin():
-            # holding a slot of the local lock pool: the CPU cores of that slot (shapewise.cpus), before torch is
-            # imported (also by `auto`): its threads and the compile subprocesses (ptxas) stay on these cores
-            try:
-                cpus.pin_job()
-            except cpus.CpuSlotError as exc:
-                raise SystemExit(f"{args.step} job: cannot pin its GPU slot's CPU cores: {exc}") from None
-
-        needs_gpu = not (args.step == "fingerprint" and args.kind == "implementation")
-        try:
-            mode = gpuslots.job_mode(args.step)
-        except gpuslots.GpuError as exc:
-            raise SystemExit(f"{args.step} job: {exc}") from None
-        why = None
-        if mode == gpuslots.SHARED and args.device != "cpu" and os.environ.get(gpuslots.POOL_VAR):
-            # nothing would keep it from choosing kernels by timing beside other jobs, or its row's memory would
-            # leave too little for them
-            why = gpushare.unavailable() or gpuslots.memory_alone(getattr(args, "preflight", None))
-            if why:
-                print(f"job process: holds its GPU alone: {why}", file=sys.stderr, flush=True)
-                mode = gpuslots.EXCLUSIVE
-        args.device = gpuslots.enter_job(args.device, needs_gpu=needs_gpu, label=f"{args.step} {args.out}",
-                                         on_slot=pin, mode=mode, why=why)
-    if server_mode is not None and args.device != server_mode:
-        from shapewise.jobserver import RunFresh
-
-        slot = gpuslots.held()
-        if slot is not None:
-            slot.release()
-        raise RunFresh(f"the job runs on {args.device}, the job server serves {server_mode}")
-    if getattr(args, "device", None) == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    import importlib
-
-    if args.device == "cuda" and gpuslots.held() is not None:
-        gpushare.install(warm=args.step == "warmup",
-                         alone_until_chosen=os.environ.get(gpuslots.USE_VAR) == gpuslots.EXCLUSIVE)
-    from shapewise import steps
-
-    module = importlib.import_module(steps.STEPS[args.step].module)
-    try:
-        return module.main(args)
-    except gpushare.NeedsExclusiveGPU as exc:
-        if server_mode is not None:
-            raise  # the client asks the job server for a fork that holds the GPU alone
-        # a fresh process: start again as a new one (this one's CUDA state is taken), holding the GPU alone
-        print(f"job process: runs again holding its GPU alone: {exc}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os.environ[gpuslots.USE_VAR] = gpuslots.EXCLUSIVE
-        os.execv(sys.executable, [sys.executable, "-m", "shapewise", *argv])
 
 
 if __name__ == "__main__":

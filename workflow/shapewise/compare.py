@@ -38,6 +38,7 @@ import math
 import re
 from pathlib import Path
 
+from shapewise import paths
 from shapewise.candidates import SHAPEWISE
 from shapewise.inventory import SOFTWARE_SEPARATOR
 
@@ -65,8 +66,6 @@ class CompareError(Exception):
 
 
 def _timing_json(report_dir, row_id):
-    from shapewise import paths
-
     return Path(report_dir) / paths.in_report(paths.result("timing", row_id))
 
 
@@ -128,7 +127,7 @@ def rows_from_timing_results(results_dir) -> list[dict]:
     """Rows of a results directory without a report: one per <results_dir>/timing/*.json (shapewise's) and
     <results_dir>/candidates/<name>/timing/*.json (a candidate's), with the columns compare reads (what the
     report's summary.csv would carry for them)."""
-    from shapewise.report_data import route_label  # pandas, which report_data imports, only for this reader
+    from shapewise.report_data import route_label  # deferred: pandas, which report_data imports, for this reader only
 
     rows = []
     timing_dirs = [(SHAPEWISE, Path(results_dir) / "timing")] + [

@@ -19,9 +19,13 @@ internals, which `unavailable` checks at each job's start (docs/decisions.md, pr
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 from datetime import datetime
+
+from shapewise import gpuslots
+from shapewise.gpuslots import EXCLUSIVE
 
 _STATE = threading.local()
 _INSTALLED = {}
@@ -65,8 +69,6 @@ class _Compiled(BaseException):
 def decide(tuner, tuning_key, configs, bench_fn, original, slot, warm, alone_until_chosen):
     """The wrapped check_disk_cache: `original(tuner, tuning_key, configs, bench_fn)` where the choice may be timed
     here, else the candidates compiled and (warm) the first kept in memory or (not warm) NeedsExclusiveGPU."""
-    from shapewise.gpuslots import EXCLUSIVE
-
     name = getattr(getattr(tuner, "base_fn", None), "__name__", "kernel")
     if slot is None or len(configs) <= 1 or slot.mode == EXCLUSIVE:
         _STATE.timing_allowed = True
@@ -98,8 +100,6 @@ def decide(tuner, tuning_key, configs, bench_fn, original, slot, warm, alone_unt
 def bench(tuner, args, config, meta, original, slot, warm):
     """The wrapped _bench: as Triton's, except where a shared job would time a candidate outside decide() (an
     autotuner that keeps no choice on disk): there it is compiled, and (not warm) the job runs again alone."""
-    from shapewise.gpuslots import EXCLUSIVE
-
     if (getattr(_STATE, "compiling", False) or getattr(_STATE, "timing_allowed", False) or slot is None
             or slot.mode == EXCLUSIVE):
         return original(tuner, *args, config=config, **meta)
@@ -127,10 +127,8 @@ WRAPPED = {"check_disk_cache": ["self", "tuning_key", "configs", "bench_fn"],
 def unavailable():
     """Why this process's Triton cannot be kept from choosing kernels by timing (then a job that would share its
     GPU holds it alone), or None. No Triton: nothing to keep."""
-    import inspect
-
     try:
-        from triton.runtime.autotuner import Autotuner
+        from triton.runtime.autotuner import Autotuner  # deferred: triton, for a job that runs kernels only
     except ImportError:
         return None
     for name, params in WRAPPED.items():
@@ -143,12 +141,10 @@ def unavailable():
 
 def install(warm=False, alone_until_chosen=False):
     """Wrap Triton's autotuner in this process (once): the lock this process holds decides what it may do."""
-    from shapewise import gpuslots
-
     if _INSTALLED:
         return
     try:
-        from triton.runtime.autotuner import Autotuner
+        from triton.runtime.autotuner import Autotuner  # deferred: triton, for a job that runs kernels only
     except ImportError:
         return  # no Triton: nothing chooses kernels by timing
     original_decide, original_bench = Autotuner.check_disk_cache, Autotuner._bench

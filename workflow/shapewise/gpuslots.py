@@ -515,7 +515,7 @@ def memory_alone(preflight_path):
 
 
 def _cuda_available():
-    import torch
+    import torch  # deferred: torch, once a job asks for a GPU (never in Snakemake's process)
 
     return torch.cuda.is_available()
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import hashlib
 
+from shapewise.manifest import row_json
+
 FIELDS = ("row_id", "row_digest", "implementation_digest", "environment_digest")
 
 
 def row_digest(row: dict) -> str:
     """SHA-256 of the row's canonical JSON (manifest.row_json: the fields that define its results)."""
-    from shapewise.manifest import row_json
-
     return hashlib.sha256(row_json(row).encode()).hexdigest()
 
 

@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from shapewise import jobprocess
+
 # Files whose content defines "the implementation": every source or data file
 # of the model and its kernels (the routing policy data file included, if any).
 IMPLEMENTATION_DIRS = ("model", "kernels")
@@ -152,7 +154,7 @@ def software_environment():
 
 def job_environment(device: str):
     """Everything a result needs to say where it came from; imports torch."""
-    import torch
+    import torch  # deferred: torch, for a job's result only (the report and compare read the rest)
 
     env = cheap_environment()
     env["host"] = socket.gethostname()
@@ -163,9 +165,7 @@ def job_environment(device: str):
     # Inside a pipeline job these are only the pipeline's own (SHAPEWISE_PIPELINE_*) and those config
     # pass_env passed on: shapewise.cli removes every other SHAPEWISE_* variable of the user's shell.
     env["shapewise_variables"] = shapewise_variables()
-    from shapewise import jobserver
-
-    env["job_process"] = jobserver.process_record()  # a fork of the run's job server, or a fresh process and why
+    env["job_process"] = jobprocess.process_record()  # a fork of the run's job server, or a fresh process and why
     env["triton_cache_dir"] = os.environ.get("TRITON_CACHE_DIR")
     if device == "cuda":
         index = torch.cuda.current_device()

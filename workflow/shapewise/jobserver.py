@@ -10,8 +10,8 @@ output and log, and nothing of one job reaches another:
   kernel, and starts no thread;
 - each job gets a fork of that same state, with the job's own stdin, stdout and stderr (passed over the socket),
   working directory, umask, environment, CPU affinity and torch thread count (what a fresh process takes from
-  that environment), then runs shapewise.cli exactly as a fresh process would: the GPU slot, the CPU pinning,
-  `auto` resolved, the step;
+  that environment), then runs it as a fresh process would (shapewise.jobprocess): the GPU slot, the CPU
+  pinning, `auto` resolved, the step;
 - a job that crashes or is killed takes only its own process; the client (the process Snakemake started) waits
   for it to be gone, so its GPU memory and locks are released, before it returns the job's exit status;
 - the client forwards SIGINT, SIGTERM and SIGHUP to the job, and a job whose client is gone kills itself;
@@ -26,8 +26,9 @@ the main Snakemake process: its host, pid and start time) on that run's host. A 
 or one whose run set SHAPEWISE_PIPELINE_JOB_SERVER=off starts fresh. The first job that finds no server starts
 one (under a lock, so there is one per run and server key) and waits until it is ready; the server stops when the
 run's Snakemake process is gone. A server that cannot be started, or refuses (the checks of `preload`), is
-written down, and the run's jobs then start fresh, each saying why in its log and result (`process_record`).
-A job whose device turns out other than the server's (`auto` on a node whose torch sees no GPU) runs fresh.
+written down, and the run's jobs then start fresh, each saying why in its log and result
+(`jobprocess.process_record`). A job whose device turns out other than the server's (`auto` on a node whose torch
+sees no GPU) runs fresh.
 
 There is one server per run, mode (cuda, or cpu with Triton's interpreter, which Triton reads when imported) and
 environment (`server_key`: everything but the variables Snakemake sets per job).
@@ -36,22 +37,28 @@ environment (`server_key`: everything but the variables Snakemake sets per job).
 from __future__ import annotations
 
 import atexit
+import ctypes
 import fcntl
 import hashlib
+import importlib
 import json
 import os
+import pkgutil
 import select
 import signal
 import socket
 import stat
 import struct
+import subprocess
 import sys
 import threading
 import time
 import traceback
+from collections import deque
 from datetime import datetime
 
-from shapewise import paths, steps
+from shapewise import gpushare, gpuslots, inventory, jobprocess, paths, steps
+from shapewise.jobprocess import RunFresh
 
 RUN_VAR = "SHAPEWISE_PIPELINE_RUN"
 OFF_VAR = "SHAPEWISE_PIPELINE_JOB_SERVER"  # "off": the run's jobs start as fresh processes
@@ -74,7 +81,6 @@ MAX_MESSAGE = 1 << 20
 # Attempts of one job: each kernel choice a shared job meets runs it again (shapewise.gpushare); a job meets a few.
 MAX_ATTEMPTS = 12
 
-_RECORD = {"started_as": "fresh process", "reason": "not started by `shapewise job`"}
 # A job's log (capped_output): its first and last bytes. A job of shapewise writes kilobytes; a candidate may print
 # without bound, and the beginning (what it is) and the end (how it failed) are what a reader needs.
 LOG_HEAD_BYTES = 4 * 2**20
@@ -82,16 +88,10 @@ LOG_TAIL_BYTES = 4 * 2**20
 LOG_DRAIN_S = 10  # after the job: how long the keeper may still copy output its leftover processes write
 
 
-class RunFresh(Exception):
-    """The job cannot run in a fork of this server (its device is not the server's): run it as a fresh process."""
-
-
 # ---- the run: who started it, is it still there ----------------------------------------------------------
 
 def _start_ticks(pid):
-    from shapewise.gpuslots import _start_ticks as ticks
-
-    return ticks(pid)
+    return gpuslots._start_ticks(pid)
 
 
 def run_id():
@@ -115,10 +115,8 @@ def run_alive(run):
 def server_mode(device, environ=None):
     """The server a job of `device` forks from: "cpu" (Triton's interpreter) for --device cpu, or for auto in a
     run whose GPU pool is empty; "cuda" otherwise."""
-    from shapewise.gpuslots import POOL_VAR
-
     env = os.environ if environ is None else environ
-    if device == "cpu" or (device == "auto" and not env.get(POOL_VAR)):
+    if device == "cpu" or (device == "auto" and not env.get(gpuslots.POOL_VAR)):
         return "cpu"
     return "cuda"
 
@@ -156,8 +154,6 @@ def _state_paths(run, key):
 
 def why_not(args, environ=None):
     """Why this job starts fresh instead of as a fork of the run's server, or None when it forks."""
-    from shapewise.gpuslots import RUN_SLURM_VAR
-
     env = os.environ if environ is None else environ
     run = env.get(RUN_VAR)
     if not run:
@@ -165,7 +161,7 @@ def why_not(args, environ=None):
     if env.get(OFF_VAR) == "off":
         return f"{OFF_VAR}=off"
     slurm = env.get("SLURM_JOB_ID")
-    if slurm and slurm != env.get(RUN_SLURM_VAR, ""):
+    if slurm and slurm != env.get(gpuslots.RUN_SLURM_VAR, ""):
         return "placed by SLURM"
     try:
         host = _parse_run(run)[0]
@@ -224,8 +220,6 @@ def _start_server(run, mode, key, env):
             return sock, None
         if state["failed"].is_file():
             return None, state["failed"].read_text().strip()
-        import subprocess
-
         with open(state["log"], "ab") as log:
             proc = subprocess.Popen([sys.executable, "-m", "shapewise.jobserver", "serve", run, mode, key],
                                     env=server_environment(mode, env), stdin=subprocess.DEVNULL,
@@ -260,12 +254,10 @@ def _wait_gone(pid, ticks):
 
 def run(args, argv):
     """Run this job as a fork of the run's server: its exit status, or None when it is to run here, fresh (the
-    reason is recorded by process_record)."""
-    from shapewise.gpuslots import EXCLUSIVE, USE_VAR
-
+    reason is recorded by jobprocess.process_record)."""
     reason = why_not(args)
     if reason is not None:
-        _RECORD.update(started_as="fresh process", reason=reason)
+        jobprocess.record_process(started_as="fresh process", reason=reason)
         return None
     run_name, mode = os.environ[RUN_VAR], server_mode(args.device)
     env = dict(os.environ)
@@ -274,7 +266,7 @@ def run(args, argv):
     for _ in range(MAX_ATTEMPTS):  # a fork, again holding the GPU alone for each kernel choice to time, or fresh
         sock, why = _start_server(run_name, mode, key, env)
         if sock is None:
-            _RECORD.update(started_as="fresh process", reason=why)
+            jobprocess.record_process(started_as="fresh process", reason=why)
             _log(f"starting fresh: {why}")
             return None
         try:
@@ -284,7 +276,8 @@ def run(args, argv):
             _send(sock, request, _std_fds())
             hello = _recv(sock)
             if hello is None:
-                _RECORD.update(started_as="fresh process", reason="the job server closed the connection")
+                jobprocess.record_process(started_as="fresh process",
+                                          reason="the job server closed the connection")
                 _log("starting fresh: the job server closed the connection")
                 return None
             pid, ticks = hello["pid"], hello["start_ticks"]
@@ -303,9 +296,9 @@ def run(args, argv):
         if "rc" in final:
             return final["rc"]
         if "restart" in final:
-            env[USE_VAR] = EXCLUSIVE
+            env[gpuslots.USE_VAR] = gpuslots.EXCLUSIVE
             continue
-        _RECORD.update(started_as="fresh process", reason=final["fresh"])
+        jobprocess.record_process(started_as="fresh process", reason=final["fresh"])
         return None
     _log(f"asked to run again holding its GPU alone {MAX_ATTEMPTS} times; giving up")
     return 1
@@ -390,8 +383,6 @@ class _Finish(Exception):
 def _keep_log(read_end, log, head, tail):
     """Copy `read_end` into `log` (file descriptors): the first `head` bytes as they come, then only the last `tail`
     bytes, written at the end of the input (or on SIGUSR1) after one line counting the bytes left out between."""
-    from collections import deque
-
     def finish(_signum, _frame):
         raise _Finish
 
@@ -448,29 +439,12 @@ def _forward_signals(pid, forwarded):
     return {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
 
-def process_record():
-    """How this job's process started, for its result: a fork of the job server (with the server's pid and
-    start, and how long the fork took) or a fresh process (with the reason)."""
-    return dict(_RECORD)
-
-
-def adopt_process_record(record):
-    """In a child process a job started (shapewise.jobs.candidate): the job's record is its job process's, with
-    this child's pid beside it."""
-    if record is not None:
-        _RECORD.clear()
-        _RECORD.update(record, child={"pid": os.getpid(), "started_as": "child process of the job process"})
-
-
 # ---- the server --------------------------------------------------------------------------------------
 
 def preload(mode):
     """Import what the jobs need, and read the static environment once; return the reasons the state may not be
     forked (empty: it may)."""
-    import importlib
-    import pkgutil
-
-    import torch
+    import torch  # deferred: the server imports torch when it starts serving, a job's client never
 
     for step in steps.STEPS.values():
         importlib.import_module(step.module)
@@ -479,8 +453,6 @@ def preload(mode):
             importlib.import_module(f"{package}.{info.name}")
     for name in MODULES:
         importlib.import_module(name)
-    from shapewise import inventory
-
     inventory.cheap_environment()
     return fork_problems(torch.cuda.is_initialized(), mode)
 
@@ -521,8 +493,6 @@ def _initialized_driver_problem(library, device_count_status=None):
     """None while the loaded CUDA driver `library` is not initialized (cuDeviceGetCount, which initializes nothing,
     answers CUDA_ERROR_NOT_INITIALIZED), else why it is."""
     if device_count_status is None:
-        import ctypes
-
         count = ctypes.c_int()
         try:
             device_count_status = ctypes.CDLL(library).cuDeviceGetCount(ctypes.byref(count))
@@ -542,8 +512,6 @@ def _cuda_init_in_a_fork():
     if pid == 0:
         os.close(read)
         try:
-            import ctypes
-
             status = ctypes.CDLL("libcuda.so.1").cuInit(0)
             message = "" if status == 0 else f"cuInit returned {status} in a fork"
         except OSError as exc:
@@ -602,7 +570,7 @@ def serve(run, mode, key):
 
 
 def _child(conn, listener, server):
-    """A job: the fork of the server, made into the client's process, running shapewise.cli."""
+    """A job: the fork of the server, made into the client's process, running the job (jobprocess.run_forked)."""
     listener.close()
     for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_DFL)
@@ -623,16 +591,13 @@ def _child(conn, listener, server):
     _threads_of_a_fresh_process()
     _send(conn, {"pid": os.getpid(), "start_ticks": _start_ticks(os.getpid())})
     threading.Thread(target=_watch_client, args=(conn,), daemon=True).start()
-    _RECORD.clear()
-    _RECORD.update(started_as="fork of the job server", **{k: v for k, v in server.items() if k != "forked"},
+    jobprocess.record_process(started_as="fork of the job server", **{k: v for k, v in server.items() if k != "forked"},
                    fork_s=round(time.time() - request["asked"], 4))
     _log(f"pid {os.getpid()}, forked from the job server (pid {server['server_pid']}) in "
-         f"{_RECORD['fork_s'] * 1e3:.0f} ms")
-    from shapewise import cli, gpushare
-
+         f"{jobprocess.process_record()['fork_s'] * 1e3:.0f} ms")
     final = None
     try:
-        rc = cli.main(request["argv"], server_mode=request["mode"])
+        rc = jobprocess.run_forked(request["argv"], request["mode"])
     except SystemExit as exc:
         rc = _exit_status(exc.code)
     except RunFresh as exc:
@@ -656,7 +621,7 @@ def _child(conn, listener, server):
 def _threads_of_a_fresh_process():
     """torch's thread count as a fresh process would take it from the job's environment (OMP_NUM_THREADS, else
     MKL_NUM_THREADS; neither: torch's default, as in the server, whose environment has neither)."""
-    import torch
+    import torch  # deferred: a job's client imports this module and never torch
 
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         value = os.environ.get(name, "").strip()

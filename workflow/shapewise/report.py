@@ -3,7 +3,7 @@
     python -m shapewise.report --inputs INPUTS.json --outdir results/report
 
 INPUTS.json is written by the report rule (workflow/rules/report.smk): the rows of the run and their result files,
-as the DAG knows them (report_data.load checks each result's identity against its row). Results are grouped by
+as the DAG knows them (report.load checks each result's identity against its row). Results are grouped by
 the machine that produced them (GPU or CPU model plus a digest of the software, see
 shapewise.inventory.machine_key): each group gets its own table and geomean, and timings of different machines
 are never mixed into one number.
@@ -39,7 +39,10 @@ import markupsafe
 import pandas as pd
 
 from shapewise import candidates, paths, provenance, report_candidates, report_data, report_figures
+from shapewise.compare import CompareError, compare_rows, label, load_rows, nothing_in_common
+from shapewise.jobserver import RUN_VAR
 from shapewise.report_data import ReportInputError, copy_into
+from shapewise.stats import NOISY_HALF_WIDTH
 
 SOURCE_DIRS = ("model", "kernels", "workflow")
 SOURCE_SUFFIXES = (".py", ".smk", ".yaml", ".yml", ".json", ".j2", ".csv", ".toml")
@@ -198,16 +201,12 @@ def protocols(items):
 def speedup_outside(records, candidate_records):
     """The rows (shapewise's, then the candidates') whose speedup lies outside its own interval
     (report_data.outside): {"label", "speedup", "low", "high"} each, for the report's limitations."""
-    from shapewise.compare import label
-
     return [{"label": label(r), "speedup": r["speedup"], "low": r["speedup_ci_low"], "high": r["speedup_ci_high"]}
             for r in [*records, *candidate_records] if r.get("speedup_outside_interval") is True]
 
 
 def baseline_section(baseline, outdir):
     """compare_rows of the baseline report against this one (read back from the summary.csv just written)."""
-    from shapewise.compare import CompareError, compare_rows, load_rows, nothing_in_common
-
     try:
         old = load_rows(baseline)
     except CompareError as exc:
@@ -225,9 +224,7 @@ def baseline_section(baseline, outdir):
 
 def build(inputs, loaded, outdir):
     """Write the whole report into outdir (an empty directory)."""
-    from shapewise.model.tolerance import TOLERANCES
-    from shapewise.stats import NOISY_HALF_WIDTH
-
+    from shapewise.model.tolerance import TOLERANCES  # deferred: torch, which the model imports, for this function only
     outdir = Path(outdir)
     root = inputs.get("root", ".")
     artifacts = []
@@ -280,8 +277,6 @@ def build(inputs, loaded, outdir):
     timing_protocol, ablation_protocol, protocol_exceptions = protocols(items)
     manifests = inputs["manifests"]
     source_files = sorted(set(manifests + source_inputs(root)))
-    from shapewise.jobserver import RUN_VAR
-
     context = {
         "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "how_made": report_data.how_made(loaded, os.environ.get(RUN_VAR), STARTED),
@@ -361,12 +356,24 @@ def swap_in(staged, outdir):
         os.rename(aside, staged)
 
 
+def load(inputs):
+    """Read and check every result the inputs name: shapewise's (report_data.load) and the candidates'
+    (report_candidates.load_rows). Returns report_data.load's rows and fingerprints with "candidates" beside them;
+    raises ReportInputError naming every bad file."""
+    problems = []
+    loaded, digests = report_data.load(inputs, problems)
+    loaded["candidates"] = report_candidates.load_rows(inputs, loaded["rows"], digests, problems)
+    if problems:
+        raise ReportInputError(problems)
+    return loaded
+
+
 def render(inputs, outdir):
     """Check the inputs, render into a temporary directory beside `outdir`, then swap it in (swap_in).
     Raises ReportInputError (naming every bad file) before anything in `outdir` changes. A symbolic link at
     `outdir` stays: the directory it points to is the one replaced."""
     outdir = Path(outdir)
-    loaded = report_data.load(inputs)
+    loaded = load(inputs)
     if outdir.is_symlink():
         outdir = outdir.resolve()
     outdir.parent.mkdir(parents=True, exist_ok=True)

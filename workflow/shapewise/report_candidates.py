@@ -18,7 +18,8 @@ shows its time beside its failure, and it is never the fastest.
 from __future__ import annotations
 
 from shapewise import candidates, identity, paths
-from shapewise.report_data import check_identity, check_run_settings, copy_into, geomean, read_result, row_record
+from shapewise.report_data import (ReportInputError, check_identity, check_run_settings, copy_into, geomean,
+                                   read_result, row_record)
 
 SHAPEWISE = candidates.SHAPEWISE  # the `candidate` column's value for shapewise's own rows
 SOURCES = paths.REPORT_SOURCES  # where a report keeps each candidate's files: candidates/<name>/<file>
@@ -137,8 +138,6 @@ def summary(candidate_rows):
 def copy_sources(listed, outdir, root):
     """Copy each candidate's files into outdir/candidates/<name>/ and check their digest against the one its
     results were measured with. Returns (artifact paths, provenance entries {"name", "path", "sha256", "files"})."""
-    from shapewise.report_data import ReportInputError
-
     artifacts, entries, problems = [], [], []
     for c in listed:
         found = candidates.digest(c["path"], root)

@@ -25,8 +25,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from shapewise import identity, paths, provenance, roofline
+from shapewise import identity, paths, provenance, roofline, runs
+from shapewise.candidates import SHAPEWISE
 from shapewise.inventory import sha256_file
+from shapewise.jobprocess import PIPELINE_PREFIX
 
 # The columns of summary.csv, in this order: their one list (the report writes them, shapewise.compare reads them).
 SUMMARY_COLUMNS = [
@@ -98,8 +100,7 @@ def check_run_settings(path, data, inputs, regenerate, problems):
     env = data.get("environment")
     recorded = env.get("shapewise_variables") if isinstance(env, dict) else None
     if isinstance(recorded, dict):
-        from shapewise.cli import PIPELINE_PREFIX  # the pipeline's own variables: recorded, never passed
-
+        # the pipeline's own variables: recorded, never passed
         recorded = {k: v for k, v in recorded.items() if not k.startswith(PIPELINE_PREFIX)}
         passed = inputs.get("pass_env") or {}
         if recorded != passed:
@@ -132,10 +133,11 @@ def check_identity(path, data, expected, regenerate, problems):
         problems.append(f"{path}: does not belong to this run: {'; '.join(wrong)}; regenerate it with: {regenerate}")
 
 
-def load(inputs):
-    """Read and check every result the inputs name. Returns {"rows": [...], "fingerprints", "microbench", ...};
-    raises ReportInputError naming every bad file."""
-    problems = []
+def load(inputs, problems):
+    """Read and check shapewise's own results the inputs name, appending what is wrong with them to `problems`.
+    Returns ({"rows": [...], "environment_fingerprint", "implementation", "microbench"}, the digests every result
+    carries); raises ReportInputError at once when the fingerprints cannot be read. The candidates' results:
+    shapewise.report_candidates.load_rows (shapewise.report.load reads both)."""
     fp_paths = inputs["fingerprints"]
     env_fp = read_result(fp_paths["env"], regenerate_file(fp_paths["env"]), problems)
     impl_fp = read_result(fp_paths["impl"], regenerate_file(fp_paths["impl"]), problems)
@@ -165,13 +167,8 @@ def load(inputs):
             check_run_settings(path, data[step], inputs, regenerate, problems)
         rows.append({"id": row["id"], "row": row, "data": data, "paths": entry["results"],
                      "profile_csv": entry["profile_csv"], "profile_trace": entry["profile_trace"]})
-    from shapewise import report_candidates
-
-    listed = report_candidates.load_rows(inputs, rows, digests, problems)
-    if problems:
-        raise ReportInputError(problems)
-    return {"rows": rows, "environment_fingerprint": env_fp, "implementation": impl_fp, "microbench": microbench,
-            "candidates": listed}
+    return {"rows": rows, "environment_fingerprint": env_fp, "implementation": impl_fp,
+            "microbench": microbench}, digests
 
 
 # ------------------------------------------------------------------ one row
@@ -415,8 +412,6 @@ def core_pick_note(timings):
 
 def table(loaded):
     """pandas DataFrame, one row per result row, in the order of the inputs."""
-    from shapewise.candidates import SHAPEWISE
-
     records = [dict(row_record(item), candidate=SHAPEWISE) for item in loaded["rows"]]
     return pd.DataFrame.from_records(records, columns=list(records[0]) if records else SUMMARY_COLUMNS)
 
@@ -498,8 +493,6 @@ def how_made(loaded, report_run=None, report_started=None):
     time, GPUs, how the jobs held them, how their processes started and whether the Triton cache was empty at its
     start. The rows' warm-ups (not read by the report otherwise) and the candidates' jobs count as jobs of the run
     that made them."""
-    from shapewise import runs
-
     results = [loaded["environment_fingerprint"], loaded["microbench"]]  # the implementation's digest names no run
     for item in loaded["rows"]:
         results += [d for d in item["data"].values() if isinstance(d, dict)]

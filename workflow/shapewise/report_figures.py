@@ -15,10 +15,10 @@ HEATMAP_MAX_WIDTH = 1200 / FIGURE_DPI  # inches: report.html's page width at FIG
 
 
 def _plt():
-    import matplotlib
+    import matplotlib  # deferred: matplotlib, for the figures only
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: after matplotlib.use("Agg")
 
     return plt
 
@@ -123,7 +123,7 @@ def ablation(items, switches, path):
 def _by_candidate(frame, candidate_frame, column, multi):
     """(row labels, {candidate: [value or None per row]}) for grouped bars: the rows of `frame` (shapewise's, last
     first), each with shapewise's value and every candidate's on the same row and machine."""
-    import pandas as pd
+    import pandas as pd  # deferred: pandas, for the grouped bars only
 
     both = pd.concat([frame, candidate_frame], ignore_index=True)
     both["failed"] = (both["status"] == "fail").astype(float)

@@ -27,6 +27,7 @@ from collections import defaultdict
 
 from shapewise import limits
 from shapewise.manifest import official_rows
+from shapewise.model.policy import POLICY_PATH
 
 # (max_tokens, max_heads) of each launch entry, in order; None: no bound. 4096 tokens = 128 programs of 32 rows,
 # under one wave of the H200's 132 SMs.
@@ -122,8 +123,6 @@ def _load(path, what):
 
 
 def main(sweep_path, policy_path=None):
-    from shapewise.model.policy import POLICY_PATH
-
     sweep = _load(sweep_path, "sweep")
     check_sweep(sweep, sweep_path)
     policy_path = policy_path or POLICY_PATH

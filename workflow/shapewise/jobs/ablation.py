@@ -27,12 +27,11 @@ from shapewise.jobs.io import header, log, read_json, write_result
 from shapewise.jobs.models import (build_models, build_optimized, call_of, model_config, route_of, run_optimized,
                                    set_precision)
 from shapewise.jobs.preflight import fits
+from shapewise.model.optimized import OPTIMIZATIONS, switches_used
 
 
 def variants():
     """(name, switches off) of every variant, "all-on" first."""
-    from shapewise.model.optimized import OPTIMIZATIONS
-
     return [("all-on", ())] + [(s, (s,)) for s in OPTIMIZATIONS]
 
 
@@ -47,8 +46,6 @@ def skip_of(name, used, base_route, protocol):
 
 
 def main(args):
-    from shapewise.model.optimized import OPTIMIZATIONS, switches_used
-
     device = setup(args.device, args.threads)
     row = json.loads(args.row)
     protocol = json.loads(args.protocol)[args.device]

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 
 from shapewise.jobs.models import set_precision
+from shapewise.model import TOLERANCES, compare_outputs
+from shapewise.model.chunked import chunked_reference_forward
 
 
 def spread(count, total):
@@ -30,8 +32,6 @@ def query_ranges(seq_len, block, samples):
 
 
 def compare_all_presets(reference_out, optimized_out):
-    from shapewise.model import TOLERANCES, compare_outputs
-
     return {name: compare_outputs(reference_out, optimized_out, rtol=tol["rtol"], atol=tol["atol"]).as_dict()
             for name, tol in TOLERANCES.items()}
 
@@ -60,8 +60,6 @@ def check(reference, optimized_out, x, mask, reference_fits, settings):
             "elements_compared": optimized_out.numel(),
             "elements_total": optimized_out.numel(),
         }
-    from shapewise.model.chunked import chunked_reference_forward
-
     B, S, _ = x.shape
     batch = spread(settings["batch_samples"], B)
     ranges = query_ranges(S, settings["query_block"], settings["query_samples"])

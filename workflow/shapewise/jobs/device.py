@@ -9,6 +9,7 @@ import shutil
 import statistics
 import subprocess
 import time
+from datetime import datetime, timezone
 
 import torch
 
@@ -67,7 +68,8 @@ def triton_cache_entries():
     if os.environ.get("TRITON_INTERPRET") == "1":
         return None
     try:
-        from triton import knobs  # Triton >= 3.4: knobs.cache.dir honours TRITON_CACHE_DIR
+        # Triton >= 3.4: knobs.cache.dir honours TRITON_CACHE_DIR
+        from triton import knobs  # deferred: triton, on a GPU only (TRITON_INTERPRET is read when it loads)
     except ImportError:
         return None
     where = os.environ.get("TRITON_CACHE_DIR") or knobs.cache.dir
@@ -371,6 +373,4 @@ def pick_core(cores, cost_of):
 
 
 def _now():
-    from datetime import datetime, timezone
-
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")

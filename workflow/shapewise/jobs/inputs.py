@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from shapewise.model import generate_random_case, padding_lengths
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FIRST_TRIAL_SEED = 1234  # trial t draws its inputs with this seed + t
 MASK_SEED_OFFSET = 7919  # left/holes masks come from their own generator, seed + this
@@ -31,8 +33,6 @@ def make_case(row, config, device, seed):
     official harness's call) passes an all-True bool mask, false passes none. Returns (x, mask or None,
     mask_kind) with mask_kind in none/all-true/prefix/general.
     """
-    from shapewise.model import generate_random_case, padding_lengths
-
     dtype = DTYPES[row["dtype"]]
     kind = row["mask"]
     ratio = row["padding_ratio"] if kind == "prefix" else 0.0

@@ -21,6 +21,7 @@ import torch
 
 from shapewise.jobs.device import setup
 from shapewise.jobs.io import header, log, write_result
+from shapewise.roofline import PEAK_ENTRIES
 
 
 # triton.testing.do_bench runs a function for about DO_BENCH_WARMUP_MS, then times it (one CUDA event pair per
@@ -35,7 +36,7 @@ CPU_TIMER = "median of `repeats` time.perf_counter-timed calls after 2 warm-up c
 def _median_ms(fn, device, repeats, warmup=2):
     """Median milliseconds of one call of fn: do_bench on a GPU, perf_counter on a CPU (do_bench needs CUDA)."""
     if device.type == "cuda":
-        from triton.testing import do_bench
+        from triton.testing import do_bench  # deferred: triton, on a GPU only
 
         return float(do_bench(fn, warmup=DO_BENCH_WARMUP_MS, rep=DO_BENCH_REP_MS, return_mode="median"))
     for _ in range(warmup):
@@ -131,8 +132,6 @@ def main(args):
 
 def peaks(microbench, dtype_name):
     """(peak FLOP/s, bandwidth B/s) for a row's dtype, or (None, None)."""
-    from shapewise.roofline import PEAK_ENTRIES
-
     names = PEAK_ENTRIES[dtype_name]
     if microbench["device"] == "cpu" and dtype_name == "float32":
         names = ("fp32",)  # no TF32 or fast fp16 GEMM on a CPU

@@ -5,14 +5,13 @@ from __future__ import annotations
 import torch
 
 from shapewise.jobs.inputs import DTYPES
+from shapewise.manifest import MODEL_FIELDS
+from shapewise.model import BaselineTransformer, TransformerConfig, UserOptimizedTransformer
 
 WEIGHT_SEED = 0  # every model of a row starts from torch.manual_seed(WEIGHT_SEED)
 
 
 def model_config(row):
-    from shapewise.manifest import MODEL_FIELDS
-    from shapewise.model import TransformerConfig
-
     return TransformerConfig(**{name: row[name] for name in MODEL_FIELDS}).validate()
 
 
@@ -23,8 +22,6 @@ def build_models(row, config, device, disable=(), reference_dtype=torch.float32)
     and is kept in `reference_dtype` (default float32), so it computes exact math on the very parameters the
     optimized model uses. `reference_dtype=None`: no reference is kept (returned as None).
     """
-    from shapewise.model import UserOptimizedTransformer
-
     dtype = DTYPES[row["dtype"]]
     reference = seeded_reference(config)
     optimized = UserOptimizedTransformer(config, route=row["route"], disable=tuple(disable))
@@ -38,8 +35,6 @@ def build_models(row, config, device, disable=(), reference_dtype=torch.float32)
 def seeded_reference(config):
     """The reference whose weights every model of a row gets: BaselineTransformer(config) right after
     torch.manual_seed(WEIGHT_SEED), on the CPU in float32."""
-    from shapewise.model import BaselineTransformer
-
     torch.manual_seed(WEIGHT_SEED)
     return BaselineTransformer(config)
 

@@ -25,6 +25,9 @@ from shapewise.jobs.device import free_memory_bytes, setup
 from shapewise.jobs.inputs import DTYPES
 from shapewise.jobs.io import header, log, write_result
 from shapewise.jobs.models import build_optimized, model_config
+from shapewise.model.config import parameter_count
+from shapewise.model.memory import MemoryBudgetError, estimate_memory_bytes, io_bytes
+from shapewise.model.routing import RouteUnavailable
 
 
 def budget_bytes(free, headroom):
@@ -36,8 +39,6 @@ def budget_bytes(free, headroom):
 def reference_fit(config, budget):
     """(estimated peak bytes, whether it fits `budget`) of the plain reference, in float32: the reference of an
     accuracy check runs in float32 whatever the row's dtype."""
-    from shapewise.model.memory import estimate_memory_bytes
-
     estimate = int(estimate_memory_bytes(config, DTYPES["float32"], "reference"))
     return estimate, budget is not None and estimate <= budget
 
@@ -74,8 +75,6 @@ def build_bytes(config, dtype, device):
     """(host bytes, device bytes) that build_optimized allocates: build_models holds the reference's and the
     optimized model's float32 weights on the host at once, then the optimized model's copy in `dtype` (on the
     device; on a CPU one more host copy)."""
-    from shapewise.model.config import parameter_count
-
     params = parameter_count(config.d_model, config.ffn_dim, config.num_layers)
     weights = params * torch.empty((), dtype=dtype).element_size()
     if device.type == "cuda":
@@ -100,8 +99,6 @@ def unbuildable(config, dtype, device, device_budget, headroom):
 def optimized_fit(row, config, device, ram_budget, headroom):
     """{"estimate_bytes", "io_bytes", "dtype", "fits", "budget_bytes", "budget_source", "plan" or "reason"} of
     the optimized model on this row: the plan its first forward would make, asked before the input exists."""
-    from shapewise.model.memory import MemoryBudgetError, estimate_memory_bytes, io_bytes
-
     dtype = DTYPES[row["dtype"]]
     out = {"dtype": str(dtype).replace("torch.", "")}
     reason = unbuildable(config, dtype, device, ram_budget, headroom)
@@ -120,8 +117,6 @@ def optimized_fit(row, config, device, ram_budget, headroom):
     available = None
     if device.type != "cuda" and model.memory_budget_bytes is None:
         available = (None, "no memory budget on the CPU: one pass")  # the model does not stream: RAM decides
-    from shapewise.model.routing import RouteUnavailable
-
     try:
         plan = model.memory_plan(x, mask, resident_input=False, available=available)
     except RouteUnavailable as exc:  # a forced route that cannot serve the row: this row's jobs fail, no other

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from shapewise import gpuslots
+from shapewise import gpuslots, kernels
 from shapewise.jobs.device import setup, sync
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
 from shapewise.jobs.io import header, log, read_json, write_result
@@ -33,8 +33,6 @@ TRITON_WRAPPERS = ("JITFunction", "InterpretedFunction", "Autotuner", "Heuristic
 
 def our_triton_kernels():
     """Names of every @triton.jit function defined in the kernels package."""
-    from shapewise import kernels
-
     names = set()
     for info in pkgutil.iter_modules(kernels.__path__):
         module = importlib.import_module(f"shapewise.kernels.{info.name}")
@@ -53,7 +51,7 @@ def our_triton_kernels():
 
 def annotate_interpreted_launches():
     """Make interpreted Triton launches visible to the CPU profiler."""
-    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.interpreter import InterpretedFunction  # deferred: triton, on a CPU only
 
     original = InterpretedFunction.run
 

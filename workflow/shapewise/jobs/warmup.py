@@ -27,6 +27,7 @@ from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
 from shapewise.jobs.io import header, log, read_json, resource_skip_reason, write_result
 from shapewise.jobs.models import build_optimized, model_config, route_of, run_optimized, set_precision
 from shapewise.jobs.preflight import fits
+from shapewise.model.optimized import switches_used
 
 
 def _call(model, x, mask, row, device):
@@ -38,8 +39,6 @@ def _call(model, x, mask, row, device):
 
 
 def main(args):
-    from shapewise.model.optimized import switches_used
-
     device = setup(args.device, args.threads)
     row = json.loads(args.row)
     protocol = json.loads(args.protocol)[device.type]

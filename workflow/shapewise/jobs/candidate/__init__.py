@@ -49,9 +49,10 @@ from pathlib import Path
 
 import torch
 
-from shapewise import candidates
+from shapewise import candidates, cpus, gpuslots, jobprocess
+from shapewise.jobs import preflight
 from shapewise.jobs.candidate.contain import Contained, confine
-from shapewise.jobs.device import setup
+from shapewise.jobs.device import free_memory_bytes, setup
 from shapewise.jobs.inputs import DTYPES
 from shapewise.jobs.io import header, log, write_result
 from shapewise.jobs.models import seeded_reference
@@ -329,9 +330,6 @@ def run_step(work, args, outputs_on_failure=None):
 def reference_fit(config, device, headroom):
     """Whether the plain reference fits, as the preflight job decides it: its estimated peak (float32) against the
     free device memory (a GPU) or available RAM (a CPU) times the headroom, read before anything is allocated."""
-    from shapewise.jobs import preflight
-    from shapewise.jobs.device import free_memory_bytes
-
     budget = preflight.budget_bytes(free_memory_bytes(device)[0], headroom)
     estimate, fits = preflight.reference_fit(config, budget)
     return {"fits": fits, "estimate_bytes": estimate, "budget_bytes": budget, "headroom": headroom,
@@ -495,11 +493,9 @@ class CandidateProcess:
 def start_child(args, contained, fields, pass_fds=()):
     """The candidate's child (`python -m shapewise.jobs.candidate`) started as an isolated process under
     `contained`, with the job's arguments, `fields` over them, on its standard input."""
-    from shapewise import cpus, gpuslots, jobserver
-
     confinement = contained.child_fields()
     payload = dict(vars(args), job_start=cpus.job_start(), gpu_slot=gpuslots.hand_over(),
-                   job_process=jobserver.process_record(), **fields, **confinement)
+                   job_process=jobprocess.process_record(), **fields, **confinement)
     process = candidates.Isolated([sys.executable, "-m", "shapewise.jobs.candidate"], json.dumps(payload),
                                   env=contained.environ, pass_fds=(*pass_fds, confinement["log_fd"]))
     contained.started()

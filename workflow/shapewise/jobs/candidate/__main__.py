@@ -6,7 +6,7 @@ import importlib
 import json
 import sys
 
-from shapewise import cpus, gpuslots, jobserver, steps
+from shapewise import cpus, gpuslots, jobprocess, steps
 from shapewise.jobs.candidate.contain import adopt_log
 
 
@@ -15,7 +15,7 @@ def main():
     adopt_log(payload.pop("log_fd"))  # what this process and its descendants print goes through the job's cap
     cpus.adopt_job_start(payload.pop("job_start"))  # the job process pinned this process's cores already
     gpuslots.take_over(payload.pop("gpu_slot", None))  # and holds the GPU's lock for this process's work
-    jobserver.adopt_process_record(payload.pop("job_process", None))
+    jobprocess.adopt_process_record(payload.pop("job_process", None))
     args = argparse.Namespace(**payload)
     step = importlib.import_module(steps.STEPS[args.step].module)
     return step.child(args)

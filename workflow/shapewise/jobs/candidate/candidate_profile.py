@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from shapewise.jobs.candidate import begin, build, call, forward, guarded, run_step, supervise
 from shapewise.jobs.device import setup
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
@@ -35,8 +37,6 @@ def empty_outputs(args, note):
 
 
 def work(args, progress):
-    import torch
-
     device = setup(args.device, args.threads)
     row = json.loads(args.row)
     capture = json.loads(args.capture)[args.device]
