@@ -142,7 +142,7 @@ def test_editing_one_candidate_reruns_only_its_jobs(workdir):
             jobs = planned(workdir)
         finally:
             path.write_text(original)
-        assert jobs == {(step, edited) for step in STEPS} | {("report", None), ("all", None)}, jobs
+        assert jobs == {(step, edited) for step in STEPS} | {("report_inputs", None), ("report", None), ("all", None)}, jobs
 
 
 def test_adding_a_candidate_runs_only_its_jobs(workdir):
@@ -151,7 +151,7 @@ def test_adding_a_candidate_runs_only_its_jobs(workdir):
         jobs = planned(workdir)
     finally:
         write_config(workdir, CANDIDATES)
-    assert jobs == {(step, "harness") for step in STEPS} | {("report", None), ("all", None)}, jobs
+    assert jobs == {(step, "harness") for step in STEPS} | {("report_inputs", None), ("report", None), ("all", None)}, jobs
 
 
 def test_editing_shapewise_reruns_no_candidate(workdir):
