@@ -5,9 +5,9 @@ Usage (sm_90 GPU): python -m benchmarks.hopper_forward [OUT.json] [--rows 1,5,6,
 
 Per official row, on the pipeline's weights and first-trial inputs (the official call's all-True mask): the
 reference in fp32 (TF32 off); then `hopper_forward` in each of VARIANTS (`overlap`: a head's q, k, v projections
-issued back to back before one wait, or each waited for alone; `pipeline`: issued under the previous head's
-softmax; `pair`: two 4-warp programs a sequence, on causal rows of 65 to 128 tokens only, on one `pair_scratch`
-allocated outside the timed calls): its output against the reference at the official and strict tolerances, and
+issued back to back before one wait, or each waited for alone; `producer`: a loader warp fills the weight ring;
+`pair`: two 4-warp programs a sequence, on causal rows of 65 to 128 tokens only, on one `pair_scratch` allocated
+outside the timed calls; both): its output against the reference at the official and strict tolerances, and
 its median GPU time per call (a CUDA graph of 10 launches replayed `reps` times, each replay between its own pair of
 CUDA events, divided by 10).
 Then the model called as the official harness calls it, with route `hopper` forced and as routed with the
@@ -31,8 +31,8 @@ from shapewise.model.weights import layer_weights, per_layer
 
 ROWS = "1,5,6,2,9,10,12,11,7,3,4"
 # the kernel's variants timed alone: hopper_forward's keyword arguments (the route runs its defaults)
-VARIANTS = {"overlap=True": {"overlap": True}, "overlap=False": {"overlap": False}, "pipeline=True": {"pipeline": True},
-            "pair=True": {"pair": True}}
+VARIANTS = {"overlap=True": {"overlap": True}, "overlap=False": {"overlap": False}, "producer=True": {"producer": True},
+            "pair=True": {"pair": True}, "pair=True,producer=True": {"pair": True, "producer": True}}
 
 
 def row_result(shape_row, reps):

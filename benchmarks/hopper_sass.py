@@ -1,9 +1,9 @@
 """The Hopper forward kernel built for sm_90 offline (no GPU): registers, spills, shared memory, SASS instructions.
 
-Usage: python -m benchmarks.hopper_sass [OUT.json] [--rows 1,12,7] [--pipeline] [--pair]
+Usage: python -m benchmarks.hopper_sass [OUT.json] [--rows 1,12,7] [--pair] [--producer]
 
 Per official row it serves, `_hopper_forward_fwd` compiled as the route launches it (fp32 input, the row's causal
-flag, a mask, `overlap` on; `--pipeline`, `--pair`: those variants, `pair` (two programs a sequence) on the rows it
+flag, a mask, `overlap` on; `--pair`, `--producer`: those variants, `pair` (two programs a sequence) on the rows it
 serves) through the ptxas that ships with Triton: ptxas's registers and spills
 (`benchmarks.attention_registers.usage`), the SASS instructions of the whole kernel by opcode (cuobjdump; its layer
 loop is not unrolled, so the count is about one layer's and one sequence's prologue and epilogue), and the TMA loads
@@ -31,8 +31,9 @@ TMA_LOAD = "ttng.async_tma_copy_global_to_local"
 SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
-def compile_hopper(S, d, H, F, causal=True, masked=True, pipeline=False, pair=False):
-    """The kernel compiled for sm_90 at this shape (with `pair`: two programs a sequence), and its launch_config."""
+def compile_hopper(S, d, H, F, causal=True, masked=True, pair=False, producer=False):
+    """The kernel compiled for sm_90 at this shape (with `pair`: two programs a sequence; with `producer`: a loader
+    warp fills the weight ring), and its launch_config."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
@@ -41,7 +42,7 @@ def compile_hopper(S, d, H, F, causal=True, masked=True, pipeline=False, pair=Fa
     fn = hf._hopper_forward_fwd
     consts = dict(S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=H, F_CHUNKS=cfg["F_CHUNKS"],
                   NUM_SLOTS=cfg["NUM_SLOTS"], V_PAD=cfg["V_PAD"], IS_CAUSAL=causal, HAS_MASK=masked, OVERLAP=True,
-                  PIPELINE=pipeline, PAIR=pair, num_warps=cfg["num_warps"])
+                  PAIR=pair, PRODUCER=producer, num_warps=cfg["num_warps"])
     sig = {n: "constexpr" if n in consts else mangle_type(hf.weight_descriptor(stream, cfg["HD"]))
            if n == "w_desc" else "*i8" if n == "Mask" else "*fp16" if n == "KV" else "*i32" if n == "Flags"
            else "fp32" if n in ("qk_scale", "eps")
@@ -67,8 +68,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("out", nargs="?", help="JSON file to write (default: print only)")
     p.add_argument("--rows", default="1,12,7", help="official rows")
-    p.add_argument("--pipeline", action="store_true", help="the kernel with `pipeline` on (hopper_forward's argument)")
     p.add_argument("--pair", action="store_true", help="the kernel with `pair` on, on the rows it serves")
+    p.add_argument("--producer", action="store_true", help="the kernel with `producer` on (a loader warp)")
     args = p.parse_args()
     out = []
     for n in row_numbers(args.rows):
@@ -77,9 +78,9 @@ def main():
         causal = r.get("causal", True)
         if hf.why_unsupported(S, d, H, F, causal=causal, pair=args.pair):
             continue
-        kernel, cfg = compile_hopper(S, d, H, F, causal=causal, pipeline=args.pipeline, pair=args.pair)
+        kernel, cfg = compile_hopper(S, d, H, F, causal=causal, pair=args.pair, producer=args.producer)
         ops = sass_opcodes(kernel)
-        rec = {"row": r["id"], "launch": cfg, "pipeline": args.pipeline, "pair": args.pair,
+        rec = {"row": r["id"], "launch": cfg, "pair": args.pair, "producer": args.producer,
                **usage(kernel, cfg["num_warps"]),
                "sass_instructions": sum(ops.values()), "sass_by_opcode": dict(ops.most_common(20)),
                "tma_loads_in_ir": kernel.asm["ttgir"].count(TMA_LOAD)}

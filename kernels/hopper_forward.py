@@ -32,6 +32,12 @@ least one, so the program a second one waits on is resident. Gluon 3.6 launches 
 spread tensors over CTAs by layout; it exposes no CTA rank in a cluster, no distributed shared memory and no
 cluster barrier, so the pair shares through L2.
 
+Loader warp (`producer=True`, off by default): `gl.warp_specialize` runs the math above in the program's warps (the
+default partition) and one more warp (LOADER_REGISTERS registers) that issues every TMA load of the ring, each once
+the math has handed the slot's previous tile back through that slot's `empty` mbarrier: the math warps no longer
+expect, address or issue loads, and a hand-back is one arrive after the barrier that follows the consuming wgmmas'
+wait. The same math in the same order: the output is bit for bit the default's.
+
 Operands fp16, accumulation and statistics fp32; masks exact (any valid-token mask, a sequence with no valid
 token included); the output in the caller's dtype.
 """
@@ -45,8 +51,7 @@ try:  # Gluon ships with Triton >= 3.5; without it (or without a Hopper GPU) `wh
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
-                                                                  warpgroup_mma, warpgroup_mma_init,
-                                                                  warpgroup_mma_wait)
+                                                                  warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton import knobs
     from triton.backends.nvidia.driver import make_tensordesc_arg
@@ -62,6 +67,8 @@ MAX_SLOTS = 16  # the weight ring's depth at most
 MIN_SLOTS = 4  # and at least: a head's q, k, v tiles are waited for while the previous head's out-projection's is held
 PAIR_ROWS = 64  # rows of each program of a pair: one warpgroup, the 64-row tile's code path
 PAIR_MIN_SEQ_LEN = PAIR_ROWS + 1  # a pair's second program holds a token (shorter: one 64-row program serves)
+# `producer`'s loader partition: one warp, registers enough for its loop (the math warps take the rest of the file)
+LOADER_REGISTERS = 24
 # A layer's fp32 vectors, one row of `pack_weights`'s `vecs` in this order (the kernel's offsets follow it): read
 # from shared memory, where the next layer's are staged during each layer (an L2 load at each use stalled the math)
 VECTOR_ORDER = ("n1_w", "n1_b", "n2_w", "n2_b", "o_b", "out_b", "q_b", "in_b")
@@ -276,6 +283,7 @@ if gluon is not None:
     _ERF_PS = gl.constexpr(ERF_P * 0.5**0.5)
     _H1, _H2, _H3, _H4, _H5 = (gl.constexpr(0.5 * a) for a in ERF_A)
     _NEG_HALF_LOG2E = gl.constexpr(-0.5 / math.log(2))
+    _LOADER_REGISTERS = gl.constexpr(LOADER_REGISTERS)
 
     @gluon.jit
     def _gelu(t):
@@ -363,6 +371,40 @@ if gluon is not None:
         return seen
 
     @gluon.jit
+    def _load_weights(w_desc, ring, bars, empty, total, tiles_per_forward, HD: gl.constexpr,
+                      NUM_SLOTS: gl.constexpr):
+        """PRODUCER's loader partition (one warp): every stream tile this program consumes, in order, into the
+        ring by TMA, each once the math has handed its slot's previous tile back (`empty`; the first NUM_SLOTS
+        tiles go straight in). Every sequence reads the whole stream: tile t is the stream's t mod
+        tiles_per_forward."""
+        pos = 0  # t's position in the stream
+        for t in range(total):
+            slot = t % NUM_SLOTS
+            # the (t // NUM_SLOTS)-th hand-back of this slot, counted from 1: its phase parity
+            mbarrier.wait(empty.index(slot), (t // NUM_SLOTS + 1) & 1, pred=t >= NUM_SLOTS)
+            mbarrier.expect(bars.index(slot), w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [pos * HD, 0], bars.index(slot), ring.index(slot))
+            pos += 1
+            if pos == tiles_per_forward:
+                pos = 0
+
+    @gluon.jit
+    def _hand_back(w_desc, ring, bars, empty, g, N: gl.constexpr, lo, first, total, tiles_per_forward,
+                   HD: gl.constexpr, NUM_SLOTS: gl.constexpr, PRODUCER: gl.constexpr):
+        """The N tiles before stream tile g, those from tile `lo` on, are consumed (their wgmmas waited for by
+        every warp: the barrier) and their slots not yet handed back: with PRODUCER each such slot's `empty`
+        barrier is arrived on (the loader partition refills it), else its next tile is loaded here
+        (`_refill_last`). Either way the barrier orders every warp's shared-memory work before what follows."""
+        if PRODUCER:
+            gl.thread_barrier()
+            for j in gl.static_range(N):
+                i = g - N + j
+                if i >= lo:
+                    mbarrier.arrive(empty.index(i % NUM_SLOTS))
+        else:
+            _refill_last(w_desc, ring, bars, g, N, lo, first, total, tiles_per_forward, HD, NUM_SLOTS)
+
+    @gluon.jit
     def _hopper_forward_fwd(
         X, Y, Mask,  # [B, S, d] input (any float dtype), [B, S, d] output, int8 [B, S] valid tokens (HAS_MASK)
         w_desc,  # TMA descriptor of the weight stream [L * tiles * HD, d] fp16, block [HD, d]
@@ -372,29 +414,87 @@ if gluon is not None:
         KV, Flags,  # PAIR: fp16 [B, L, NUM_HEADS, 2, S_PAD, HD] k, v of first halves; int32 [B] heads published
         S_PAD: gl.constexpr, D: gl.constexpr, HD: gl.constexpr, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr,
         NUM_SLOTS: gl.constexpr, V_PAD: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_MASK: gl.constexpr,
-        OVERLAP: gl.constexpr, PIPELINE: gl.constexpr, PAIR: gl.constexpr, num_warps: gl.constexpr,
+        OVERLAP: gl.constexpr, PAIR: gl.constexpr, PRODUCER: gl.constexpr, num_warps: gl.constexpr,
     ):
         # keys a program scores: its own rows', or with PAIR the whole (two-halves) sequence's
         if PAIR:
             KEYS: gl.constexpr = 2 * S_PAD
         else:
             KEYS: gl.constexpr = S_PAD
+        KV_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HD], gl.float16)
+        TILES: gl.constexpr = 4 * NUM_HEADS + 2 * F_CHUNKS
+        ring = gl.allocate_shared_memory(gl.float16, [NUM_SLOTS, HD, D], w_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())  # a tile landed
+        k_s = gl.allocate_shared_memory(gl.float16, [KEYS, HD], KV_LAYOUT)
+        v_s = gl.allocate_shared_memory(gl.float16, [KEYS, HD], KV_LAYOUT)
+        vec_s = gl.allocate_shared_memory(gl.float32, [2, V_PAD], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        for i in gl.static_range(NUM_SLOTS):
+            mbarrier.init(bars.index(i), count=1)
+        if PRODUCER:  # a slot's tile consumed: the loader partition may refill it
+            empty = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(NUM_SLOTS):
+                mbarrier.init(empty.index(i), count=1)
+        else:
+            empty = bars  # not read
+
+        pid = gl.program_id(0)
+        programs = gl.num_programs(0)
+        half = pid * 0
+        if PAIR:  # programs 2p, 2p + 1: pair p, each its half of the pair's sequences; below pid is the pair's
+            half = pid % 2
+            pid = pid // 2
+            programs = programs // 2
+        tiles_per_forward = num_layers * TILES
+        total = gl.cdiv(batch - pid, programs) * tiles_per_forward  # tiles this program consumes
+        if PRODUCER:
+            gl.warp_specialize([
+                (_forward_program, (X, Y, Mask, w_desc, VEC, NFw, NFb, batch, seq_len, num_layers, qk_scale, eps,
+                                    stride_xb, stride_xs, stride_yb, stride_ys, stride_mb, KV, Flags, ring, bars,
+                                    empty, k_s, v_s, vec_s, pid, programs, half, total, tiles_per_forward, S_PAD, D,
+                                    HD, NUM_HEADS, F_CHUNKS, NUM_SLOTS, V_PAD, KEYS, IS_CAUSAL, HAS_MASK, OVERLAP,
+                                    PAIR, PRODUCER, num_warps)),
+                (_load_weights, (w_desc, ring, bars, empty, total, tiles_per_forward, HD, NUM_SLOTS)),
+            ], [1], [_LOADER_REGISTERS])
+        else:
+            for i in gl.static_range(NUM_SLOTS):  # the ring's first fill
+                if i < total:
+                    mbarrier.expect(bars.index(i), w_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(w_desc, [(i % tiles_per_forward) * HD, 0], bars.index(i),
+                                                    ring.index(i))
+            _forward_program(X, Y, Mask, w_desc, VEC, NFw, NFb, batch, seq_len, num_layers, qk_scale, eps,
+                             stride_xb, stride_xs, stride_yb, stride_ys, stride_mb, KV, Flags, ring, bars, empty,
+                             k_s, v_s, vec_s, pid, programs, half, total, tiles_per_forward, S_PAD, D, HD,
+                             NUM_HEADS, F_CHUNKS, NUM_SLOTS, V_PAD, KEYS, IS_CAUSAL, HAS_MASK, OVERLAP, PAIR,
+                             PRODUCER, num_warps)
+        for i in gl.static_range(NUM_SLOTS):
+            mbarrier.invalidate(bars.index(i))
+        if PRODUCER:
+            for i in gl.static_range(NUM_SLOTS):
+                mbarrier.invalidate(empty.index(i))
+
+    @gluon.jit
+    def _forward_program(X, Y, Mask, w_desc, VEC, NFw, NFb, batch, seq_len, num_layers, qk_scale, eps,
+                         stride_xb, stride_xs, stride_yb, stride_ys, stride_mb, KV, Flags, ring, bars, empty, k_s,
+                         v_s, vec_s, pid, programs, half, total, tiles_per_forward, S_PAD: gl.constexpr,
+                         D: gl.constexpr, HD: gl.constexpr, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr,
+                         NUM_SLOTS: gl.constexpr, V_PAD: gl.constexpr, KEYS: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                         HAS_MASK: gl.constexpr, OVERLAP: gl.constexpr, PAIR: gl.constexpr,
+                         PRODUCER: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """A program's sequences (pid, pid + programs, ...) through every layer and the final LayerNorm, in
+        NUM_WARPS warps (with PRODUCER the default partition: the loader partition fills the ring)."""
         # accumulators: residual/out-projection [S_PAD, D], per-head [S_PAD, HD], scores [S_PAD, KEYS]
-        L_D: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+        L_D: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                       instr_shape=[16, D, 16])
-        L_H: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+        L_H: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                       instr_shape=[16, HD, 16])
-        L_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+        L_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                       instr_shape=[16, KEYS, 16])
         A_H: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_H, k_width=2)  # -> [S, HD] products
         A_D: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_D, k_width=2)  # -> [S, D] products
         A_S: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_S, k_width=2)  # -> scores
-        KV_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HD], gl.float16)
         # PAIR's scratch tiles [S_PAD, HD] fp16 in 16-byte vectors, a warp's lanes along a row first
-        L_KV: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HD, HD // 8], [num_warps, 1], [1, 0])
+        L_KV: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HD, HD // 8], [NUM_WARPS, 1], [1, 0])
         TILES: gl.constexpr = 4 * NUM_HEADS + 2 * F_CHUNKS
-        # heads up to 32 wide: the next head's q, k, v accumulators (48 registers) fit beside this head's scores
-        PIPE_HEADS: gl.constexpr = PIPELINE and HD <= 32
         # VECTOR_ORDER's offsets in a layer's row of VEC
         N1W: gl.constexpr = 0
         N1B: gl.constexpr = D
@@ -404,31 +504,9 @@ if gluon is not None:
         OUTB: gl.constexpr = 5 * D
         QB: gl.constexpr = 6 * D
         INB: gl.constexpr = 6 * D + NUM_HEADS * HD
-        L_V: gl.constexpr = gl.BlockedLayout([V_PAD // (32 * num_warps)], [32], [num_warps], [0])
+        L_V: gl.constexpr = gl.BlockedLayout([V_PAD // (32 * NUM_WARPS)], [32], [NUM_WARPS], [0])
         L_COL: gl.constexpr = gl.SliceLayout(0, L_D)
         H_COL: gl.constexpr = gl.SliceLayout(0, L_H)
-
-        ring = gl.allocate_shared_memory(gl.float16, [NUM_SLOTS, HD, D], w_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
-        k_s = gl.allocate_shared_memory(gl.float16, [KEYS, HD], KV_LAYOUT)
-        v_s = gl.allocate_shared_memory(gl.float16, [KEYS, HD], KV_LAYOUT)
-        vec_s = gl.allocate_shared_memory(gl.float32, [2, V_PAD], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        for i in gl.static_range(NUM_SLOTS):
-            mbarrier.init(bars.index(i), count=1)
-
-        pid = gl.program_id(0)
-        programs = gl.num_programs(0)
-        if PAIR:  # programs 2p, 2p + 1: pair p, each its half of the pair's sequences; below pid is the pair's
-            half = pid % 2
-            pid = pid // 2
-            programs = programs // 2
-        tiles_per_forward = num_layers * TILES
-        total = gl.cdiv(batch - pid, programs) * tiles_per_forward  # tiles this program consumes
-        for i in gl.static_range(NUM_SLOTS):  # the ring's first fill
-            if i < total:
-                mbarrier.expect(bars.index(i), w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(w_desc, [(i % tiles_per_forward) * HD, 0], bars.index(i),
-                                                ring.index(i))
 
         v_offs = gl.arange(0, V_PAD, layout=L_V)
         vec_s.index(0).store(gl.load(VEC + v_offs))  # layer 0's vectors; each layer stages the next one's
@@ -477,10 +555,6 @@ if gluon is not None:
                 vecs = vec_s.index(parity)
                 h = _layer_norm(x, _vec(vecs, N1W, D, L_COL), _vec(vecs, N1B, D, L_COL), D, eps).to(gl.float16)
                 h = gl.convert_layout(h, A_H)
-                if PIPE_HEADS:  # the first head's projections; each head issues the next one's
-                    qn = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, True)
-                    kn = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, True)
-                    vn = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, True)
                 # a runtime loop: one copy of a head's code (four unrolled copies stalled on instruction fetch)
                 for head in range(NUM_HEADS):
                     b_q = gl.load(VEC + layer * V_PAD + QB + head * HD + hcols)  # arrives under the projections
@@ -521,20 +595,19 @@ if gluon is not None:
                         q = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, False)
                         g += 3
                         # q's tile read too: the slots of q, k, v and the previous head's out-projection are
-                        # free; the refill's barrier also orders every warp's k and v stores before the scores
-                        _refill_last(w_desc, ring, bars, g, 4, lo, first, total, tiles_per_forward, HD, NUM_SLOTS)
+                        # free; the hand-back's barrier also orders every warp's k and v stores before the scores
+                        _hand_back(w_desc, ring, bars, empty, g, 4, lo, first, total, tiles_per_forward, HD, NUM_SLOTS,
+                                   PRODUCER)
                     else:
-                        if PIPE_HEADS:  # this head's projections were issued under the previous head's softmax
-                            q, k, v = warpgroup_mma_wait(num_outstanding=0, deps=(qn, kn, vn))
-                        else:
-                            q = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, OVERLAP)
-                            k = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, OVERLAP)
-                            v = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, OVERLAP)
-                            q, k, v = warpgroup_mma_wait(num_outstanding=0, deps=(q, k, v))
+                        q = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                        k = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                        v = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                        q, k, v = warpgroup_mma_wait(num_outstanding=0, deps=(q, k, v))
                         g += 3
                         # every warp is past the previous head's probs @ v and out-projection: k_s, v_s and the
                         # consumed tiles' slots (q, k, v; the previous head's out-projection) are free
-                        _refill_last(w_desc, ring, bars, g, 4, lo, first, total, tiles_per_forward, HD, NUM_SLOTS)
+                        _hand_back(w_desc, ring, bars, empty, g, 4, lo, first, total, tiles_per_forward, HD, NUM_SLOTS,
+                                   PRODUCER)
                         if PAIR:
                             if (half == 0) & (head > 0):  # every warp's stores of the previous head's tiles done
                                 _release(flag, layer * NUM_HEADS + head)
@@ -554,17 +627,6 @@ if gluon is not None:
                         gl.thread_barrier()  # every warp's rows of k and v written
                     q = (q + gl.expand_dims(b_q, 0)).to(gl.float16)
                     s = warpgroup_mma(gl.convert_layout(q, A_S), k_s.permute((1, 0)), zeros_s, use_acc=False)
-                    if PIPE_HEADS:
-                        # the next head's projections (stream tiles after this head's out-projection, g) run on the
-                        # tensor cores under this head's softmax; after the last head, placeholders of their type
-                        if head + 1 < NUM_HEADS:
-                            qn = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, True)
-                            kn = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, True)
-                            vn = _tile_mma(h, ring, bars, g + 3, zeros_h, True, False, NUM_SLOTS, True)
-                        else:
-                            qn = warpgroup_mma_init(zeros_h)
-                            kn = warpgroup_mma_init(zeros_h)
-                            vn = warpgroup_mma_init(zeros_h)
                     s = gl.where(visible, s, float("-inf"))
                     m = gl.max(s, axis=1)
                     m = gl.where(m == float("-inf"), 0.0, m)  # a row with no visible key: p = 0, output 0
@@ -577,9 +639,10 @@ if gluon is not None:
                     x = _tile_mma(gl.convert_layout(o, A_D), ring, bars, g, x, False, True, NUM_SLOTS, False)
                     g += 1
                 # the out-projection's tile
-                _refill_last(w_desc, ring, bars, g, 1, 0, first, total, tiles_per_forward, HD, NUM_SLOTS)
+                _hand_back(w_desc, ring, bars, empty, g, 1, 0, first, total, tiles_per_forward, HD, NUM_SLOTS,
+                           PRODUCER)
                 if PAIR:
-                    if half == 0:  # the refill's barrier follows every warp's stores of the last head's tiles
+                    if half == 0:  # the hand-back's barrier follows every warp's stores of the last head's tiles
                         _release(flag, (layer + 1) * NUM_HEADS)
                 x = x + gl.expand_dims(_vec(vecs, OB, D, L_COL), 0)
                 h = _layer_norm(x, _vec(vecs, N2W, D, L_COL), _vec(vecs, N2B, D, L_COL), D, eps).to(gl.float16)
@@ -589,9 +652,11 @@ if gluon is not None:
                 for c in gl.static_range(F_CHUNKS):
                     t, x = warpgroup_mma_wait(num_outstanding=0, deps=(t, x))
                     if c == 0:  # the in-projection; then the previous chunk's out-projection too
-                        _refill_last(w_desc, ring, bars, g, 1, 0, first, total, tiles_per_forward, HD, NUM_SLOTS)
+                        _hand_back(w_desc, ring, bars, empty, g, 1, 0, first, total, tiles_per_forward, HD, NUM_SLOTS,
+                                   PRODUCER)
                     else:
-                        _refill_last(w_desc, ring, bars, g, 2, 0, first, total, tiles_per_forward, HD, NUM_SLOTS)
+                        _hand_back(w_desc, ring, bars, empty, g, 2, 0, first, total, tiles_per_forward, HD, NUM_SLOTS,
+                                   PRODUCER)
                     t = t + gl.expand_dims(_vec(vecs, INB + c * HD, HD, H_COL), 0)
                     a = _gelu(t).to(gl.float16)
                     x = _tile_mma(gl.convert_layout(a, A_D), ring, bars, g, x, False, True, NUM_SLOTS, OVERLAP)
@@ -601,10 +666,11 @@ if gluon is not None:
                         g += 1
                 x = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
                 # the out-projection's tile
-                _refill_last(w_desc, ring, bars, g, 1, 0, first, total, tiles_per_forward, HD, NUM_SLOTS)
+                _hand_back(w_desc, ring, bars, empty, g, 1, 0, first, total, tiles_per_forward, HD, NUM_SLOTS,
+                           PRODUCER)
                 x = x + gl.expand_dims(_vec(vecs, OUTB, D, L_COL), 0)
                 x = gl.where(gl.expand_dims(row_ok, 1), x, 0.0)
-                # every warp is past this layer's last read of the other buffer (the refill's barrier above)
+                # every warp is past this layer's last read of the other buffer (the hand-back's barrier above)
                 vec_s.index(1 - parity).store(upcoming)
                 gl.thread_barrier()
             if PAIR:
@@ -614,8 +680,6 @@ if gluon is not None:
             y = gl.where(gl.expand_dims(row_ok, 1), y, 0.0)
             gl.store(Y + b64 * stride_yb + gl.expand_dims(rows, 1) * stride_ys + gl.expand_dims(cols, 0),
                      y.to(Y.dtype.element_ty), mask=tile_in)
-        for i in gl.static_range(NUM_SLOTS):
-            mbarrier.invalidate(bars.index(i))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -665,7 +729,7 @@ def pair_scratch_bytes(batch: int, num_layers: int, num_heads: int, hd: int) -> 
     return batch * (num_layers * num_heads * 2 * PAIR_ROWS * hd * 2 + 4)
 
 
-def _arguments(x, w, *, num_heads, causal, eps, mask, out, desc, programs, overlap, pipeline, pair, scratch):
+def _arguments(x, w, *, num_heads, causal, eps, mask, out, desc, programs, overlap, pair, producer, scratch):
     """(programs, the kernel's arguments by parameter name) for `hopper_forward`'s call, checked: every name of
     `_hopper_forward_fwd`'s signature, constexprs and num_warps included."""
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.stride(-1) != 1:
@@ -720,23 +784,23 @@ def _arguments(x, w, *, num_heads, causal, eps, mask, out, desc, programs, overl
         stride_mb=m.stride(0) if mask is not None else 0, KV=kv, Flags=flags,
         S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=num_heads, F_CHUNKS=cfg["F_CHUNKS"],
         NUM_SLOTS=cfg["NUM_SLOTS"], V_PAD=cfg["V_PAD"], IS_CAUSAL=bool(causal), HAS_MASK=mask is not None,
-        OVERLAP=bool(overlap), PIPELINE=bool(pipeline), PAIR=bool(pair), num_warps=cfg["num_warps"],
+        OVERLAP=bool(overlap), PAIR=bool(pair), PRODUCER=bool(producer), num_warps=cfg["num_warps"],
     )
 
 
 def hopper_forward(x, w, *, num_heads, causal, eps, mask=None, out=None, desc=None, programs=None, overlap=True,
-                   pipeline=False, pair=False, scratch=None):
+                   pair=False, producer=False, scratch=None):
     """The whole forward over `x [B, S, d]` with `pack_weights`'s weights `w`: [B, S, d] in x's dtype (or into
     `out`), invalid rows 0. `eps`: the LayerNorms' epsilon (the model's, model/reference.py). `desc`: the stream's
     `weight_descriptor` (built here when None); `programs`: persistent programs (default one per SM); `overlap`: a
     head's q, k, v projections (and an FFN chunk's out-projection with the next chunk's in-projection) issued back
-    to back before one wait, else each waited for alone; `pipeline`: a head's q, k, v projections issued under the
-    previous head's softmax (heads up to 32 wide; measured before it becomes the default:
-    docs/decisions.md#hopper-head-pipeline); `pair`: two 4-warp programs per sequence, rows 0-63 and 64-127
-    (causal, PAIR_MIN_SEQ_LEN <= S <= 128; the module's docstring), `programs` then even and at most the SMs,
-    `scratch` its `pair_scratch` (allocated here when None; reused, one launch at a time)."""
+    to back before one wait, else each waited for alone; `pair`: two 4-warp programs per sequence, rows 0-63 and
+    64-127 (causal, PAIR_MIN_SEQ_LEN <= S <= 128; the module's docstring), `programs` then even and at most the SMs,
+    `scratch` its `pair_scratch` (allocated here when None; reused, one launch at a time); `producer`: a loader
+    warp fills the weight ring (the module's docstring; measured before it becomes the default:
+    docs/decisions.md#hopper-producer)."""
     programs, args = _arguments(x, w, num_heads=num_heads, causal=causal, eps=eps, mask=mask, out=out, desc=desc,
-                                programs=programs, overlap=overlap, pipeline=pipeline, pair=pair, scratch=scratch)
+                                programs=programs, overlap=overlap, pair=pair, producer=producer, scratch=scratch)
     _hopper_forward_fwd[(programs,)](**args)
     return args["Y"]
 
@@ -760,14 +824,14 @@ class PreparedLaunch:
                  "run", "function", "metadata", "kernel", "c_launch", "direct", "direct_at")
 
     def __init__(self, x, w, *, num_heads, causal, eps, mask=None, desc=None, programs=None, overlap=True,
-                 pipeline=False, pair=False, scratch=None, direct=True):
+                 pair=False, producer=False, scratch=None, direct=True):
         if not _aligned(x, mask):
             raise ValueError("PreparedLaunch: x and the mask must be contiguous and 16-byte aligned (the layout the "
                              "kernel is specialized on); hopper_forward serves any layout")
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         self.programs, args = _arguments(x, w, num_heads=num_heads, causal=causal, eps=eps, mask=mask, out=out,
                                          desc=desc,
-                                         programs=programs, overlap=overlap, pipeline=pipeline, pair=pair,
+                                         programs=programs, overlap=overlap, pair=pair, producer=producer,
                                          scratch=scratch)
         with torch.cuda.device(x.device):  # the module loads into this device's context
             kernel = _hopper_forward_fwd.warmup(grid=(self.programs,), **args)

@@ -196,22 +196,27 @@ COMPILE = textwrap.dedent('''
     from benchmarks.hopper_sass import TMA_LOAD, compile_hopper
     from shapewise.kernels import hopper_forward as hf
 
-    for S, d, H, F, causal, masked, pipeline, pair in (
+    for S, d, H, F, causal, masked, pair, producer in (
             (128, 128, 4, 128, True, True, False, False), (128, 128, 1, 128, True, False, False, False),
             (32, 128, 16, 128, False, True, False, False), (128, 32, 4, 32, True, True, False, False),
-            (128, 128, 4, 128, True, True, True, False),
             # the pair variant at official rows 1, 9, 10 (4, 1, 2 heads)
-            (128, 128, 4, 128, True, True, False, True), (128, 128, 1, 128, True, True, False, True),
-            (128, 128, 2, 128, True, True, False, True)):
-        k, cfg = compile_hopper(S, d, H, F, causal, masked, pipeline, pair)
+            (128, 128, 4, 128, True, True, True, False), (128, 128, 1, 128, True, True, True, False),
+            (128, 128, 2, 128, True, True, True, False),
+            # a loader warp: rows 1 and 12, and with the pair row 10
+            (128, 128, 4, 128, True, True, False, True), (32, 128, 4, 128, True, True, False, True),
+            (128, 128, 2, 128, True, True, True, True)):
+        k, cfg = compile_hopper(S, d, H, F, causal, masked, pair, producer)
         ptx = k.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, (S, d, H)
         assert k.metadata.shared <= 227 * 1024, (S, d, H, k.metadata.shared)
-        # one TMA load per ring slot to start, then one per tile in the code of a layer (the head loop's body
-        # once: 4 tiles; the out-projection's; each FFN chunk's two, unrolled), each handing back a consumed slot:
-        # no refill is a loop over a tile count carried from sequence to sequence
         loads = k.asm["ttgir"].count(TMA_LOAD)
-        assert loads == cfg["NUM_SLOTS"] + 4 + 1 + 2 * cfg["F_CHUNKS"], (S, d, H, loads)
+        if producer:  # the loader's one loop over the program's tiles; the math warps hand slots back
+            assert loads == 1 and "setmaxnreg" in ptx, (S, d, H, loads)
+            assert usage(k, cfg["num_warps"])["spill_store_bytes"] == 0, (S, d, H)
+        else:  # one TMA load per ring slot to start, then one per tile in the code of a layer (the head loop's
+            # body once: 4 tiles; the out-projection's; each FFN chunk's two, unrolled), each handing back a
+            # consumed slot: no refill is a loop over a tile count carried from sequence to sequence
+            assert loads == cfg["NUM_SLOTS"] + 4 + 1 + 2 * cfg["F_CHUNKS"], (S, d, H, loads)
         if pair:  # the pair's protocol: release exchange, acquire load (GPU scope), the first half's tiles by cp.async
             assert "atom.global.gpu.release.exch" in ptx and "ld.global.gpu.acquire" in ptx, (S, d, H)
             assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx, (S, d, H)
@@ -394,7 +399,7 @@ def test_the_kernel_builds_for_sm90_with_wgmma_and_tma():
     done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("compiled") == 8 and done.stdout.count("pair") == 3
+    assert done.stdout.count("compiled") == 10 and done.stdout.count("pair") == 4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -429,18 +434,20 @@ def test_kernel_matches_fp64(shape, causal, mask_kind):
 @pytest.mark.parametrize("mask_kind", ["all_true", "holes", "one_empty"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("shape", [(3, 128, 128, 4, 128, 2), (2, 128, 32, 4, 32, 2), (3, 32, 128, 8, 128, 2),
-                                   (2, 100, 128, 2, 128, 1)], ids=lambda s: "x".join(map(str, s)))
-def test_pipelined_heads_match_fp64(shape, causal, mask_kind):
-    """`pipeline`: each head's projections issued under the previous head's softmax (heads up to 32 wide; the
-    64-wide head of the last shape runs as without it), across layers and sequences of one program."""
+                                   (2, 100, 128, 1, 128, 2)], ids=lambda s: "x".join(map(str, s)))
+def test_a_loader_warp_gives_the_same_output(shape, causal, mask_kind):
+    """`producer`: a loader warp fills the weight ring, the math warps hand slots back; bit for bit the default's
+    output (the same math in the same order), across layers and sequences of one program."""
     cfg, ref, x, mask, want = _case(shape, causal, mask_kind)
     packed = {k: v.cuda() for k, v in _packed(ref, cfg, torch.float16).items()}
     xc, mc = x.cuda(), None if mask is None else mask.cuda()
     for programs in (None, 1):
-        out = torch.full_like(xc, float("nan"))
-        got = hf.hopper_forward(xc, packed, num_heads=cfg.num_heads, causal=causal, mask=mc, out=out,
-                                programs=programs, pipeline=True, eps=EPS)
-        check_official(want.float(), got.cpu(), f"pipelined {shape} causal={causal} {mask_kind} {programs}")
+        got = hf.hopper_forward(xc, packed, num_heads=cfg.num_heads, causal=causal, mask=mc,
+                                out=torch.full_like(xc, float("nan")), programs=programs, producer=True, eps=EPS)
+        check_official(want.float(), got.cpu(), f"producer {shape} causal={causal} {mask_kind} {programs}")
+        plain = hf.hopper_forward(xc, packed, num_heads=cfg.num_heads, causal=causal, mask=mc, programs=programs,
+                                  eps=EPS)
+        assert torch.equal(got, plain)
 
 
 # the pair variant on an H200: the CPU's pair shapes and official rows 1, 9, 10 (64 sequences, 4/1/2 heads)
@@ -457,15 +464,16 @@ def _pair_case(shape, mask_kind):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("producer", [False, True])
 @pytest.mark.parametrize("shape", PAIR_GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_pair_matches_fp64(shape, mask_kind):
-    """Two programs a sequence against fp64, launched twice on one scratch: each launch leaves every flag at 0, so
-    the second reads no count of the first."""
+def test_pair_matches_fp64(shape, mask_kind, producer):
+    """Two programs a sequence against fp64 (with `producer`, each with a loader warp), launched twice on one
+    scratch: each launch leaves every flag at 0, so the second reads no count of the first."""
     cfg, xc, mc, want, packed, scratch = _pair_case(shape, mask_kind)
     for launch in range(2):
         out = torch.full_like(xc, float("nan"))  # poisoned: every element must be written
         got = hf.hopper_forward(xc, packed, num_heads=cfg.num_heads, causal=True, mask=mc, out=out, pair=True,
-                                scratch=scratch, eps=EPS)
+                                producer=producer, scratch=scratch, eps=EPS)
         check_official(want.float(), got.cpu(), f"pair {shape} {mask_kind} launch {launch}")
         rel = ((got.cpu().double() - want).norm() / want.norm()).item()
         assert rel < 3e-3, rel
