@@ -53,6 +53,8 @@ OPTIMIZATIONS = (
     "hopper_forward",  # where the policy says so, on sm_90: the whole forward in one Gluon kernel (off: the per-layer
     # routes)
     "hopper_pair",  # where the policy says so: the Hopper forward with two programs a causal sequence (off: one)
+    "hopper_producer",  # where the policy says so: the Hopper forward's weight ring filled by a loader warp (off: by
+    # the math warps)
     "hopper_attention",  # where the policy says so, on sm_90: the triton route's attention as kernels.attention_hopper
     # (off: the attention the policy gives without it, SDPA at these lengths)
 )

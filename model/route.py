@@ -31,6 +31,7 @@ class Route:
     eager: bool = False  # a captured route launched eagerly here: policy `hopper.eager_min_batch`, or beyond
     # `graph.max_tokens_x_d_model` (`_hopper_route`)
     pair: bool = False  # hopper route: two programs a causal sequence (policy `hopper.pair_max_batch`)
+    producer: bool = False  # hopper route: a loader warp fills the weight ring (policy `hopper.producer_max_head_dim`)
     prepared_launch: bool = False  # hopper route: eager through its signature's PreparedLaunch (eager_min_batch)
     direct_launch: bool = False  # prepared launch: Triton's C launcher called with an argument list built once
     # (policy `hopper.direct_launch`; off: through the compiled kernel's `run`)
@@ -43,6 +44,7 @@ class Route:
         blocks = "".join(f" {n}={v}" for n, v in (("key_block", self.key_block), ("ffn_block", self.ffn_block)) if v)
         split = " split-layer" if self.split_layer else ""
         pair = " pair" if self.pair else ""
+        pair += " producer" if self.producer else ""
         pdl = " pdl" if self.pdl else ""
         eager = " eager" if self.eager else ""
         eager += " prepared-launch" if self.prepared_launch else ""

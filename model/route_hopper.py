@@ -53,7 +53,7 @@ class HopperForward:
         if pair and self.scratch is None:  # before any capture: a graph replays the launch on this scratch
             self.scratch = self.pair_scratch(x.shape[0], cfg.num_layers, cfg.num_heads, self.hd, x.device)
         keywords = dict(num_heads=cfg.num_heads, causal=cfg.causal, eps=LAYER_NORM_EPS, mask=mask, desc=self.desc,
-                        pair=pair, scratch=self.scratch)
+                        pair=pair, producer=self.route.producer, scratch=self.scratch)
         if self.route.prepared_launch and self.launch is None and self.prepared_launch.serves(x, mask):
             self.launch = self.prepared_launch(x, self.weights, direct=self.route.direct_launch, **keywords)
             return self.launch(x, mask)
@@ -77,6 +77,8 @@ def settle(route, x, disabled):
         raise RouteUnavailable("route 'hopper' was forced, but the hopper_forward optimization is disabled")
     if route.pair and "hopper_pair" in disabled:
         route = replace(route, pair=False, reason=route.reason + "; hopper_pair disabled")
+    if route.producer and "hopper_producer" in disabled:
+        route = replace(route, producer=False, reason=route.reason + "; hopper_producer disabled")
     if route.precision != "fp16":
         if route.forced:
             raise RouteUnavailable(f"route 'hopper' needs fp16 operands, not {route.precision}")
@@ -86,7 +88,8 @@ def settle(route, x, disabled):
 
 
 def switches(route) -> set:
-    return {"hopper_forward"} | ({"hopper_pair"} if route.pair else set())
+    return ({"hopper_forward"} | ({"hopper_pair"} if route.pair else set())
+            | ({"hopper_producer"} if route.producer else set()))
 
 
 def working_set(config, dtype, route) -> int:

@@ -159,9 +159,14 @@ def _hopper_route(precision: str, reason: str, shape: TransformerConfig, forced:
     launcher with an argument list built once where `hopper.direct_launch` is true (`Route.direct_launch`). Two
     programs a sequence where `hopper.pair_max_batch` (null or absent: never) covers the batch,
     `hopper.pair_max_head_dim` (null or absent: any) the head width, and the kernel's `pair` serves the shape: a
-    batch that leaves SMs idle."""
+    batch that leaves SMs idle. A loader warp fills the weight ring where `hopper.producer_max_head_dim` (null or
+    absent: never) covers the head width: a wider head's math warps need the registers the loader takes."""
     route = Route("hopper", precision, reason, forced=forced)
     hopper = POLICY["hopper"]
+    widest_producer = hopper.get("producer_max_head_dim")
+    if widest_producer is not None and shape.head_dim <= widest_producer:
+        route = replace(route, producer=True, reason=route.reason + (
+            f"; a loader warp fills the weight ring (head_dim {shape.head_dim} <= {widest_producer})"))
     most_pair, widest = hopper.get("pair_max_batch"), hopper.get("pair_max_head_dim")
     if (most_pair is not None and shape.batch_size <= most_pair
             and (widest is None or shape.head_dim <= widest)):

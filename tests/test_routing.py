@@ -377,10 +377,11 @@ def test_split_layer_has_a_token_floor(monkeypatch):
 # hopper: built for sm_90 alone, picked unasked only where the policy's hopper entry covers the shape
 # ----------------------------------------------------------------------------------------------
 def _hopper_policy(monkeypatch, max_seq_len=128, min_batch=None, max_heads=None, pair_max_batch=None,
-                   pair_max_head_dim=None, eager_min_batch=None, direct_launch=False):
+                   pair_max_head_dim=None, eager_min_batch=None, direct_launch=False, producer_max_head_dim=None):
     monkeypatch.setitem(routing.POLICY, "hopper", {"max_seq_len": max_seq_len, "min_batch": min_batch,
                                                    "max_heads": max_heads, "pair_max_batch": pair_max_batch,
                                                    "pair_max_head_dim": pair_max_head_dim,
+                                                   "producer_max_head_dim": producer_max_head_dim,
                                                    "eager_min_batch": eager_min_batch,
                                                    "direct_launch": direct_launch})
 
@@ -482,6 +483,25 @@ def test_hopper_pairs_programs_where_the_policy_and_the_kernel_say_so(monkeypatc
     off = route_hopper.settle(two, None, {"hopper_pair"})
     assert not off.pair and "hopper_pair disabled" in off.reason
     assert working_set_bytes(row1, torch.float32, two) > working_set_bytes(row1, torch.float32, one)
+
+
+def test_hopper_loader_warp_where_the_policy_covers_the_head_width(monkeypatch):
+    from shapewise.model import route_hopper
+    from shapewise.model.optimized import switches_used
+
+    row1 = SHAPES[2]  # heads of 32
+    _hopper_policy(monkeypatch)  # producer_max_head_dim null: never
+    plain = select_route(row1, torch.float32, "cuda", capability=(9, 0))
+    assert plain.name == "hopper" and not plain.producer and "hopper_producer" not in switches_used(
+        plain, torch.float32, "cuda")
+    _hopper_policy(monkeypatch, producer_max_head_dim=16)
+    assert not select_route(row1, torch.float32, "cuda", capability=(9, 0)).producer
+    _hopper_policy(monkeypatch, producer_max_head_dim=32, pair_max_batch=64)
+    loader = select_route(row1, torch.float32, "cuda", capability=(9, 0))
+    assert loader.producer and loader.pair and " pair producer (auto: " in str(loader) and "loader warp" in loader.reason
+    assert "hopper_producer" in switches_used(loader, torch.float32, "cuda") and loader.as_dict()["producer"] is True
+    off = route_hopper.settle(loader, None, {"hopper_producer"})
+    assert not off.producer and off.pair and "hopper_producer disabled" in off.reason
 
 
 def test_hopper_attention_where_the_policy_says_so_on_sm90(monkeypatch):
