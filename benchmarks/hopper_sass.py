@@ -41,7 +41,8 @@ def compile_hopper(S, d, H, F, causal=True, masked=True, pair=False, producer=Fa
     stream = torch.zeros(hf.stream_tiles(H, F, cfg["HD"]) * cfg["HD"], d, dtype=torch.float16)
     fn = hf._hopper_forward_fwd
     consts = dict(S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=H, F_CHUNKS=cfg["F_CHUNKS"],
-                  NUM_SLOTS=cfg["NUM_SLOTS"], V_PAD=cfg["V_PAD"], IS_CAUSAL=causal, HAS_MASK=masked, OVERLAP=True,
+                  NUM_SLOTS=cfg["NUM_SLOTS"], RING_GROUPS=cfg["RING_GROUPS"], V_PAD=cfg["V_PAD"], IS_CAUSAL=causal,
+                  HAS_MASK=masked, OVERLAP=True,
                   PAIR=pair, PRODUCER=producer, num_warps=cfg["num_warps"])
     sig = {n: "constexpr" if n in consts else mangle_type(hf.weight_descriptor(stream, cfg["HD"]))
            if n == "w_desc" else "*i8" if n == "Mask" else "*fp16" if n == "KV" else "*i32" if n == "Flags"

@@ -135,10 +135,20 @@ def _vector_pad(d_model: int, num_heads: int, ffn_dim: int, hd: int) -> int:
     return max(256, 1 << (width - 1).bit_length())
 
 
+def ring_groups(tiles_per_layer: int) -> int:
+    """Allocations the ring's mbarriers are spread over, tile g's in allocation g mod this: 4 where a layer's tiles
+    are a multiple of 4 (a tile's position mod 4 is then fixed by the code that consumes it), else 2 (a layer's tiles
+    are even). Triton orders every two waits or arrives on one allocation by a barrier of the warps; on different
+    allocations, not."""
+    return 4 if tiles_per_layer % 4 == 0 else 2
+
+
 def _ring_slots(s_pad: int, hd: int, d_model: int, tiles_per_layer: int, v_pad: int) -> int:
     """Slots of the weight ring: as many [hd, d] fp16 tiles as fit in SMEM_BYTES beside k and v ([s_pad, hd] fp16
-    each, s_pad the keys) and two layers' vectors (fp32), at most MAX_SLOTS and at most a layer's tiles."""
-    return min(MAX_SLOTS, tiles_per_layer, (SMEM_BYTES - 4 * s_pad * hd - 8 * v_pad) // (2 * hd * d_model))
+    each, s_pad the keys) and two layers' vectors (fp32), at most MAX_SLOTS and at most a layer's tiles, a multiple
+    of `ring_groups`."""
+    fit = min(MAX_SLOTS, tiles_per_layer, (SMEM_BYTES - 4 * s_pad * hd - 8 * v_pad) // (2 * hd * d_model))
+    return fit - fit % ring_groups(tiles_per_layer)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,19 +304,27 @@ if gluon is not None:
         return gl.where(t >= 0, t - t * q, t * q)
 
     @gluon.jit
-    def _wait_tile(bars, g, NUM_SLOTS: gl.constexpr):
-        """The ring slot of stream tile g (the g-th this program consumes), once its TMA load has landed."""
-        slot = g % NUM_SLOTS
-        mbarrier.wait(bars.index(slot), (g // NUM_SLOTS) & 1)
-        return slot
+    def _bar(bars, g, P: gl.constexpr, NUM_SLOTS: gl.constexpr):
+        """The mbarrier of ring slot g % NUM_SLOTS (stream tile g's) in `bars`, a tuple of `ring_groups` allocations:
+        allocation g mod their count, which the caller states as P, g's position mod 4 in its layer (a layer's
+        first tile, and a sequence's, sits at a multiple of the count)."""
+        NB: gl.constexpr = len(bars)
+        return bars[P % NB].index((g // NB) % (NUM_SLOTS // NB))
 
     @gluon.jit
-    def _tile_mma(a, ring, bars, g, acc, TRANSPOSE: gl.constexpr, USE_ACC: gl.constexpr, NUM_SLOTS: gl.constexpr,
-                  OVERLAP: gl.constexpr):
-        """acc (+)= a @ B with B stream tile g (its transpose where TRANSPOSE: tiles of in-projections are stored
-        out features by in features), once the tile has landed. In flight on return where OVERLAP (the caller waits
-        before reading the result), else complete."""
-        b = ring.index(_wait_tile(bars, g, NUM_SLOTS))
+    def _wait_tile(bars, g, P: gl.constexpr, NUM_SLOTS: gl.constexpr):
+        """The ring slot of stream tile g (the g-th this program consumes; P: `_bar`'s), once its TMA load has
+        landed."""
+        mbarrier.wait(_bar(bars, g, P, NUM_SLOTS), (g // NUM_SLOTS) & 1)
+        return g % NUM_SLOTS
+
+    @gluon.jit
+    def _tile_mma(a, ring, bars, g, P: gl.constexpr, acc, TRANSPOSE: gl.constexpr, USE_ACC: gl.constexpr,
+                  NUM_SLOTS: gl.constexpr, OVERLAP: gl.constexpr):
+        """acc (+)= a @ B with B stream tile g (P: its position mod 4 in its layer, `_bar`), its transpose where
+        TRANSPOSE (tiles of in-projections are stored out features by in features), once the tile has landed. In
+        flight on return where OVERLAP (the caller waits before reading the result), else complete."""
+        b = ring.index(_wait_tile(bars, g, P, NUM_SLOTS))
         if TRANSPOSE:
             b = b.permute((1, 0))
         acc = warpgroup_mma(a, b, acc, use_acc=USE_ACC, is_async=True)
@@ -315,23 +333,23 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _refill_last(w_desc, ring, bars, g, N: gl.constexpr, lo, first, total, tiles_per_forward,
-                     HD: gl.constexpr, NUM_SLOTS: gl.constexpr):
+    def _refill_last(w_desc, ring, bars, g, G_POS: gl.constexpr, N: gl.constexpr, lo, first, total,
+                     tiles_per_forward, HD: gl.constexpr, NUM_SLOTS: gl.constexpr):
         """The N tiles before stream tile g, those from tile `lo` on, are consumed (their wgmmas waited for by every
         warp: the barrier) and their slots not yet handed back: load tile i + NUM_SLOTS into the slot of each tile i
         among them, where there is one. N is fixed by the caller's code: no hand-back count is carried across the
-        sequence loop, which Triton 3.6 carried wrongly (docs/decisions.md#hopper-sequences-per-program)."""
+        sequence loop, which Triton 3.6 carried wrongly (docs/decisions.md#hopper-sequences-per-program). G_POS:
+        g's position mod 4 in its layer (`_bar`)."""
         gl.thread_barrier()
         for j in gl.static_range(N):
             i = g - N + j
             nxt = i + NUM_SLOTS
             if (nxt < total) & (i >= lo):
-                slot = i % NUM_SLOTS
-                mbarrier.expect(bars.index(slot), w_desc.block_type.nbytes)
+                bar = _bar(bars, i, (G_POS + 4 - N + j) % 4, NUM_SLOTS)
+                mbarrier.expect(bar, w_desc.block_type.nbytes)
                 pos = nxt - first
                 pos = gl.where(pos >= tiles_per_forward, pos - tiles_per_forward, pos)
-                tma.async_copy_global_to_shared(w_desc, [pos * HD, 0], bars.index(slot),
-                                                ring.index(slot))
+                tma.async_copy_global_to_shared(w_desc, [pos * HD, 0], bar, ring.index(i % NUM_SLOTS))
 
     @gluon.jit
     def _kv_offsets(ROWS: gl.constexpr, HD: gl.constexpr, layout: gl.constexpr):
@@ -377,32 +395,53 @@ if gluon is not None:
         ring by TMA, each once the math has handed its slot's previous tile back (`empty`; the first NUM_SLOTS
         tiles go straight in). Every sequence reads the whole stream: tile t is the stream's t mod
         tiles_per_forward."""
+        NB: gl.constexpr = len(bars)
         pos = 0  # t's position in the stream
         for t in range(total):
             slot = t % NUM_SLOTS
-            # the (t // NUM_SLOTS)-th hand-back of this slot, counted from 1: its phase parity
-            mbarrier.wait(empty.index(slot), (t // NUM_SLOTS + 1) & 1, pred=t >= NUM_SLOTS)
-            mbarrier.expect(bars.index(slot), w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(w_desc, [pos * HD, 0], bars.index(slot), ring.index(slot))
+            for p in gl.static_range(NB):  # the allocation of t's barriers (`_bar`)
+                if t % NB == p:
+                    # the (t // NUM_SLOTS)-th hand-back of this slot, counted from 1: its phase parity
+                    mbarrier.wait(empty[p].index(slot // NB), (t // NUM_SLOTS + 1) & 1, pred=t >= NUM_SLOTS)
+                    mbarrier.expect(bars[p].index(slot // NB), w_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(w_desc, [pos * HD, 0], bars[p].index(slot // NB),
+                                                    ring.index(slot))
             pos += 1
             if pos == tiles_per_forward:
                 pos = 0
 
     @gluon.jit
-    def _hand_back(w_desc, ring, bars, empty, g, N: gl.constexpr, lo, first, total, tiles_per_forward,
-                   HD: gl.constexpr, NUM_SLOTS: gl.constexpr, PRODUCER: gl.constexpr):
+    def _hand_back(w_desc, ring, bars, empty, g, G_POS: gl.constexpr, N: gl.constexpr, lo, first, total,
+                   tiles_per_forward, HD: gl.constexpr, NUM_SLOTS: gl.constexpr, PRODUCER: gl.constexpr):
         """The N tiles before stream tile g, those from tile `lo` on, are consumed (their wgmmas waited for by
         every warp: the barrier) and their slots not yet handed back: with PRODUCER each such slot's `empty`
         barrier is arrived on (the loader partition refills it), else its next tile is loaded here
-        (`_refill_last`). Either way the barrier orders every warp's shared-memory work before what follows."""
+        (`_refill_last`). Either way the barrier orders every warp's shared-memory work before what follows. G_POS:
+        g's position mod 4 in its layer (`_bar`)."""
         if PRODUCER:
             gl.thread_barrier()
             for j in gl.static_range(N):
                 i = g - N + j
                 if i >= lo:
-                    mbarrier.arrive(empty.index(i % NUM_SLOTS))
+                    mbarrier.arrive(_bar(empty, i, (G_POS + 4 - N + j) % 4, NUM_SLOTS))
         else:
-            _refill_last(w_desc, ring, bars, g, N, lo, first, total, tiles_per_forward, HD, NUM_SLOTS)
+            _refill_last(w_desc, ring, bars, g, G_POS, N, lo, first, total, tiles_per_forward, HD, NUM_SLOTS)
+
+    @gluon.jit
+    def _ring_barriers(NUM_SLOTS: gl.constexpr, RING_GROUPS: gl.constexpr):
+        """One mbarrier per ring slot, in a tuple of RING_GROUPS allocations (`_bar`), each initialized to one
+        arrival."""
+        if RING_GROUPS == 4:
+            bars = (gl.allocate_shared_memory(gl.int64, [NUM_SLOTS // 4, 1], mbarrier.MBarrierLayout()),
+                    gl.allocate_shared_memory(gl.int64, [NUM_SLOTS // 4, 1], mbarrier.MBarrierLayout()),
+                    gl.allocate_shared_memory(gl.int64, [NUM_SLOTS // 4, 1], mbarrier.MBarrierLayout()),
+                    gl.allocate_shared_memory(gl.int64, [NUM_SLOTS // 4, 1], mbarrier.MBarrierLayout()))
+        else:
+            bars = (gl.allocate_shared_memory(gl.int64, [NUM_SLOTS // 2, 1], mbarrier.MBarrierLayout()),
+                    gl.allocate_shared_memory(gl.int64, [NUM_SLOTS // 2, 1], mbarrier.MBarrierLayout()))
+        for i in gl.static_range(NUM_SLOTS):
+            mbarrier.init(_bar(bars, i, i % 4, NUM_SLOTS), count=1)
+        return bars
 
     @gluon.jit
     def _hopper_forward_fwd(
@@ -413,8 +452,9 @@ if gluon is not None:
         stride_xb, stride_xs, stride_yb, stride_ys, stride_mb,
         KV, Flags,  # PAIR: fp16 [B, L, NUM_HEADS, 2, S_PAD, HD] k, v of first halves; int32 [B] heads published
         S_PAD: gl.constexpr, D: gl.constexpr, HD: gl.constexpr, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr,
-        NUM_SLOTS: gl.constexpr, V_PAD: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_MASK: gl.constexpr,
-        OVERLAP: gl.constexpr, PAIR: gl.constexpr, PRODUCER: gl.constexpr, num_warps: gl.constexpr,
+        NUM_SLOTS: gl.constexpr, RING_GROUPS: gl.constexpr, V_PAD: gl.constexpr, IS_CAUSAL: gl.constexpr,
+        HAS_MASK: gl.constexpr, OVERLAP: gl.constexpr, PAIR: gl.constexpr, PRODUCER: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         # keys a program scores: its own rows', or with PAIR the whole (two-halves) sequence's
         if PAIR:
@@ -424,16 +464,12 @@ if gluon is not None:
         KV_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HD], gl.float16)
         TILES: gl.constexpr = 4 * NUM_HEADS + 2 * F_CHUNKS
         ring = gl.allocate_shared_memory(gl.float16, [NUM_SLOTS, HD, D], w_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())  # a tile landed
+        bars = _ring_barriers(NUM_SLOTS, RING_GROUPS)  # a slot's tile landed
         k_s = gl.allocate_shared_memory(gl.float16, [KEYS, HD], KV_LAYOUT)
         v_s = gl.allocate_shared_memory(gl.float16, [KEYS, HD], KV_LAYOUT)
         vec_s = gl.allocate_shared_memory(gl.float32, [2, V_PAD], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        for i in gl.static_range(NUM_SLOTS):
-            mbarrier.init(bars.index(i), count=1)
         if PRODUCER:  # a slot's tile consumed: the loader partition may refill it
-            empty = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(NUM_SLOTS):
-                mbarrier.init(empty.index(i), count=1)
+            empty = _ring_barriers(NUM_SLOTS, RING_GROUPS)
         else:
             empty = bars  # not read
 
@@ -458,19 +494,18 @@ if gluon is not None:
         else:
             for i in gl.static_range(NUM_SLOTS):  # the ring's first fill
                 if i < total:
-                    mbarrier.expect(bars.index(i), w_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(w_desc, [(i % tiles_per_forward) * HD, 0], bars.index(i),
-                                                    ring.index(i))
+                    mbarrier.expect(_bar(bars, i, i % 4, NUM_SLOTS), w_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(w_desc, [(i % tiles_per_forward) * HD, 0],
+                                                    _bar(bars, i, i % 4, NUM_SLOTS), ring.index(i))
             _forward_program(X, Y, Mask, w_desc, VEC, NFw, NFb, batch, seq_len, num_layers, qk_scale, eps,
                              stride_xb, stride_xs, stride_yb, stride_ys, stride_mb, KV, Flags, ring, bars, empty,
                              k_s, v_s, vec_s, pid, programs, half, total, tiles_per_forward, S_PAD, D, HD,
                              NUM_HEADS, F_CHUNKS, NUM_SLOTS, V_PAD, KEYS, IS_CAUSAL, HAS_MASK, OVERLAP, PAIR,
                              PRODUCER, num_warps)
         for i in gl.static_range(NUM_SLOTS):
-            mbarrier.invalidate(bars.index(i))
-        if PRODUCER:
-            for i in gl.static_range(NUM_SLOTS):
-                mbarrier.invalidate(empty.index(i))
+            mbarrier.invalidate(_bar(bars, i, i % 4, NUM_SLOTS))
+            if PRODUCER:
+                mbarrier.invalidate(_bar(empty, i, i % 4, NUM_SLOTS))
 
     @gluon.jit
     def _forward_program(X, Y, Mask, w_desc, VEC, NFw, NFb, batch, seq_len, num_layers, qk_scale, eps,
@@ -569,7 +604,7 @@ if gluon is not None:
                             _copy_published(k_s, v_s, kv_tile, S_PAD, HD, L_KV)
                     if HD >= 128:  # q, k, v accumulators at once (192 registers) beside the residual spill:
                         # k, v, then q, each waited for alone
-                        k = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, False)
+                        k = _tile_mma(h, ring, bars, g + 1, 1, zeros_h, True, False, NUM_SLOTS, False)
                         if PAIR:  # k stored before v is projected: one [64, HD] fp32 tile at a time beside x
                             gl.thread_barrier()  # every warp is past the previous head's reads of k_s and v_s
                             if (half == 0) & (head > 0):  # every warp's stores of the previous head's tiles done
@@ -579,7 +614,7 @@ if gluon is not None:
                                 _publish(k.to(gl.float16), kv_tile, S_PAD, HD, L_H)
                             else:
                                 k_s.slice(S_PAD, S_PAD).store(k.to(gl.float16))
-                            v = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, False)
+                            v = _tile_mma(h, ring, bars, g + 2, 2, zeros_h, True, False, NUM_SLOTS, False)
                             if half == 0:
                                 v_s.slice(0, S_PAD).store(v.to(gl.float16))
                                 _publish(v.to(gl.float16), kv_tile + S_PAD * HD, S_PAD, HD, L_H)
@@ -587,27 +622,27 @@ if gluon is not None:
                                 v_s.slice(S_PAD, S_PAD).store(v.to(gl.float16))
                             async_copy.wait_group(0)  # the first half's rows landed (the second program)
                         else:
-                            v = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, False)
+                            v = _tile_mma(h, ring, bars, g + 2, 2, zeros_h, True, False, NUM_SLOTS, False)
                             gl.thread_barrier()  # every warp is past the previous head's reads of k_s and v_s
                             k_s.store(k.to(gl.float16))
                             v_s.store(v.to(gl.float16))
                         fence_async_shared()  # the stores above before the wgmma reads below (async proxy)
-                        q = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, False)
+                        q = _tile_mma(h, ring, bars, g, 0, zeros_h, True, False, NUM_SLOTS, False)
                         g += 3
                         # q's tile read too: the slots of q, k, v and the previous head's out-projection are
                         # free; the hand-back's barrier also orders every warp's k and v stores before the scores
-                        _hand_back(w_desc, ring, bars, empty, g, 4, lo, first, total, tiles_per_forward, HD, NUM_SLOTS,
-                                   PRODUCER)
+                        _hand_back(w_desc, ring, bars, empty, g, 3, 4, lo, first, total, tiles_per_forward, HD,
+                                   NUM_SLOTS, PRODUCER)
                     else:
-                        q = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, OVERLAP)
-                        k = _tile_mma(h, ring, bars, g + 1, zeros_h, True, False, NUM_SLOTS, OVERLAP)
-                        v = _tile_mma(h, ring, bars, g + 2, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                        q = _tile_mma(h, ring, bars, g, 0, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                        k = _tile_mma(h, ring, bars, g + 1, 1, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                        v = _tile_mma(h, ring, bars, g + 2, 2, zeros_h, True, False, NUM_SLOTS, OVERLAP)
                         q, k, v = warpgroup_mma_wait(num_outstanding=0, deps=(q, k, v))
                         g += 3
                         # every warp is past the previous head's probs @ v and out-projection: k_s, v_s and the
                         # consumed tiles' slots (q, k, v; the previous head's out-projection) are free
-                        _hand_back(w_desc, ring, bars, empty, g, 4, lo, first, total, tiles_per_forward, HD, NUM_SLOTS,
-                                   PRODUCER)
+                        _hand_back(w_desc, ring, bars, empty, g, 3, 4, lo, first, total, tiles_per_forward, HD,
+                                   NUM_SLOTS, PRODUCER)
                         if PAIR:
                             if (half == 0) & (head > 0):  # every warp's stores of the previous head's tiles done
                                 _release(flag, layer * NUM_HEADS + head)
@@ -636,38 +671,39 @@ if gluon is not None:
                     l_sum = gl.convert_layout(gl.where(l_sum == 0.0, 1.0, l_sum), gl.SliceLayout(1, L_H))
                     o = (o / gl.expand_dims(l_sum, 1)).to(gl.float16)
                     # complete: the loop carries x as a tensor, not as a wgmma in flight
-                    x = _tile_mma(gl.convert_layout(o, A_D), ring, bars, g, x, False, True, NUM_SLOTS, False)
+                    x = _tile_mma(gl.convert_layout(o, A_D), ring, bars, g, 3, x, False, True, NUM_SLOTS, False)
                     g += 1
                 # the out-projection's tile
-                _hand_back(w_desc, ring, bars, empty, g, 1, 0, first, total, tiles_per_forward, HD, NUM_SLOTS,
-                           PRODUCER)
+                _hand_back(w_desc, ring, bars, empty, g, 0, 1, 0, first, total, tiles_per_forward, HD,
+                           NUM_SLOTS, PRODUCER)
                 if PAIR:
                     if half == 0:  # the hand-back's barrier follows every warp's stores of the last head's tiles
                         _release(flag, (layer + 1) * NUM_HEADS)
                 x = x + gl.expand_dims(_vec(vecs, OB, D, L_COL), 0)
                 h = _layer_norm(x, _vec(vecs, N2W, D, L_COL), _vec(vecs, N2B, D, L_COL), D, eps).to(gl.float16)
                 h = gl.convert_layout(h, A_H)
-                t = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                t = _tile_mma(h, ring, bars, g, 0, zeros_h, True, False, NUM_SLOTS, OVERLAP)
                 g += 1
                 for c in gl.static_range(F_CHUNKS):
                     t, x = warpgroup_mma_wait(num_outstanding=0, deps=(t, x))
                     if c == 0:  # the in-projection; then the previous chunk's out-projection too
-                        _hand_back(w_desc, ring, bars, empty, g, 1, 0, first, total, tiles_per_forward, HD, NUM_SLOTS,
-                                   PRODUCER)
+                        _hand_back(w_desc, ring, bars, empty, g, 1, 1, 0, first, total, tiles_per_forward, HD,
+                                   NUM_SLOTS, PRODUCER)
                     else:
-                        _hand_back(w_desc, ring, bars, empty, g, 2, 0, first, total, tiles_per_forward, HD, NUM_SLOTS,
-                                   PRODUCER)
+                        _hand_back(w_desc, ring, bars, empty, g, (2 * c + 1) % 4, 2, 0, first, total,
+                                   tiles_per_forward, HD, NUM_SLOTS, PRODUCER)
                     t = t + gl.expand_dims(_vec(vecs, INB + c * HD, HD, H_COL), 0)
                     a = _gelu(t).to(gl.float16)
-                    x = _tile_mma(gl.convert_layout(a, A_D), ring, bars, g, x, False, True, NUM_SLOTS, OVERLAP)
+                    x = _tile_mma(gl.convert_layout(a, A_D), ring, bars, g, (2 * c + 1) % 4, x, False, True, NUM_SLOTS,
+                                  OVERLAP)
                     g += 1
                     if c + 1 < F_CHUNKS:  # the next chunk's in-projection behind it, no wait between
-                        t = _tile_mma(h, ring, bars, g, zeros_h, True, False, NUM_SLOTS, OVERLAP)
+                        t = _tile_mma(h, ring, bars, g, (2 * c + 2) % 4, zeros_h, True, False, NUM_SLOTS, OVERLAP)
                         g += 1
                 x = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
                 # the out-projection's tile
-                _hand_back(w_desc, ring, bars, empty, g, 1, 0, first, total, tiles_per_forward, HD, NUM_SLOTS,
-                           PRODUCER)
+                _hand_back(w_desc, ring, bars, empty, g, (2 * F_CHUNKS) % 4, 1, 0, first, total,
+                           tiles_per_forward, HD, NUM_SLOTS, PRODUCER)
                 x = x + gl.expand_dims(_vec(vecs, OUTB, D, L_COL), 0)
                 x = gl.where(gl.expand_dims(row_ok, 1), x, 0.0)
                 # every warp is past this layer's last read of the other buffer (the hand-back's barrier above)
@@ -687,14 +723,15 @@ if gluon is not None:
 # ----------------------------------------------------------------------------------------------
 def launch_config(seq_len: int, d_model: int, num_heads: int, ffn_dim: int, pair: bool = False) -> dict:
     """The kernel's compile-time shape for this model shape: S_PAD (a program's rows), HD, F_CHUNKS, NUM_SLOTS,
-    V_PAD, PAIR, num_warps. With `pair` a program holds PAIR_ROWS rows and scores all 128 keys (k and v take
-    shared memory for 128 rows, as without it)."""
+    RING_GROUPS, V_PAD, PAIR, num_warps. With `pair` a program holds PAIR_ROWS rows and scores all 128 keys (k and v
+    take shared memory for 128 rows, as without it)."""
     hd = head_dim_padded(d_model // num_heads)
     keys = _seq_pad(seq_len)
     s_pad = PAIR_ROWS if pair else keys
     v_pad = _vector_pad(d_model, num_heads, ffn_dim, hd)
+    tiles = stream_tiles(num_heads, ffn_dim, hd)
     return {"S_PAD": s_pad, "HD": hd, "F_CHUNKS": -(-ffn_dim // hd),
-            "NUM_SLOTS": _ring_slots(keys, hd, d_model, stream_tiles(num_heads, ffn_dim, hd), v_pad),
+            "NUM_SLOTS": _ring_slots(keys, hd, d_model, tiles, v_pad), "RING_GROUPS": ring_groups(tiles),
             "V_PAD": v_pad, "PAIR": bool(pair), "num_warps": s_pad // 16}
 
 
@@ -783,7 +820,8 @@ def _arguments(x, w, *, num_heads, causal, eps, mask, out, desc, programs, overl
         stride_xb=x.stride(0), stride_xs=x.stride(1), stride_yb=out.stride(0), stride_ys=out.stride(1),
         stride_mb=m.stride(0) if mask is not None else 0, KV=kv, Flags=flags,
         S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=num_heads, F_CHUNKS=cfg["F_CHUNKS"],
-        NUM_SLOTS=cfg["NUM_SLOTS"], V_PAD=cfg["V_PAD"], IS_CAUSAL=bool(causal), HAS_MASK=mask is not None,
+        NUM_SLOTS=cfg["NUM_SLOTS"], RING_GROUPS=cfg["RING_GROUPS"], V_PAD=cfg["V_PAD"], IS_CAUSAL=bool(causal),
+        HAS_MASK=mask is not None,
         OVERLAP=bool(overlap), PAIR=bool(pair), PRODUCER=bool(producer), num_warps=cfg["num_warps"],
     )
 

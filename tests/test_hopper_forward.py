@@ -188,6 +188,9 @@ def test_the_launch_fits_shared_memory(args):
     S, d = cfg["S_PAD"], args[1]
     ring = cfg["NUM_SLOTS"] * cfg["HD"] * d * 2
     assert 2 <= cfg["NUM_SLOTS"] <= hf.MAX_SLOTS and ring + 4 * S * cfg["HD"] + 8 * cfg["V_PAD"] <= hf.SMEM_BYTES
+    # the ring's barriers in RING_GROUPS allocations, a layer's tiles a multiple of them
+    assert cfg["NUM_SLOTS"] % cfg["RING_GROUPS"] == 0
+    assert hf.stream_tiles(args[2], args[3], cfg["HD"]) % cfg["RING_GROUPS"] == 0
     assert cfg["num_warps"] * 16 == S >= args[0]
 
 
@@ -210,8 +213,8 @@ COMPILE = textwrap.dedent('''
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, (S, d, H)
         assert k.metadata.shared <= 227 * 1024, (S, d, H, k.metadata.shared)
         loads = k.asm["ttgir"].count(TMA_LOAD)
-        if producer:  # the loader's one loop over the program's tiles; the math warps hand slots back
-            assert loads == 1 and "setmaxnreg" in ptx, (S, d, H, loads)
+        if producer:  # the loader's one loop over the program's tiles, a load per allocation of the ring's barriers
+            assert loads == cfg["RING_GROUPS"] and "setmaxnreg" in ptx, (S, d, H, loads)
             assert usage(k, cfg["num_warps"])["spill_store_bytes"] == 0, (S, d, H)
         else:  # one TMA load per ring slot to start, then one per tile in the code of a layer (the head loop's
             # body once: 4 tiles; the out-projection's; each FFN chunk's two, unrolled), each handing back a
