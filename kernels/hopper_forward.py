@@ -34,9 +34,13 @@ cluster barrier, so the pair shares through L2.
 
 Loader warp (`producer=True`, off by default): `gl.warp_specialize` runs the math above in the program's warps (the
 default partition) and one more warp (LOADER_REGISTERS registers) that issues every TMA load of the ring, each once
-the math has handed the slot's previous tile back through that slot's `empty` mbarrier: the math warps no longer
-expect, address or issue loads, and a hand-back is one arrive after the barrier that follows the consuming wgmmas'
-wait. The same math in the same order: the output is bit for bit the default's.
+the math has handed back the tile its slot held: the math warps no longer expect, address or issue loads. The math
+hands tiles back in groups, one mbarrier arrive per group (a head's projections free its q, k, v tiles and the
+previous head's out-projection; an FFN chunk's in-projection frees its tile and the previous chunk's out-projection),
+on a ring of EVENT_SLOTS event barriers that the loader reads in the same order (`_event_of`). Triton 3.6 puts a
+barrier of the partition's warps before every arrive, and between two waits on one allocation: the ring's "tile
+landed" barriers are spread over RING_GROUPS allocations (`_bar`) so that a head's three waits take none. The same
+math in the same order: the output is bit for bit the default's.
 
 Operands fp16, accumulation and statistics fp32; masks exact (any valid-token mask, a sequence with no valid
 token included); the output in the caller's dtype.
@@ -69,6 +73,9 @@ PAIR_ROWS = 64  # rows of each program of a pair: one warpgroup, the 64-row tile
 PAIR_MIN_SEQ_LEN = PAIR_ROWS + 1  # a pair's second program holds a token (shorter: one 64-row program serves)
 # `producer`'s loader partition: one warp, registers enough for its loop (the math warps take the rest of the file)
 LOADER_REGISTERS = 24
+# `producer`'s hand-back events in flight at most: a multiple of 4 above MAX_SLOTS (the loader waits for the event of
+# tile t - NUM_SLOTS while the math has handed back at most the tiles before t, each at most one event)
+EVENT_SLOTS = 2 * MAX_SLOTS
 # A layer's fp32 vectors, one row of `pack_weights`'s `vecs` in this order (the kernel's offsets follow it): read
 # from shared memory, where the next layer's are staged during each layer (an L2 load at each use stalled the math)
 VECTOR_ORDER = ("n1_w", "n1_b", "n2_w", "n2_b", "o_b", "out_b", "q_b", "in_b")
@@ -294,6 +301,7 @@ if gluon is not None:
     _H1, _H2, _H3, _H4, _H5 = (gl.constexpr(0.5 * a) for a in ERF_A)
     _NEG_HALF_LOG2E = gl.constexpr(-0.5 / math.log(2))
     _LOADER_REGISTERS = gl.constexpr(LOADER_REGISTERS)
+    _EVENT_SLOTS = gl.constexpr(EVENT_SLOTS)
 
     @gluon.jit
     def _gelu(t):
@@ -389,20 +397,38 @@ if gluon is not None:
         return seen
 
     @gluon.jit
-    def _load_weights(w_desc, ring, bars, empty, total, tiles_per_forward, HD: gl.constexpr,
-                      NUM_SLOTS: gl.constexpr):
+    def _event_of(i, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr):
+        """The hand-back event that frees stream tile i, in the order the math hands back (`_hand_back`), a layer's
+        NUM_HEADS + F_CHUNKS + 2 events: head h's projections free its q, k, v and the previous head's
+        out-projection (event h); the head loop's end the last head's out-projection (NUM_HEADS); FFN chunk c's
+        in-projection frees its own and the previous chunk's out-projection (NUM_HEADS + 1 + c); the layer's end
+        the last chunk's out-projection (NUM_HEADS + F_CHUNKS + 1)."""
+        TILES: gl.constexpr = 4 * NUM_HEADS + 2 * F_CHUNKS
+        layer = i // TILES
+        pos = i - layer * TILES
+        if pos < 4 * NUM_HEADS:
+            local = pos // 4 + (pos % 4 == 3).to(gl.int32)
+        else:
+            pos -= 4 * NUM_HEADS
+            local = NUM_HEADS + 1 + pos // 2 + (pos % 2).to(gl.int32)
+        return layer * (NUM_HEADS + F_CHUNKS + 2) + local
+
+    @gluon.jit
+    def _load_weights(w_desc, ring, bars, events, total, tiles_per_forward, HD: gl.constexpr,
+                      NUM_SLOTS: gl.constexpr, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr):
         """PRODUCER's loader partition (one warp): every stream tile this program consumes, in order, into the
-        ring by TMA, each once the math has handed its slot's previous tile back (`empty`; the first NUM_SLOTS
-        tiles go straight in). Every sequence reads the whole stream: tile t is the stream's t mod
-        tiles_per_forward."""
+        ring by TMA, each once the math has handed back the tile its slot held (the event `_event_of` that tile,
+        in the ring of `events`; the first NUM_SLOTS tiles go straight in). Every sequence reads the whole stream:
+        tile t is the stream's t mod tiles_per_forward."""
         NB: gl.constexpr = len(bars)
         pos = 0  # t's position in the stream
         for t in range(total):
             slot = t % NUM_SLOTS
-            for p in gl.static_range(NB):  # the allocation of t's barriers (`_bar`)
+            if t >= NUM_SLOTS:
+                e = _event_of(t - NUM_SLOTS, NUM_HEADS, F_CHUNKS)
+                mbarrier.wait(events.index(e % _EVENT_SLOTS), (e // _EVENT_SLOTS) & 1)
+            for p in gl.static_range(NB):  # the allocation of t's barrier (`_bar`)
                 if t % NB == p:
-                    # the (t // NUM_SLOTS)-th hand-back of this slot, counted from 1: its phase parity
-                    mbarrier.wait(empty[p].index(slot // NB), (t // NUM_SLOTS + 1) & 1, pred=t >= NUM_SLOTS)
                     mbarrier.expect(bars[p].index(slot // NB), w_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(w_desc, [pos * HD, 0], bars[p].index(slot // NB),
                                                     ring.index(slot))
@@ -411,19 +437,16 @@ if gluon is not None:
                 pos = 0
 
     @gluon.jit
-    def _hand_back(w_desc, ring, bars, empty, g, G_POS: gl.constexpr, N: gl.constexpr, lo, first, total,
+    def _hand_back(w_desc, ring, bars, events, event, g, G_POS: gl.constexpr, N: gl.constexpr, lo, first, total,
                    tiles_per_forward, HD: gl.constexpr, NUM_SLOTS: gl.constexpr, PRODUCER: gl.constexpr):
         """The N tiles before stream tile g, those from tile `lo` on, are consumed (their wgmmas waited for by
-        every warp: the barrier) and their slots not yet handed back: with PRODUCER each such slot's `empty`
-        barrier is arrived on (the loader partition refills it), else its next tile is loaded here
-        (`_refill_last`). Either way the barrier orders every warp's shared-memory work before what follows. G_POS:
-        g's position mod 4 in its layer (`_bar`)."""
+        every warp: the barrier) and their slots not yet handed back: with PRODUCER hand-back `event` (`_event_of`
+        each of them) is signalled, one arrive on its mbarrier in the ring of `events` (the loader partition
+        refills the slots), else their next tiles are loaded here (`_refill_last`). Either way the barrier orders
+        every warp's shared-memory work before what follows. G_POS: g's position mod 4 in its layer (`_bar`)."""
         if PRODUCER:
             gl.thread_barrier()
-            for j in gl.static_range(N):
-                i = g - N + j
-                if i >= lo:
-                    mbarrier.arrive(_bar(empty, i, (G_POS + 4 - N + j) % 4, NUM_SLOTS))
+            mbarrier.arrive(events.index(event % _EVENT_SLOTS))
         else:
             _refill_last(w_desc, ring, bars, g, G_POS, N, lo, first, total, tiles_per_forward, HD, NUM_SLOTS)
 
@@ -468,10 +491,12 @@ if gluon is not None:
         k_s = gl.allocate_shared_memory(gl.float16, [KEYS, HD], KV_LAYOUT)
         v_s = gl.allocate_shared_memory(gl.float16, [KEYS, HD], KV_LAYOUT)
         vec_s = gl.allocate_shared_memory(gl.float32, [2, V_PAD], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        if PRODUCER:  # a slot's tile consumed: the loader partition may refill it
-            empty = _ring_barriers(NUM_SLOTS, RING_GROUPS)
+        if PRODUCER:  # tiles handed back: the loader partition may refill their slots (`_event_of`)
+            events = gl.allocate_shared_memory(gl.int64, [_EVENT_SLOTS, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(_EVENT_SLOTS):
+                mbarrier.init(events.index(i), count=1)
         else:
-            empty = bars  # not read
+            events = ring  # not read
 
         pid = gl.program_id(0)
         programs = gl.num_programs(0)
@@ -486,10 +511,11 @@ if gluon is not None:
             gl.warp_specialize([
                 (_forward_program, (X, Y, Mask, w_desc, VEC, NFw, NFb, batch, seq_len, num_layers, qk_scale, eps,
                                     stride_xb, stride_xs, stride_yb, stride_ys, stride_mb, KV, Flags, ring, bars,
-                                    empty, k_s, v_s, vec_s, pid, programs, half, total, tiles_per_forward, S_PAD, D,
+                                    events, k_s, v_s, vec_s, pid, programs, half, total, tiles_per_forward, S_PAD, D,
                                     HD, NUM_HEADS, F_CHUNKS, NUM_SLOTS, V_PAD, KEYS, IS_CAUSAL, HAS_MASK, OVERLAP,
                                     PAIR, PRODUCER, num_warps)),
-                (_load_weights, (w_desc, ring, bars, empty, total, tiles_per_forward, HD, NUM_SLOTS)),
+                (_load_weights, (w_desc, ring, bars, events, total, tiles_per_forward, HD, NUM_SLOTS, NUM_HEADS,
+                                 F_CHUNKS)),
             ], [1], [_LOADER_REGISTERS])
         else:
             for i in gl.static_range(NUM_SLOTS):  # the ring's first fill
@@ -498,18 +524,19 @@ if gluon is not None:
                     tma.async_copy_global_to_shared(w_desc, [(i % tiles_per_forward) * HD, 0],
                                                     _bar(bars, i, i % 4, NUM_SLOTS), ring.index(i))
             _forward_program(X, Y, Mask, w_desc, VEC, NFw, NFb, batch, seq_len, num_layers, qk_scale, eps,
-                             stride_xb, stride_xs, stride_yb, stride_ys, stride_mb, KV, Flags, ring, bars, empty,
+                             stride_xb, stride_xs, stride_yb, stride_ys, stride_mb, KV, Flags, ring, bars, events,
                              k_s, v_s, vec_s, pid, programs, half, total, tiles_per_forward, S_PAD, D, HD,
                              NUM_HEADS, F_CHUNKS, NUM_SLOTS, V_PAD, KEYS, IS_CAUSAL, HAS_MASK, OVERLAP, PAIR,
                              PRODUCER, num_warps)
         for i in gl.static_range(NUM_SLOTS):
             mbarrier.invalidate(_bar(bars, i, i % 4, NUM_SLOTS))
-            if PRODUCER:
-                mbarrier.invalidate(_bar(empty, i, i % 4, NUM_SLOTS))
+        if PRODUCER:
+            for i in gl.static_range(_EVENT_SLOTS):
+                mbarrier.invalidate(events.index(i))
 
     @gluon.jit
     def _forward_program(X, Y, Mask, w_desc, VEC, NFw, NFb, batch, seq_len, num_layers, qk_scale, eps,
-                         stride_xb, stride_xs, stride_yb, stride_ys, stride_mb, KV, Flags, ring, bars, empty, k_s,
+                         stride_xb, stride_xs, stride_yb, stride_ys, stride_mb, KV, Flags, ring, bars, events, k_s,
                          v_s, vec_s, pid, programs, half, total, tiles_per_forward, S_PAD: gl.constexpr,
                          D: gl.constexpr, HD: gl.constexpr, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr,
                          NUM_SLOTS: gl.constexpr, V_PAD: gl.constexpr, KEYS: gl.constexpr, IS_CAUSAL: gl.constexpr,
@@ -583,6 +610,7 @@ if gluon is not None:
                 flag = Flags + b
                 seen = pid * 0  # heads of this sequence the second program knows published
             for layer in range(num_layers):
+                ev0 = (g // TILES) * (NUM_HEADS + F_CHUNKS + 2)  # this layer's first hand-back event (`_event_of`)
                 # the vectors of the layer after this one (the next sequence's first after the last), loaded now
                 # and staged in the other buffer at the layer's end; the buffer: the parity of layers run so far
                 upcoming = gl.load(VEC + gl.where(layer + 1 < num_layers, layer + 1, 0) * V_PAD + v_offs)
@@ -631,8 +659,8 @@ if gluon is not None:
                         g += 3
                         # q's tile read too: the slots of q, k, v and the previous head's out-projection are
                         # free; the hand-back's barrier also orders every warp's k and v stores before the scores
-                        _hand_back(w_desc, ring, bars, empty, g, 3, 4, lo, first, total, tiles_per_forward, HD,
-                                   NUM_SLOTS, PRODUCER)
+                        _hand_back(w_desc, ring, bars, events, ev0 + head, g, 3, 4, lo, first, total,
+                                   tiles_per_forward, HD, NUM_SLOTS, PRODUCER)
                     else:
                         q = _tile_mma(h, ring, bars, g, 0, zeros_h, True, False, NUM_SLOTS, OVERLAP)
                         k = _tile_mma(h, ring, bars, g + 1, 1, zeros_h, True, False, NUM_SLOTS, OVERLAP)
@@ -641,8 +669,8 @@ if gluon is not None:
                         g += 3
                         # every warp is past the previous head's probs @ v and out-projection: k_s, v_s and the
                         # consumed tiles' slots (q, k, v; the previous head's out-projection) are free
-                        _hand_back(w_desc, ring, bars, empty, g, 3, 4, lo, first, total, tiles_per_forward, HD,
-                                   NUM_SLOTS, PRODUCER)
+                        _hand_back(w_desc, ring, bars, events, ev0 + head, g, 3, 4, lo, first, total,
+                                   tiles_per_forward, HD, NUM_SLOTS, PRODUCER)
                         if PAIR:
                             if (half == 0) & (head > 0):  # every warp's stores of the previous head's tiles done
                                 _release(flag, layer * NUM_HEADS + head)
@@ -674,8 +702,8 @@ if gluon is not None:
                     x = _tile_mma(gl.convert_layout(o, A_D), ring, bars, g, 3, x, False, True, NUM_SLOTS, False)
                     g += 1
                 # the out-projection's tile
-                _hand_back(w_desc, ring, bars, empty, g, 0, 1, 0, first, total, tiles_per_forward, HD,
-                           NUM_SLOTS, PRODUCER)
+                _hand_back(w_desc, ring, bars, events, ev0 + NUM_HEADS, g, 0, 1, 0, first, total, tiles_per_forward,
+                           HD, NUM_SLOTS, PRODUCER)
                 if PAIR:
                     if half == 0:  # the hand-back's barrier follows every warp's stores of the last head's tiles
                         _release(flag, (layer + 1) * NUM_HEADS)
@@ -687,11 +715,11 @@ if gluon is not None:
                 for c in gl.static_range(F_CHUNKS):
                     t, x = warpgroup_mma_wait(num_outstanding=0, deps=(t, x))
                     if c == 0:  # the in-projection; then the previous chunk's out-projection too
-                        _hand_back(w_desc, ring, bars, empty, g, 1, 1, 0, first, total, tiles_per_forward, HD,
-                                   NUM_SLOTS, PRODUCER)
-                    else:
-                        _hand_back(w_desc, ring, bars, empty, g, (2 * c + 1) % 4, 2, 0, first, total,
+                        _hand_back(w_desc, ring, bars, events, ev0 + NUM_HEADS + 1, g, 1, 1, 0, first, total,
                                    tiles_per_forward, HD, NUM_SLOTS, PRODUCER)
+                    else:
+                        _hand_back(w_desc, ring, bars, events, ev0 + NUM_HEADS + 1 + c, g, (2 * c + 1) % 4, 2, 0,
+                                   first, total, tiles_per_forward, HD, NUM_SLOTS, PRODUCER)
                     t = t + gl.expand_dims(_vec(vecs, INB + c * HD, HD, H_COL), 0)
                     a = _gelu(t).to(gl.float16)
                     x = _tile_mma(gl.convert_layout(a, A_D), ring, bars, g, (2 * c + 1) % 4, x, False, True, NUM_SLOTS,
@@ -702,8 +730,8 @@ if gluon is not None:
                         g += 1
                 x = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
                 # the out-projection's tile
-                _hand_back(w_desc, ring, bars, empty, g, (2 * F_CHUNKS) % 4, 1, 0, first, total,
-                           tiles_per_forward, HD, NUM_SLOTS, PRODUCER)
+                _hand_back(w_desc, ring, bars, events, ev0 + NUM_HEADS + F_CHUNKS + 1, g, (2 * F_CHUNKS) % 4, 1, 0,
+                           first, total, tiles_per_forward, HD, NUM_SLOTS, PRODUCER)
                 x = x + gl.expand_dims(_vec(vecs, OUTB, D, L_COL), 0)
                 x = gl.where(gl.expand_dims(row_ok, 1), x, 0.0)
                 # every warp is past this layer's last read of the other buffer (the hand-back's barrier above)
