@@ -182,6 +182,12 @@ def _check(name, t, shape, dtypes, device):
         raise ValueError(f"fused_linear: {name} must have unit stride in its last dimension, got {t.stride()}")
 
 
+def why_unsupported(d_model, ffn_dim):
+    """Why a layer of these widths cannot run its GEMMs here (every N and K a multiple of ALIGN), or None."""
+    odd = [f"{name} {size}" for name, size in (("d_model", d_model), ("ffn_dim", ffn_dim)) if size % ALIGN]
+    return f"{' and '.join(odd)} not a multiple of {ALIGN}" if odd else None
+
+
 def stats_shape(m, n, block_n=BLOCK_N):
     """The shape of `stats_out` for y [m, n] under column blocks of `block_n`: [m, cdiv(n, block_n), 2]."""
     return (m, triton.cdiv(n, block_n), 2)
