@@ -1,19 +1,20 @@
 """The fused-epilogue/prologue GEMM (kernels/fused_linear.py) against cuBLAS and the unfused kernels it replaces.
 
-Usage (CUDA machine): python -m benchmarks.fused_linear OUT_DIR [--configs BM/BN/BK/WARPS/STAGES,...]
+Usage (CUDA machine): python -m benchmarks.fused_linear OUT_DIR [--configs BM/BN/BK/WARPS/STAGES[/tma],...]
 
 Shapes: official row 8's GEMMs (M = 8192 tokens) and a 65 536-token slice of row 14 (both d_model 1024, ffn 1024),
 N and K each 1024 or 3072. Per shape: (1) cuBLAS `F.linear` in fp16 alone and (2) `fused_linear` without prologue
-or epilogue extras, at the default launch and each of `--configs`, with TFLOP/s and its rate against cuBLAS. At the
-model's own GEMMs (QKV: N 3072, K 1024; the others N = K = 1024) the pairs a fused call replaces: (3a) F.linear +
-F.gelu against `fused_linear(gelu=True)`; (3b) F.linear + `add_layernorm` (residual add, LayerNorm 2: the new fp32
-residual and the fp16 normalized rows) against `fused_linear(residual=, stats_out=)` + `layernorm_stats` (the
-statistics the next call's prologue reads); (3c) `layer_norm` to fp16 + F.linear against `fused_linear(ln=)`
-(gamma and beta folded; the statistics given); (3d) a layer's FFN half from LayerNorm 2 to the next residual and its
-statistics, both ways. Each fused result is checked against the unfused one (max abs difference). Times: CUDA event
-pairs per call (shapewise.jobs.device.time_calls), after WARMUP calls, ROUNDS rounds of CALLS calls, the median of
-the rounds' medians (each round's median kept). OUT_DIR/fused-linear.json is written after every record, with the
-device, torch and triton versions and the commit.
+or epilogue extras, at the default launch and each of `--configs` (`/tma`: tiles by TMA descriptors), with TFLOP/s
+and its rate against cuBLAS. At the model's own GEMMs (QKV: N 3072, K 1024; the others N = K = 1024) the pairs a
+fused call replaces, once with pointer loads and once with TMA: (3a) F.linear + F.gelu against
+`fused_linear(gelu=True)`; (3b) F.linear + `add_layernorm` (residual add, LayerNorm 2: the new fp32 residual and the
+fp16 normalized rows) against `fused_linear(residual=, stats_out=)` + `layernorm_stats` (the statistics the next
+call's prologue reads); (3c) `layer_norm` to fp16 + F.linear against `fused_linear(ln=)` (gamma and beta folded; the
+statistics given); (3d) a layer's FFN half from LayerNorm 2 to the next residual and its statistics, both ways. Each
+fused result is checked against the unfused one (max abs difference). Times: CUDA event pairs per call
+(shapewise.jobs.device.time_calls), after WARMUP calls, ROUNDS rounds of CALLS calls, the median of the rounds'
+medians (each round's median kept). OUT_DIR/fused-linear.json is written after every record, with the device, torch
+and triton versions and the commit.
 """
 from __future__ import annotations
 
@@ -78,9 +79,7 @@ def plain(m, n, k, configs):
     rec["cublas"]["tflop_per_s"] = flop / rec["cublas"]["ms"] / 1e9
     want = F.linear(a, w, b)
     rec["fused"] = {}
-    for cfg in configs:
-        name = "default" if cfg is None else "/".join(map(str, cfg))
-        kw = {} if cfg is None else dict(zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), cfg))
+    for name, kw in configs:
         try:
             got = fl.fused_linear(a, w, bf, **kw)
             t = timed(lambda: fl.fused_linear(a, w, bf, **kw))
@@ -93,8 +92,8 @@ def plain(m, n, k, configs):
     return rec
 
 
-def pairs(m):
-    """(3a-d) at the model's GEMMs for m tokens."""
+def pairs(m, launch):
+    """(3a-d) at the model's GEMMs for m tokens, every fused_linear call with the keywords `launch`."""
     out = {}
     res = torch.randn(m, D, device=CUDA, generator=torch.Generator(device=CUDA).manual_seed(1)) + 0.5
     gamma, beta = layer_norm_params(D, seed=2)
@@ -103,7 +102,7 @@ def pairs(m):
     # (3a) FFN in: linear + exact GELU
     h, w_in, b_in = operands(m, FFN, D, seed=3)
     unfused = lambda: F.gelu(F.linear(h, w_in, b_in), approximate="none")  # noqa: E731
-    fused = lambda: fl.fused_linear(h, w_in, b_in.float(), gelu=True)  # noqa: E731
+    fused = lambda: fl.fused_linear(h, w_in, b_in.float(), gelu=True, **launch)  # noqa: E731
     out["linear_gelu"] = {"m": m, "n": FFN, "k": D, "unfused": timed(unfused), "fused": timed(fused),
                           "max_abs_fused_vs_unfused": max_abs(fused(), unfused())}
 
@@ -115,7 +114,7 @@ def pairs(m):
         return add_layernorm(res, F.linear(o, w_o, b_o), gamma, beta, eps=eps, out_dtype=torch.float16)
 
     def fused_b():
-        y = fl.fused_linear(o, w_o, b_o.float(), residual=res, stats_out=st, out_dtype=torch.float32)
+        y = fl.fused_linear(o, w_o, b_o.float(), residual=res, stats_out=st, out_dtype=torch.float32, **launch)
         return y, fl.layernorm_stats(st, D, eps=eps)
 
     (r_u, _), (r_f, (mean, rstd)) = unfused_b(), fused_b()
@@ -138,7 +137,7 @@ def pairs(m):
             return F.linear(hn, w_x, b_x)
 
         def fused_c(w_f=w_f, b_f=b_f, mean=mean, rstd=rstd):
-            return fl.fused_linear(res, w_f, b_f, ln=(mean, rstd))
+            return fl.fused_linear(res, w_f, b_f, ln=(mean, rstd), **launch)
 
         out[name] = {"m": m, "n": n, "k": D, "unfused": timed(unfused_c), "fused": timed(fused_c),
                      "max_abs_fused_vs_unfused": max_abs(fused_c(), unfused_c())}
@@ -154,9 +153,10 @@ def pairs(m):
         return add_layernorm(r1, F.linear(f, w_out, b_out), gamma, beta, eps=eps, out_dtype=torch.float16)
 
     def fused_d():
-        r1 = fl.fused_linear(o, w_o, b_o.float(), residual=res, stats_out=st, out_dtype=torch.float32)
-        f = fl.fused_linear(r1, w_in_f, b_in_f, ln=fl.layernorm_stats(st, D, eps=eps), gelu=True)
-        r2 = fl.fused_linear(f, w_out, b_out.float(), residual=r1, stats_out=st2, out_dtype=torch.float32)
+        r1 = fl.fused_linear(o, w_o, b_o.float(), residual=res, stats_out=st, out_dtype=torch.float32, **launch)
+        f = fl.fused_linear(r1, w_in_f, b_in_f, ln=fl.layernorm_stats(st, D, eps=eps), gelu=True, **launch)
+        r2 = fl.fused_linear(f, w_out, b_out.float(), residual=r1, stats_out=st2, out_dtype=torch.float32,
+                             **launch)
         return r2, fl.layernorm_stats(st2, D, eps=eps)
 
     (r_u, _), (r_f, _) = unfused_d(), fused_d()
@@ -168,20 +168,23 @@ def pairs(m):
 
 
 def parse_configs(text):
-    configs = [None]
+    """[(name, fused_linear's launch keywords)], the default launch first, from "128/256/64/8/3,128/128/64/8/4/tma"."""
+    configs = [("default", {})]
     for item in filter(None, (s.strip() for s in text.split(","))):
         parts = item.split("/")
-        if len(parts) != 5 or not all(p.isdigit() for p in parts):
-            raise SystemExit(f"--configs {item!r}: expected BM/BN/BK/WARPS/STAGES, e.g. 128/256/64/8/3")
-        configs.append(tuple(int(p) for p in parts))
+        tma = parts[5:] == ["tma"]
+        if len(parts) not in (5, 6) or (len(parts) == 6 and not tma) or not all(p.isdigit() for p in parts[:5]):
+            raise SystemExit(f"--configs {item!r}: expected BM/BN/BK/WARPS/STAGES[/tma], e.g. 128/256/64/8/3/tma")
+        kw = dict(zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), map(int, parts[:5])), tma=tma)
+        configs.append((item, kw))
     return configs
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("out_dir", help="directory to write fused-linear.json into")
-    p.add_argument("--configs", default="128/256/64/8/3,128/128/64/4/4,64/128/64/4/4",
-                   help="fused_linear launches timed beside the default, BM/BN/BK/WARPS/STAGES")
+    p.add_argument("--configs", default="128/128/64/8/4/tma,128/256/64/8/3,128/256/64/8/3/tma,128/128/64/4/4",
+                   help="fused_linear launches timed beside the default, BM/BN/BK/WARPS/STAGES[/tma]")
     args = p.parse_args()
     require_cuda()
     configs = parse_configs(args.configs)
@@ -205,11 +208,12 @@ def main():
                           f"{rec['fused']['default'].get('rate_vs_cublas', float('nan')):.2f}, best {best[1]} "
                           f"{best[0]:.2f} of cuBLAS", flush=True)
                     write_json(path, result)
-            result["pairs"][label] = rec = pairs(m)
-            for name, r in rec.items():
-                print(f"{label} {name}: unfused {r['unfused']['ms']:.3f} ms, fused {r['fused']['ms']:.3f} ms, "
-                      f"max abs {r['max_abs_fused_vs_unfused']:.2e}", flush=True)
-            write_json(path, result)
+            for loads, launch in (("pointers", {}), ("tma", {"tma": True})):
+                result["pairs"][f"{label}/{loads}"] = rec = pairs(m, launch)
+                for name, r in rec.items():
+                    print(f"{label} {loads} {name}: unfused {r['unfused']['ms']:.3f} ms, fused "
+                          f"{r['fused']['ms']:.3f} ms, max abs {r['max_abs_fused_vs_unfused']:.2e}", flush=True)
+                write_json(path, result)
             torch.cuda.empty_cache()
     print(f"wrote {path}")
 

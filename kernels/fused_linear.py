@@ -11,7 +11,8 @@ per row and per BLOCK_N-column block the partial `(sum, sum of squared deviation
 into `(mean, rstd)` for the next call's prologue. No atomics: the result is the same bits on every run.
 
 Operands fp16, accumulation and statistics fp32. N and K must be multiples of 16 (rows of 16-byte-aligned fp16);
-M, N and K need not be multiples of the blocks.
+M, N and K need not be multiples of the blocks. The A and W tiles come by pointer loads (cp.async, pipelined over
+`num_stages` on sm_90), or with `tma=True` by host tensor descriptors (TMA); both run under the interpreter.
 """
 from __future__ import annotations
 
@@ -61,8 +62,9 @@ def layernorm_stats_reference(x, *, eps):
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _fused_linear_fwd(
-    A,  # pointer to a [M, K]: fp16 operand, or (HAS_LN) any float dtype, normalized as loaded
-    W,  # pointer to w [N, K] fp16 (nn.Linear's layout)
+    A,  # a [M, K]: fp16 operand, or (HAS_LN) any float dtype, normalized as loaded; a pointer, or with TMA a
+    # tensor descriptor of [BLOCK_M, BLOCK_K] blocks
+    W,  # w [N, K] fp16 (nn.Linear's layout): a pointer, or with TMA a descriptor of [BLOCK_N, BLOCK_K] blocks
     Bias,  # pointer to bias [N] (fp32 or fp16)
     Mean, Rstd,  # pointers to fp32 [M]; read when HAS_LN
     Res,  # pointer to the residual [M, N] fp32; read when HAS_RES
@@ -74,6 +76,7 @@ def _fused_linear_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_LN: tl.constexpr, GELU: tl.constexpr, HAS_RES: tl.constexpr, HAS_ROW_MASK: tl.constexpr,
     HAS_STATS: tl.constexpr, EVEN_K: tl.constexpr,
+    TMA: tl.constexpr,  # A and W are tensor descriptors: the tiles come by TMA, zero past every edge
 ):
     # Programs in groups of GROUP_M row blocks sweep the column blocks together: their A rows and W columns
     # stay in L2 while the group runs.
@@ -93,26 +96,28 @@ def _fused_linear_fwd(
     rows_in = (rows % M).to(tl.int64)
     cols_in = (cols % N).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = A + rows_in[:, None] * stride_am + ks[None, :]
-    w_ptrs = W + cols_in[None, :] * stride_wn + ks[:, None]  # the [BLOCK_K, BLOCK_N] tile of w.T
+    if not TMA:
+        a_ptrs = A + rows_in[:, None] * stride_am + ks[None, :]
+        w_ptrs = W + cols_in[None, :] * stride_wn + ks[:, None]  # the [BLOCK_K, BLOCK_N] tile of w.T
     if HAS_LN:
         mean = tl.load(Mean + rows_in)
         rstd = tl.load(Rstd + rows_in)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(w_ptrs)
+        if TMA:
+            a = A.load([pid_m * BLOCK_M, k * BLOCK_K])
+            b = W.load([pid_n * BLOCK_N, k * BLOCK_K]).T
+        elif EVEN_K:
+            a = tl.load(a_ptrs + k * BLOCK_K)
+            b = tl.load(w_ptrs + k * BLOCK_K)
         else:
             k_ok = ks < K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+            a = tl.load(a_ptrs + k * BLOCK_K, mask=k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs + k * BLOCK_K, mask=k_ok[:, None], other=0.0)
         if HAS_LN:
             # K columns past the edge become -mean * rstd here; their w rows are 0, so they add nothing
             a = ((a.to(tl.float32) - mean[:, None]) * rstd[:, None]).to(tl.float16)
         acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
 
     row_ok = rows < M
     col_ok = cols < N
@@ -195,7 +200,7 @@ def stats_shape(m, n, block_n=BLOCK_N):
 
 def fused_linear(a, w, bias, *, ln=None, gelu=False, residual=None, row_mask=None, stats_out=None,
                  out_dtype=torch.float16, out=None, block_m=BLOCK_M, block_n=BLOCK_N, block_k=BLOCK_K,
-                 num_warps=NUM_WARPS, num_stages=NUM_STAGES, group_m=GROUP_M):
+                 num_warps=NUM_WARPS, num_stages=NUM_STAGES, group_m=GROUP_M, tma=False):
     """y [M, N] = epilogue(prologue(a) @ w.T + bias), the module docstring's computation.
 
     a: [M, K], fp16 (with `ln`: fp16, bf16 or fp32); w: fp16 [N, K]; bias: fp32 or fp16 [N]; ln: (mean, rstd), fp32
@@ -203,7 +208,9 @@ def fused_linear(a, w, bias, *, ln=None, gelu=False, residual=None, row_mask=Non
     stats_out: fp32 [M, cdiv(N, block_n), 2] contiguous (`stats_shape`), filled with each block's partial statistics
     of y for `layernorm_stats(stats_out, N, block_n=block_n, eps=...)`. out: a [M, N] tensor of out_dtype to write
     (may be `residual` itself: each element is read before it is written, by the same program). N, K multiples of 16.
-    The launch (block sizes, warps, stages, L2 grouping) defaults to a Hopper tile."""
+    The launch (block sizes, warps, stages, L2 grouping) defaults to a Hopper tile; `tma=True` brings a's and w's
+    tiles by host tensor descriptors (TMA on sm_90+; rows and base addresses 16-byte aligned) instead of pointer
+    loads."""
     if not isinstance(a, torch.Tensor) or a.dim() != 2:
         raise ValueError(f"fused_linear: a must be a 2-D tensor [M, K], got "
                          f"{list(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__}")
@@ -243,15 +250,25 @@ def fused_linear(a, w, bias, *, ln=None, gelu=False, residual=None, row_mask=Non
     for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"fused_linear: {name} = {size} must be a power of 2, at least 16")
-    mean, rstd = ln if ln is not None else (a, a)
+    mean, rstd = ln if ln is not None else (out, out)
+    a_arg, w_arg = a, w
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # deferred: only a TMA launch needs it
+
+        for name, t in (("a", a), ("w", w)):
+            if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+                raise ValueError(f"fused_linear: with tma=True, {name} needs a 16-byte aligned start and rows, got "
+                                 f"address {t.data_ptr()} and row stride {t.stride(0)} of {t.dtype}")
+        a_arg = TensorDescriptor.from_tensor(a, [block_m, block_k])
+        w_arg = TensorDescriptor.from_tensor(w, [block_n, block_k])
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
     _fused_linear_fwd[grid](
-        a, w, bias, mean, rstd, residual if residual is not None else out, mask8 if mask8 is not None else out,
-        out, stats_out if stats_out is not None else out,
+        a_arg, w_arg, bias, mean, rstd, residual if residual is not None else out,
+        mask8 if mask8 is not None else out, out, stats_out if stats_out is not None else out,
         M, N, K, a.stride(0), w.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         HAS_LN=ln is not None, GELU=bool(gelu), HAS_RES=residual is not None, HAS_ROW_MASK=mask8 is not None,
-        HAS_STATS=stats_out is not None, EVEN_K=K % block_k == 0,
+        HAS_STATS=stats_out is not None, EVEN_K=K % block_k == 0, TMA=bool(tma),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

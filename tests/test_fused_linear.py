@@ -41,9 +41,10 @@ SHAPES = [(70, 48, 80), (1, 16, 16), (33, 144, 96), (64, 32, 64)]  # M, N, K: ed
 COMBOS = list(itertools.product((False, True), repeat=5))  # ln, gelu, residual, row_mask, stats
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("ln,gelu,residual,row_mask,stats", COMBOS,
                          ids=lambda v: "1" if v is True else "0" if v is False else str(v))
-def test_each_combination(ln, gelu, residual, row_mask, stats, assert_close):
+def test_each_combination(ln, gelu, residual, row_mask, stats, tma, assert_close):
     m, n, k = 70, 48, 80
     t = make(m, n, k, seed=sum(2**i * v for i, v in enumerate((ln, gelu, residual, row_mask, stats))))
     a = t["x"] if ln else t["a"]
@@ -51,7 +52,7 @@ def test_each_combination(ln, gelu, residual, row_mask, stats, assert_close):
               row_mask=t["row_mask"] if row_mask else None)
     out_dtype = torch.float32 if residual else torch.float16
     st = torch.full(fl.stats_shape(m, n, SMALL["block_n"]), float("nan"), device=DEVICE) if stats else None
-    y = fl.fused_linear(a, t["w"], t["bias"], stats_out=st, out_dtype=out_dtype, **kw, **SMALL)
+    y = fl.fused_linear(a, t["w"], t["bias"], stats_out=st, out_dtype=out_dtype, tma=tma, **kw, **SMALL)
     assert y.dtype == out_dtype and y.shape == (m, n)
     want = fl.fused_linear_reference(a, t["w"], t["bias"], **kw)
     atol, rtol = TOL[out_dtype]
@@ -75,13 +76,14 @@ def test_shapes_and_out_dtypes(m, n, k, out_dtype, assert_close):
                  what=f"y {m}x{n}x{k} {out_dtype}")
 
 
-def test_default_launch(assert_close):
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_default_launch(tma, assert_close):
     """The Hopper tile (128 x 128 x 64): one partial row block, one partial column block, a K edge."""
     m, n, k = 130, 144, 80
     t = make(m, n, k, seed=5)
     st = torch.empty(fl.stats_shape(m, n), device=DEVICE)
     y = fl.fused_linear(t["x"], t["w"], t["bias"], ln=row_stats(t["x"]), residual=t["residual"],
-                        row_mask=t["row_mask"], stats_out=st, out_dtype=torch.float32)
+                        row_mask=t["row_mask"], stats_out=st, out_dtype=torch.float32, tma=tma)
     want = fl.fused_linear_reference(t["x"], t["w"], t["bias"], ln=row_stats(t["x"]), residual=t["residual"],
                                      row_mask=t["row_mask"])
     assert_close(y, want, atol=5e-4, rtol=1e-5, what="default launch")
@@ -214,6 +216,8 @@ def _bad_inputs():
         ("out_dtype", dict(ok, out_dtype=torch.float64)),
         ("out", dict(ok, out=torch.empty(m, n, device=DEVICE), out_dtype=torch.float16)),
         ("block_n", dict(ok, block_n=48)),
+        ("with tma=True, a", dict(ok, a=torch.empty(m, k + 8, device=DEVICE).half()[:, 1:k + 1], tma=True)),
+        ("with tma=True, w", dict(ok, w=torch.empty(n, k + 4, device=DEVICE).half()[:, :k], tma=True)),
     ]
 
 
@@ -245,14 +249,15 @@ def test_row8_sized_on_gpu(assert_close):
     m, n, k = 8192, 1024, 1024
     t = make(m, n, k, seed=8, device=cuda)
     ln = row_stats(t["x"])
-    for kw, a, out_dtype in [(dict(), t["a"], torch.float16), (dict(gelu=True), t["a"], torch.float16),
-                             (dict(ln=ln), t["x"], torch.float16),
-                             (dict(ln=ln, gelu=True, residual=t["residual"], row_mask=t["row_mask"]), t["x"],
-                              torch.float32)]:
-        y = fl.fused_linear(a, t["w"], t["bias"], out_dtype=out_dtype, **kw)
-        atol, rtol = TOL[out_dtype]
-        assert_close(y, fl.fused_linear_reference(a, t["w"], t["bias"], **kw), atol=atol * 5, rtol=rtol,
-                     what=f"row 8 {sorted(kw)}")
+    for tma in (False, True):
+        for kw, a, out_dtype in [(dict(), t["a"], torch.float16), (dict(gelu=True), t["a"], torch.float16),
+                                 (dict(ln=ln), t["x"], torch.float16),
+                                 (dict(ln=ln, gelu=True, residual=t["residual"], row_mask=t["row_mask"]), t["x"],
+                                  torch.float32)]:
+            y = fl.fused_linear(a, t["w"], t["bias"], out_dtype=out_dtype, tma=tma, **kw)
+            atol, rtol = TOL[out_dtype]
+            assert_close(y, fl.fused_linear_reference(a, t["w"], t["bias"], **kw), atol=atol * 5, rtol=rtol,
+                         what=f"row 8 {sorted(kw)} tma={tma}")
     st = torch.empty(fl.stats_shape(m, n), device=cuda)
     y = fl.fused_linear(t["a"], t["w"], t["bias"], residual=t["residual"], stats_out=st, out_dtype=torch.float32)
     mean, rstd = fl.layernorm_stats(st, n, eps=EPS)
