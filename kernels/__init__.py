@@ -1,7 +1,6 @@
-"""shapewise Triton kernels, one op per file: attention, residual add + LayerNorm, the mask summary, the fused layer,
-the layer tail, and a GEMM with a LayerNorm prologue and a fused epilogue (fused_linear.py); tiles.py: the device
-functions the layer kernels share; pdl.py: how a kernel of a forward waits for the one before it under programmatic
-dependent launch.
+"""shapewise Triton kernels, one op per file: attention, residual add + LayerNorm, the mask summary, the fused layer
+and the layer tail (tiles.py: the device functions the layer kernels share; pdl.py: how a kernel of a forward waits
+for the one before it under programmatic dependent launch).
 
 Without a GPU, set TRITON_INTERPRET=1 before importing this package to run the kernels on the CPU.
 """

@@ -57,9 +57,6 @@ OPTIMIZATIONS = (
     # the math warps)
     "hopper_attention",  # where the policy says so, on sm_90: the triton route's attention as kernels.attention_hopper
     # (off: the attention the policy gives without it, SDPA at these lengths)
-    "fused_linear",  # where the policy says so: the unfused layer's GEMMs with LayerNorm prologues and bias, GELU,
-    # residual and statistics epilogues (kernels/fused_linear.py; off: cuBLAS GEMMs between our residual add +
-    # LayerNorm kernels)
 )
 MAX_MEMORY_PLANS = 64  # memory plans a model keeps (one per input signature, cap and memory fraction)
 _grad_enabled = torch.is_grad_enabled  # read on every call: a module attribute's lookup costs it ~0.05 µs more

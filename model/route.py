@@ -27,8 +27,6 @@ class Route:
     key_block: int = 0  # fused route with kv_precompute: keys per online-softmax step (policy; 0: the whole sequence)
     ffn_block: int = 0  # fused route: FFN columns per step (policy; 0: the kernel's default)
     split_layer: bool = False  # triton/graph routes: each layer as ln_qkv, our attention and layer_tail (policy)
-    fused_linear: bool = False  # triton/graph routes' unfused layer: its GEMMs with LayerNorm prologues and fused
-    # epilogues (kernels/fused_linear.py, policy `fused_linear.min_d_model`)
     pdl: bool = False  # kernels after the forward's first launch with programmatic dependent launch (`with_pdl`)
     eager: bool = False  # a captured route launched eagerly here: policy `hopper.eager_min_batch`, or beyond
     # `graph.max_tokens_x_d_model` (`_hopper_route`)
@@ -45,7 +43,6 @@ class Route:
         kv = " kv=precomputed" if self.kv_precompute else ""
         blocks = "".join(f" {n}={v}" for n, v in (("key_block", self.key_block), ("ffn_block", self.ffn_block)) if v)
         split = " split-layer" if self.split_layer else ""
-        split += " fused-linear" if self.fused_linear else ""
         pair = " pair" if self.pair else ""
         pair += " producer" if self.producer else ""
         pdl = " pdl" if self.pdl else ""

@@ -13,21 +13,16 @@ from .policy import attention_without_hopper
 from .precision import cublas_fp32
 from .reference import LAYER_NORM_EPS
 from .route_sdpa import sdpa_attention
-from .weights import folded_per_layer, layer_weights, per_layer, unpacked_per_layer
+from .weights import layer_weights, per_layer, unpacked_per_layer
 
 # Switches without which the split layer does not run: it reads the packed QKV weight and runs our attention (and
 # it needs fp16/bf16 operands: with reduced_precision off, fp32 inputs keep fp32 operands and the unfused layer).
 SPLIT_NEEDS = ("split_layer", "packed_qkv", "flash_attention")
-# Switches without which the unfused layer keeps cuBLAS GEMMs instead of fused ones (the folded QKV is the packed one)
-FUSED_LINEAR_NEEDS = ("fused_linear", "packed_qkv")
 
 
 class KernelForward:
     """Each layer as our attention (or SDPA, as the route says) between cuBLAS GEMMs, with our fused residual add +
-    LayerNorm; the mask summarized once per forward (its prefix length per sequence, or -1) for our attention.
-    With `Route.fused_linear`, the GEMMs after layer 0's QKV are kernels/fused_linear.py's: LayerNorms 1 (of layers
-    1 on) and 2 as prologues over the fp32 residual, from the row statistics the residual's previous GEMM left; GELU,
-    the residual adds and the row mask as epilogues; layer 0's LayerNorm 1 and the final LayerNorm stay whole."""
+    LayerNorm; the mask summarized once per forward (its prefix length per sequence, or -1) for our attention."""
 
     uses_weights = True
 
@@ -46,12 +41,6 @@ class KernelForward:
         self.fused_ln = "fused_layernorm" not in disabled
         self.ours = "flash_attention" not in disabled
         self.w = model._weights.table(model, route.precision, per_layer if self.packed else unpacked_per_layer)
-        self.fused_linear = None
-        if route.fused_linear:  # settle left it on: fp16 operands, packed QKV
-            from shapewise.kernels import fused_linear  # deferred: triton loads when the route runs
-
-            self.fused_linear = fused_linear
-            self.folded = model._weights.table(model, route.precision, folded_per_layer)
         self.act = OPERAND_DTYPES[route.precision]
         # SDPA attention under a mask that is no causal prefix: our kernel runs instead, and the route says so
         self.route_ours = replace(route, attention="triton",
@@ -94,10 +83,8 @@ class KernelForward:
                 y = y.masked_fill(~row_mask[..., None], 0.0)
             return r, y.to(out_dtype)
 
-        def attention(h2d, i, qkv=None):
-            if qkv is not None:  # computed by the caller (packed)
-                q, k, v = qkv.view(B, S, 3, H, D).unbind(2)
-            elif self.packed:
+        def attention(h2d, i):
+            if self.packed:
                 q, k, v = F.linear(h2d, w[f"{i}.qkv_w"], w[f"{i}.qkv_b"]).view(B, S, 3, H, D).unbind(2)
             else:
                 q, k, v = (F.linear(h2d, w[f"{i}.{n}_w"], w[f"{i}.{n}_b"]).view(B, S, H, D) for n in "qkv")
@@ -108,10 +95,6 @@ class KernelForward:
                 return self.hopper_attention(q, k, v, causal=cfg.causal)
             return sdpa_attention(q, k, v, cfg.causal, sdpa_mask)
 
-        if self.fused_linear is not None:
-            _, h = add_ln(x, None, "0.n1", last=True, first=True)
-            res = self._fused_layers(cfg, x, h, mask, attention)
-            return add_ln(res.view(B, S, d), None, "final", row_mask=mask, out_dtype=x.dtype, last=True)[1]
         with cublas_fp32(route.precision == "tf32"):
             _, h = add_ln(x, None, "0.n1", last=True, first=True)  # normalize only: the input stays the residual
             res = x
@@ -125,30 +108,6 @@ class KernelForward:
                 res, h = add_ln(res, y, "final" if last else f"{i + 1}.n1", row_mask=mask,
                                 out_dtype=x.dtype if last else act, last=last)
         return h
-
-    def _fused_layers(self, cfg, x, h, mask, attention):
-        """The layers with fused GEMMs, from layer 0's normalized input `h`: the last layer's fp32 residual [N, d],
-        invalid rows 0. The residual is updated in place once it is no longer the input."""
-        fl, w, fw, eps = self.fused_linear, self.w, self.folded, LAYER_NORM_EPS
-        d, N = cfg.d_model, x.shape[0] * x.shape[1]
-        x2 = x.view(N, d)
-        res = x2 if x.dtype == torch.float32 else x2.float()
-        row_mask = None if mask is None else mask.reshape(N)
-        stats = torch.empty(fl.stats_shape(N, d), dtype=torch.float32, device=x.device)
-        ln = None  # (mean, rstd) of the residual's rows, for the next LayerNorm prologue
-        for i in range(cfg.num_layers):
-            qkv = None if i == 0 else fl.fused_linear(res, fw[f"{i}.qkv_w"], fw[f"{i}.qkv_b"], ln=ln)
-            o = attention(h.view(N, d), i, qkv) if i == 0 else attention(None, i, qkv)
-            res = fl.fused_linear(o.reshape(N, d), w[f"{i}.o_w"], w[f"{i}.o_b"], residual=res, stats_out=stats,
-                                  out_dtype=torch.float32, out=None if res is x2 else res)
-            f = fl.fused_linear(res, fw[f"{i}.in_w"], fw[f"{i}.in_b"], ln=fl.layernorm_stats(stats, d, eps=eps),
-                                gelu=True)
-            last = i == cfg.num_layers - 1
-            res = fl.fused_linear(f, w[f"{i}.out_w"], w[f"{i}.out_b"], residual=res, row_mask=row_mask,
-                                  stats_out=None if last else stats, out_dtype=torch.float32, out=res)
-            if not last:
-                ln = fl.layernorm_stats(stats, d, eps=eps)
-        return res
 
 
 class SplitLayerForward:
@@ -194,14 +153,10 @@ def runner(model, route):
 
 
 def settle(route, x, disabled):
-    """The split layer only with its switches on and fp16/bf16 operands, fused GEMMs only with theirs and fp16
-    operands; else the unfused layer (with cuBLAS GEMMs), and why."""
+    """The split layer only with its switches on and fp16/bf16 operands; else the unfused layer, and why."""
     if route.split_layer and (route.precision not in ("fp16", "bf16") or disabled & set(SPLIT_NEEDS)):
         off = sorted(disabled & set(SPLIT_NEEDS)) or [f"{route.precision} operands"]
         route = replace(route, split_layer=False, reason=route.reason + f"; no split layer: {', '.join(off)}")
-    if route.fused_linear and (route.precision != "fp16" or disabled & set(FUSED_LINEAR_NEEDS)):
-        off = sorted(disabled & set(FUSED_LINEAR_NEEDS)) or [f"{route.precision} operands"]
-        route = replace(route, fused_linear=False, reason=route.reason + f"; no fused linear: {', '.join(off)}")
     if route.attention == "hopper" and ("hopper_attention" in disabled or route.precision != "fp16"):
         # the Gluon kernel takes fp16 operands: otherwise (and switched off) the attention the policy had before it
         why = "hopper_attention disabled" if "hopper_attention" in disabled else f"{route.precision} operands"
@@ -214,8 +169,7 @@ def switches(route) -> set:
     if route.split_layer:  # each switch of SPLIT_NEEDS turns it off
         return set(SPLIT_NEEDS)
     return ({"fused_layernorm", "packed_qkv"} | ({"flash_attention"} if route.attention == "triton" else set())
-            | ({"hopper_attention"} if route.attention == "hopper" else set())
-            | ({"fused_linear"} if route.fused_linear else set()))
+            | ({"hopper_attention"} if route.attention == "hopper" else set()))
 
 
 def sdpa_gets_mask(route, disabled) -> bool:
@@ -228,11 +182,7 @@ def working_set(config, dtype, route) -> int:
     """Per token 4d (fp32 residual) + a * (6d + 2f) (normalized input, qkv, attention out, its reshape, the
     projection, and the FFN's linear and GELU outputs: the peak of the eager sequence) + 4H (softmax statistics), a
     the operands' bytes; split layers (4d + 4ad: the next residual, qkv and the attention out) allocate less, and
-    take this bound, and so do fused GEMMs (an fp32 residual, qkv, the attention out, the FFN's activation). Plus
-    the weight copies in operand precision, and with fused GEMMs the LayerNorm-folded QKV and FFN-in copies."""
+    take this bound. Plus the weight copies in operand precision."""
     a, d = OPERAND_DTYPES[route.precision].itemsize, config.d_model
     acts = config.tokens * (4 * d + a * (6 * d + 2 * config.ffn_dim) + 4 * config.num_heads)
-    folded = 0
-    if route.fused_linear:  # the folded QKV and FFN-in weights (fp16) and biases (fp32) beside the others
-        folded = config.num_layers * ((3 * d + config.ffn_dim) * (2 * d + 4))
-    return acts + parameter_count(d, config.ffn_dim, config.num_layers) * a + folded
+    return acts + parameter_count(d, config.ffn_dim, config.num_layers) * a

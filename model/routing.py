@@ -25,10 +25,7 @@ the model checks its weights (model/weights.py, FP16_SAFE_ABS) and falls back to
 The `triton` and `graph` routes run a layer as our attention between cuBLAS GEMMs and fused residual+LayerNorm
 passes, or, where the policy's `split_layer.max_d_model` covers d_model (null: never) and the input has at least
 `split_layer.min_tokens` tokens (null: any), as the split layer: three kernels per layer (LayerNorm 1 + QKV, our
-attention, kernels/layer_tail.py for the rest), `Route.split_layer`. Elsewhere, where the policy's
-`fused_linear.min_d_model` covers d_model (null: never), with fp16 operands, the unfused layer's GEMMs take the
-LayerNorms as prologues and the bias, GELU, residual add, row mask and the next LayerNorm's statistics as epilogues
-(kernels/fused_linear.py), `Route.fused_linear`.
+attention, kernels/layer_tail.py for the rest), `Route.split_layer`.
 
 The policy (thresholds and precisions) lives in `routing_policy.json` (model/policy.py reads it), read off the
 H200 accuracy and ablation tables; `select_route` itself is pure: same inputs, same Route. What a route is
@@ -209,24 +206,6 @@ def _with_split_layer(route: Route, shape: TransformerConfig) -> Route:
                    reason=route.reason + f"; split layer (d_model <= {most}, tokens >= {fewest})")
 
 
-def _with_fused_linear(route: Route, shape: TransformerConfig) -> Route:
-    """The triton/graph `route`, where it runs the unfused layer, with fused GEMMs (kernels/fused_linear.py) where the
-    policy's `fused_linear.min_d_model` (null: never) covers d_model, the operands are fp16 and the kernel
-    serves the widths; else `route` itself."""
-    from shapewise.kernels.fused_linear import why_unsupported  # deferred: routing imports no torch
-
-    least = POLICY["fused_linear"]["min_d_model"]
-    if (route.name not in ("triton", "graph") or route.split_layer or least is None or shape.d_model < least
-            or route.precision != "fp16" or why_unsupported(shape.d_model, shape.ffn_dim)):
-        return route
-    return replace(route, fused_linear=True, reason=route.reason + f"; fused linear layers (d_model >= {least})")
-
-
-def _layer_form(route: Route, shape: TransformerConfig) -> Route:
-    """How the triton/graph `route` runs a layer: the split layer, the unfused one with fused GEMMs, or unfused."""
-    return _with_fused_linear(_with_split_layer(route, shape), shape)
-
-
 def with_pdl(route: Route, capability) -> Route:
     """`route` with programmatic dependent launch where its kernels take it (RouteSpec.pdl) and the CUDA device's
     compute capability (a (major, minor) pair; None: no CUDA device) is at least the policy's `pdl.min_capability`
@@ -296,8 +275,8 @@ def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none
             return _fused_route("fused", _precision_for(forced, dt, shape), "forced by the caller", shape, forced=True)
         if forced == "hopper":
             return _hopper_route(_precision_for(forced, dt, shape), "forced by the caller", shape, forced=True)
-        return _layer_form(Route(forced, _precision_for(forced, dt, shape), "forced by the caller", forced=True),
-                           shape)
+        return _with_split_layer(Route(forced, _precision_for(forced, dt, shape), "forced by the caller", forced=True),
+                                 shape)
 
     dev = _device_type(device)
     if dev != "cuda":
@@ -315,7 +294,7 @@ def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none
                             f"short, narrow, launch-bound shape: one kernel per layer (tokens*d = {size})", shape)
     graph = POLICY["graph"]
     if shape.tokens * shape.d_model <= graph["max_tokens_x_d_model"]:
-        return _layer_form(Route(
+        return _with_split_layer(Route(
             "graph", _precision_for("graph", dt, shape),
             f"launch-bound (tokens*d = {shape.tokens * shape.d_model} <= {graph['max_tokens_x_d_model']})"), shape)
     route = Route("triton", _precision_for("triton", dt, shape),
@@ -328,7 +307,7 @@ def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none
     elif attention_without_hopper(shape.seq_len) == "sdpa":
         route = replace(route, attention="sdpa", reason=route.reason + (
             f"; SDPA attention from seq_len {POLICY['attention']['sdpa_from_seq_len']}{how}"))
-    return _layer_form(route, shape)
+    return _with_split_layer(route, shape)
 
 
 def _hopper_attention_pays(shape: TransformerConfig, precision: str, capability, hopper_from) -> bool:

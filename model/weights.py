@@ -114,23 +114,6 @@ def unpacked_per_layer(model, dtype) -> dict:
     return per_layer(model, dtype, packed=False)
 
 
-def folded_per_layer(model, dtype) -> dict:
-    """The fused-GEMM layer's LayerNorm-folded weights (kernels/fused_linear.fold_layernorm): "{i}.qkv_w", "{i}.qkv_b"
-    (packed, LayerNorm 1's gamma and beta folded in) and "{i}.in_w", "{i}.in_b" (LayerNorm 2's); weights fp16 (the
-    kernel's one operand dtype: `dtype` is fp16 wherever the route runs it), biases fp32."""
-    from shapewise.kernels.fused_linear import fold_layernorm  # deferred: triton loads when the route runs
-
-    out = {}
-    for i, layer in enumerate(model.layers):
-        a = layer.attention
-        qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-        qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-        out[f"{i}.qkv_w"], out[f"{i}.qkv_b"] = fold_layernorm(qkv_w, qkv_b, layer.norm1.weight, layer.norm1.bias)
-        out[f"{i}.in_w"], out[f"{i}.in_b"] = fold_layernorm(layer.ffn_in.weight, layer.ffn_in.bias,
-                                                            layer.norm2.weight, layer.norm2.bias)
-    return out
-
-
 def layer_weights(table: dict, i: int) -> dict:
     """Layer i's weights of a per_layer table, named as the per-layer kernels take them."""
     return {n: table[f"{i}.{n}"] for n in LAYER_WEIGHTS}

@@ -23,17 +23,14 @@ SCRIPT = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from shapewise.kernels import attention, fused_layer, fused_linear, layer_tail, layernorm, mask
+    from shapewise.kernels import attention, fused_layer, layer_tail, layernorm, mask
 
     FLOATS = ("qk_scale", "eps")
 
-    def compile_for_h200(fn, pointers, consts, num_warps, num_stages, divisible=(), **options):
-        """divisible: arguments Triton's launcher would see as multiples of 16 (pointers and strides of aligned
-        rows), which decides whether loads vectorize and pipeline."""
+    def compile_for_h200(fn, pointers, consts, num_warps, num_stages, **options):
         names = fn.arg_names
         sig = {n: pointers.get(n, "fp32" if n in FLOATS else "constexpr" if n in consts else "i32") for n in names}
-        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=num_warps, num_stages=num_stages, **options))
         assert kernel.asm["cubin"], fn.__name__
@@ -88,56 +85,13 @@ SCRIPT = textwrap.dedent('''
                          dict(BLOCK_ROWS=4, BLOCK_D=128, HAS_BRANCH=True, WRITE_RESIDUAL=True, PDL=int(f["HAS_ROW_MASK"]),
                               **f), 4, 1)
         done.append(f"_add_layernorm_fwd {f}")
-    # fused_linear at its default launch, in the variants the model's layer would use and with a K edge: on
-    # sm_90 its dots must be wgmma fed by pipelined cp.async loads, within the SM's 227 KB of shared memory
-    linear = dict(A=fp16, W=fp16, Bias=fp32, Mean=fp32, Rstd=fp32, Res=fp32, RowMask=i8, Y=fp16, Stats=fp32)
-    aligned = [n for n in fused_linear._fused_linear_fwd.arg_names
-               if n in linear or n.startswith("stride") or n in ("N", "K")]  # the launcher refuses other N, K
-    no_extras = dict(HAS_LN=False, GELU=False, HAS_RES=False, HAS_ROW_MASK=False, HAS_STATS=False, EVEN_K=True,
-                     TMA=False)
-    for f in (dict(), dict(GELU=True), dict(HAS_LN=True), dict(HAS_LN=True, GELU=True),
-              dict(HAS_RES=True, HAS_STATS=True), dict(HAS_RES=True, HAS_ROW_MASK=True, HAS_STATS=True),
-              dict(HAS_LN=True, GELU=True, HAS_RES=True, HAS_ROW_MASK=True, HAS_STATS=True), dict(EVEN_K=False)):
-        pointers = dict(linear, A=fp32 if f.get("HAS_LN") else fp16, Y=fp32 if f.get("HAS_RES") else fp16)
-        consts = dict(BLOCK_M=fused_linear.BLOCK_M, BLOCK_N=fused_linear.BLOCK_N, BLOCK_K=fused_linear.BLOCK_K,
-                      GROUP_M=fused_linear.GROUP_M, **dict(no_extras, **f))
-        k = compile_for_h200(fused_linear._fused_linear_fwd, pointers, consts, fused_linear.NUM_WARPS,
-                             fused_linear.NUM_STAGES, divisible=aligned)
-        ptx = k.asm["ptx"]
-        assert "wgmma.mma_async" in ptx and "cp.async" in ptx, ("fused_linear: no wgmma or no cp.async", f)
-        assert k.metadata.shared <= 227 * 1024, ("fused_linear: shared memory", k.metadata.shared, f)
-        done.append(f"_fused_linear_fwd {f}")
-    # the TMA variant (tma=True): the tiles by host descriptors, A in fp16 and (the LayerNorm prologue's) fp32
-    import torch
-    from triton.runtime.jit import mangle_type
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    def desc(dtype, rows):
-        return mangle_type(TensorDescriptor.from_tensor(torch.zeros(256, 256, dtype=dtype),
-                                                        [rows, fused_linear.BLOCK_K]))
-
-    for f in (dict(), dict(HAS_LN=True, GELU=True), dict(HAS_RES=True, HAS_ROW_MASK=True, HAS_STATS=True)):
-        pointers = dict(linear, A=desc(torch.float32 if f.get("HAS_LN") else torch.float16, fused_linear.BLOCK_M),
-                        W=desc(torch.float16, fused_linear.BLOCK_N), Y=fp32 if f.get("HAS_RES") else fp16)
-        consts = dict(BLOCK_M=fused_linear.BLOCK_M, BLOCK_N=fused_linear.BLOCK_N, BLOCK_K=fused_linear.BLOCK_K,
-                      GROUP_M=fused_linear.GROUP_M, **dict(no_extras, TMA=True, **f))
-        k = compile_for_h200(fused_linear._fused_linear_fwd, pointers, consts, fused_linear.NUM_WARPS,
-                             fused_linear.NUM_STAGES, divisible=[n for n in aligned if n not in ("A", "W")])
-        ptx = k.asm["ptx"]
-        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, ("fused_linear TMA: no wgmma or TMA", f)
-        assert k.metadata.shared <= 227 * 1024, ("fused_linear TMA: shared memory", k.metadata.shared, f)
-        done.append(f"_fused_linear_fwd TMA {f}")
-    compile_for_h200(fused_linear._layernorm_stats_fwd, dict(Stats=fp32, Mean=fp32, Rstd=fp32),
-                     dict(BLOCK_N=fused_linear.BLOCK_N, BLOCK_ROWS=128), 4, 1)
-    done.append("_layernorm_stats_fwd")
     print("compiled", len(done), "kernels:", "; ".join(done))
 ''')
 
 
 # attention 4 (the last: a mask with its own loop), mask summary 1, ln_kv 2 x 2 (PDL off and on), layer tail 4,
-# fused layer 6 x 3, add+LayerNorm 2, fused linear 8 by pointers and 3 by TMA and its statistics merge 1; each PDL
-# kernel compiled with PDL on in some of its variants
-N_KERNELS = 4 + 1 + 2 * 2 + 4 + 6 * 3 + 2 + 8 + 3 + 1
+# fused layer 6 x 3, add+LayerNorm 2; each PDL kernel compiled with PDL on in some of its variants
+N_KERNELS = 4 + 1 + 2 * 2 + 4 + 6 * 3 + 2
 
 
 def _compiler_available():
