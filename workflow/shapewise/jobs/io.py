@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from shapewise import gpuslots, provenance
+from shapewise import gpuslots, jobprocess, provenance
 from shapewise.inventory import job_environment
 from shapewise.identity import identity
 from shapewise.jobs.device import gpu_identity, job_cpu_affinity
@@ -37,7 +37,7 @@ def header(step, row, device, args=None):
         "row": row,
         "identity": identity(row, getattr(args, "impl_digest", None), getattr(args, "env_digest", None)),
         "device": device,
-        "environment": job_environment(device),
+        "environment": job_environment(device, jobprocess.process_record()),
         "gpu": gpu_identity(device),
         "cpu_affinity": job_cpu_affinity(getattr(args, "threads", None)),
         "started": now_iso(),
