@@ -119,7 +119,7 @@ _CHEAP = []  # cheap_environment() once read in this process: what it reads does
 
 def cheap_environment():
     """The environment as far as it can be read without importing torch (read once per process: a job server
-    reads it before it forks its jobs, shapewise.jobserver)."""
+    reads it before it forks its jobs, shapewise.execution.jobserver)."""
     if not _CHEAP:
         _CHEAP.append(_read_cheap_environment())
     return dict(_CHEAP[0])
@@ -152,8 +152,8 @@ def software_environment():
 
 def job_environment(device: str, process: dict):
     """Everything a result needs to say where it came from; imports torch. `process`: how the job's process
-    started (shapewise.jobprocess.process_record), handed in by the caller: the job process's modules read this one
-    (shapewise.jobserver), never the other way round."""
+    started (shapewise.execution.jobprocess.process_record), handed in by the caller: the job process's modules read
+    this one (shapewise.execution.jobserver), never the other way round."""
     import torch  # deferred: torch, for a job's result only (the report and compare read the rest)
 
     env = cheap_environment()
