@@ -7,9 +7,9 @@
 
 from snakemake.utils import min_version, validate
 
-from shapewise import limits as sw_limits
-from shapewise import paths as sw_paths
-from shapewise import settings as sw_settings
+from shapewise.inputs import limits as sw_limits
+from shapewise.inputs import paths as sw_paths
+from shapewise.inputs import settings as sw_settings
 
 min_version("9.0")
 
@@ -18,7 +18,7 @@ configfile: sw_paths.CONFIG_FILE
 
 
 # Before any job: the config, then (common.smk) every selected manifest. The
-# config files within shapewise.limits (size, no alias expansion beyond its
+# config files within shapewise.inputs.limits (size, no alias expansion beyond its
 # bound, nesting), an unknown key (a typo on --config), an empty value or text
 # where a number belongs, each named on one line before the schema's check.
 try:

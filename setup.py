@@ -13,6 +13,6 @@ setup(
     package_dir=PACKAGE_DIR,
     packages=[f"{name}.{sub}" if sub else name for name, folder in PACKAGE_DIR.items()
               for sub in ["", *find_packages(folder)]],
-    # read from the installed package (shapewise.paths, shapewise.model.policy), so a wheel carries them
+    # read from the installed package (shapewise.inputs.paths, shapewise.model.policy), so a wheel carries them
     package_data={"shapewise": ["schemas/*.yaml", "templates/*.j2"], "shapewise.model": ["*.json"]},
 )

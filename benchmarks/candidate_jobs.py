@@ -20,7 +20,7 @@ from pathlib import Path
 
 from benchmarks.common import parser, write_json
 from shapewise import candidates
-from shapewise.manifest import normalize_row
+from shapewise.inputs.manifest import normalize_row
 
 ROW = {"id": "candidate-jobs", "batch_size": 8, "seq_len": 64, "d_model": 64, "num_heads": 2, "ffn_dim": 128,
        "num_layers": 2, "causal": True}

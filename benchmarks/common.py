@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
+from shapewise.inputs.manifest import load_manifest, normalize_row, official_rows
 from shapewise.jobs.device import time_calls
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
 from shapewise.jobs.models import build_models, model_config, set_precision
-from shapewise.manifest import load_manifest, normalize_row, official_rows
 from shapewise.model import TOLERANCES, compare_outputs
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,9 +19,9 @@ import time
 import torch
 
 from benchmarks.common import CUDA, device_name, official, parser, require_cuda, row_numbers, setup, write_json
-from shapewise import paths
+from shapewise.inputs import paths
+from shapewise.inputs.limits import load_yaml
 from shapewise.jobs import timing
-from shapewise.limits import load_yaml
 
 
 def collect_ms(times=5):

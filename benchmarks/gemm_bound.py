@@ -20,9 +20,9 @@ import yaml
 
 from benchmarks.common import (CUDA, ROOT, accuracy, contract, device_name, parser, pooled_median,
                                reference_output, require_cuda, row, setup, write_json)
+from shapewise.inputs.manifest import SIZE_FIELDS
 from shapewise.jobs.device import time_calls
 from shapewise.jobs.timing import run_rounds
-from shapewise.manifest import SIZE_FIELDS
 
 # the official harness's protocol, as the pipeline's timing job reads it
 PROTOCOL = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())["timing"]["official"]

@@ -2,8 +2,8 @@
 
 Usage: python -m benchmarks.gpu_timeline RESULTS_DIR [OUT.json] [--gaps SECONDS]
 
-From the results' lock records (`shapewise.gpuslots.job_intervals`, as `shapewise gpus check` reads them), per GPU:
-the span from the first job's start to the last one's end, the summed time of the exclusive intervals (the jobs
+From the results' lock records (`shapewise.execution.gpuslots.job_intervals`, as `shapewise gpus check` reads them), per
+GPU: the span from the first job's start to the last one's end, the summed time of the exclusive intervals (the jobs
 that time, and jobs choosing a kernel alone), the gaps between consecutive exclusive intervals, and the time before
 the first and after the last exclusive interval. On one GPU the exclusive intervals run one by one, so their sum is
 the part of the wall time that more sharing cannot shorten. `--gaps S` also lists each gap longer than S seconds: when
@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from benchmarks.common import write_json
-from shapewise import gpuslots
+from shapewise.execution import gpuslots
 
 
 def _name(rec, results_dir):

@@ -6,8 +6,8 @@ Usage (CUDA machine): python -m benchmarks.mask_cost [OUT.json] [--rows 1,2,...,
 Per row: the optimized model on the pipeline's weights and first-trial inputs, captured by its first call and 20
 warm-up calls of each kind; then `rounds` rounds, each timing `model(x, mask)` and `model(x)` `calls` times back to
 back (a CUDA event pair per call, the timing job's timer). The cost is the timing job's estimator
-(shapewise.stats.paired_round_ratio: the median over rounds of the ratio of the two round medians) minus 1, with
-its bootstrap interval over rounds. The two calls' outputs must agree (an all-True mask changes nothing): their
+(shapewise.analysis.stats.paired_round_ratio: the median over rounds of the ratio of the two round medians) minus 1,
+with its bootstrap interval over rounds. The two calls' outputs must agree (an all-True mask changes nothing): their
 largest difference is recorded, with the route each call took.
 
 --setting (repeatable) is an A/B of kernel constants: one more model per setting, built and captured while the
@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.common import (CUDA, alternating_rounds, applied, device_name, official, parse_settings, parser,
                                pooled_median, row_numbers, setup, write_json)
-from shapewise import stats
+from shapewise.analysis import stats
 
 
 def row_cost(shape_row, settings, rounds, calls):

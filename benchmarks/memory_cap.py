@@ -28,10 +28,10 @@ import time
 import torch
 
 from benchmarks.common import device_name, parser, write_json
+from shapewise.inputs.manifest import normalize_row, official_rows
 from shapewise.jobs.device import sync, time_calls
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
 from shapewise.jobs.models import build_models, model_config, set_precision
-from shapewise.manifest import normalize_row, official_rows
 from shapewise.model import TOLERANCES, compare_outputs
 from shapewise.model.chunked import chunked_reference_forward
 from shapewise.model.memory import RESERVE_FRACTION

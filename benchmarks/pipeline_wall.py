@@ -6,10 +6,10 @@ Usage: python -m benchmarks.pipeline_wall OUT_DIR [--fresh] [--budget S] [--shap
 Runs Snakemake once, stopping it cleanly (SIGINT, then SIGKILL 30 s later) when `--budget` seconds have passed, and
 writes to OUT_DIR (at most eight files): pipeline-wall.json (this part and every earlier one: start, end, wall time,
 exit status, whether the DAG is complete; per step the jobs of the results and the sum of their own `duration_s`;
-the runs behind the results, shapewise.runs.summarize), the part's Snakemake log, `shapewise gpus check --min-gpus 1`
-of the results, and once the report exists its report.md and summary.csv, `shapewise compare` of reports/h200
-against it, results.tgz (results/ without the profiler traces) and traces.tgz (the traces: a profile job whose
-trace is missing runs again). The parts are kept in results/pipeline-wall.json, so a run in two parts carries
+the runs behind the results, shapewise.execution.runs.summarize), the part's Snakemake log, `shapewise gpus check
+--min-gpus 1` of the results, and once the report exists its report.md and summary.csv, `shapewise compare` of
+reports/h200 against it, results.tgz (results/ without the profiler traces) and traces.tgz (the traces: a profile job
+whose trace is missing runs again). The parts are kept in results/pipeline-wall.json, so a run in two parts carries
 them with results/ (both archives unpacked) into the second.
 
 A first part starts from what the checkout holds: `--fresh` removes results/ and .snakemake/ first, so the run
@@ -113,7 +113,7 @@ def main():
     extra = [a for a in extra if a != "--"]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    from shapewise import runs
+    from shapewise.execution import runs
 
     if args.fresh:
         for name in ("results", ".snakemake"):

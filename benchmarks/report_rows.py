@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from shapewise.candidates import SHAPEWISE
-from shapewise.compare import candidate_of
+from shapewise.report.compare import candidate_of
 
 HOST_ROWS = ("aten::", "Activity Buffer", "cudaDeviceSynchronize")
 SLOW_ROUND = 1.2

@@ -3,8 +3,8 @@
 Usage: python -m benchmarks.results_table [REPORT_DIR]   (default: reports/h200)
 
 Every column but "best public" comes from the report's summary.csv (its columns are described by the report
-itself and by workflow/shapewise/report_data.py). "Best public" is the strongest public solution's median under the
-official script and call (BEST_PUBLIC). A mask cost above the timing job's limit (`mask_cost.limit` in the row's
+itself and by workflow/shapewise/report/report_data.py). "Best public" is the strongest public solution's median under
+the official script and call (BEST_PUBLIC). A mask cost above the timing job's limit (`mask_cost.limit` in the row's
 data/timing/<id>.json) is bold. Rows without a reference median (the reference does not fit in memory) show "does
 not fit" and the mask cost of their single round. Lists on stderr
 the rows whose median is above the best public one.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from benchmarks.common import ROOT
 from shapewise.candidates import SHAPEWISE
-from shapewise.compare import candidate_of
+from shapewise.report.compare import candidate_of
 
 BEST_PUBLIC = ROOT / "benchmarks" / "data" / "best-public-2026-11-29.json"
 

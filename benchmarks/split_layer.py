@@ -22,7 +22,7 @@ import torch
 
 from benchmarks.common import (accuracy, alternating_rounds, device_name, official, parser, pooled_median,
                                reference_output, row, row_numbers, setup, write_json)
-from shapewise import stats
+from shapewise.analysis import stats
 from shapewise.jobs.device import time_calls
 from shapewise.kernels.fused_layer import MAX_D_MODEL
 from shapewise.model import UserOptimizedTransformer, routing

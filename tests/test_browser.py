@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from shapewise import report
+from shapewise.report import report
 
 from test_report import make_run  # tests/ is on sys.path under pytest
 

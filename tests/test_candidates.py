@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shapewise import candidates, paths
-from shapewise.manifest import normalize_row, row_json
+from shapewise import candidates
+from shapewise.inputs import paths
+from shapewise.inputs.manifest import normalize_row, row_json
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = Path(__file__).resolve().parent / "candidates"

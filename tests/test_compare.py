@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from shapewise import compare
 from shapewise.cli import main as cli_main
+from shapewise.report import compare
 
-# summary.csv columns of the current report (shapewise.report_data.SUMMARY_COLUMNS, spelled out so that a change
+# summary.csv columns of the current report (shapewise.report.report_data.SUMMARY_COLUMNS, spelled out so that a change
 # of that list fails here), and of reports written before the intervals.
 COLUMNS = ["id", "machine", "status", "call", "route", "failed_elements", "total_elements", "max_abs_error",
            "strict_failed_elements", "reference_median_ms", "reference_ci_low_ms", "reference_ci_high_ms",
@@ -126,7 +126,7 @@ def test_same_gpu_compares_across_software_and_names_both_machines(tmp_path, cap
 
 def test_the_projects_own_install_is_not_software(monkeypatch):
     # installing shapewise itself (pip install -e .) must not make two runs' machines differ
-    from shapewise import inventory
+    from shapewise.provenance import inventory
 
     class Dist:
         def __init__(self, name, version):

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from checkout import copy_checkout
 from shapewise.cli import job_environment_variables
-from shapewise.paths import CONFIG_SCHEMA
+from shapewise.inputs.paths import CONFIG_SCHEMA
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,8 +88,8 @@ def test_the_schema_owns_the_device_choices():
     """config `device`, SHAPEWISE_DEVICE (common.smk) and a job's --device (shapewise.cli) take the schema's enum."""
     import argparse
 
-    from shapewise import settings
     from shapewise.cli import build_parser
+    from shapewise.inputs import settings
 
     assert settings.devices() == tuple(schema()["properties"]["device"]["enum"]) == ("auto", "cuda", "cpu")
     job = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["job"]
@@ -101,7 +101,7 @@ def test_the_schema_owns_the_device_choices():
 
 def test_pass_env_keeps_the_named_variables_that_are_set():
     """One reading of config pass_env (a list, or --config's comma-separated string) for the jobs and the report."""
-    from shapewise.settings import pass_env
+    from shapewise.inputs.settings import pass_env
 
     environ = {"SHAPEWISE_ROUTE": "reference", "SHAPEWISE_DISABLE": "a=b", "SHAPEWISE_OTHER": "x"}
     assert pass_env(["SHAPEWISE_DISABLE", "SHAPEWISE_ROUTE"], environ) == {"SHAPEWISE_DISABLE": "a=b",

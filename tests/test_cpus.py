@@ -1,5 +1,5 @@
-"""CPU cores of GPU slots (shapewise.cpus): whole physical cores per slot, from fake sysfs trees; every GPU job
-of the local lock pool pins itself at start and records it (`cpu_affinity`)."""
+"""CPU cores of GPU slots (shapewise.execution.cpus): whole physical cores per slot, from fake sysfs trees; every GPU
+job of the local lock pool pins itself at start and records it (`cpu_affinity`)."""
 
 import json
 import os
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from shapewise import cpus, gpuslots
+from shapewise.execution import cpus, gpuslots
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -175,7 +175,8 @@ DRIVER = textwrap.dedent("""
     import importlib, json, os, sys
     from types import SimpleNamespace
 
-    from shapewise import cli, cpus
+    from shapewise import cli
+    from shapewise.execution import cpus
 
     cpus.SYSFS_ROOT = sys.argv[1]
     seen = {}

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from shapewise.manifest import official_rows
+from shapewise.inputs.manifest import official_rows
 
 pytestmark = pytest.mark.gpu
 

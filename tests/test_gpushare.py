@@ -1,7 +1,8 @@
-"""A job that shares its GPU chooses no kernel by timing (shapewise.gpushare), tried with a stand-in autotuner."""
+"""A job that shares its GPU chooses no kernel by timing (shapewise.execution.gpushare), tried with a stand-in
+autotuner."""
 
 import pytest
-from shapewise import gpushare, gpuslots
+from shapewise.execution import gpushare, gpuslots
 
 
 class Tuner:

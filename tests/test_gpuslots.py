@@ -1,4 +1,4 @@
-"""GPU slots for local runs (shapewise.gpuslots, workflow/rules/gpus.smk), on the CPU with fake GPUs."""
+"""GPU slots for local runs (shapewise.execution.gpuslots, workflow/rules/gpus.smk), on the CPU with fake GPUs."""
 
 import itertools
 import json
@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from shapewise import gpuslots, paths
+from shapewise.execution import gpuslots
+from shapewise.inputs import paths
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / "workflow"
@@ -91,7 +92,7 @@ def test_bad_knob_is_a_clear_error(spec, env, words):
 
 HOLDER = textwrap.dedent("""
     import json, sys, time
-    from shapewise import gpuslots
+    from shapewise.execution import gpuslots
     lock_dir, start_at, hold_s, out = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
     pool = gpuslots.list_gpus()
     time.sleep(max(0.0, start_at - time.time()))
@@ -167,7 +168,7 @@ def _acquire_within(pool, lock_dir, seconds):
 
 MODE_HOLDER = textwrap.dedent("""
     import json, sys, time
-    from shapewise import gpuslots
+    from shapewise.execution import gpuslots
     lock_dir, mode, hold_s, out = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
     asked = time.time()
     slot = gpuslots.acquire(gpuslots.list_gpus(), lock_dir, label=out, poll_s=0.02, mode=mode)
@@ -511,7 +512,7 @@ rule job:
 
 MINI_JOB = """
 import json, os, sys, time
-from shapewise import gpuslots
+from shapewise.execution import gpuslots
 device = gpuslots.enter_job("cuda", directory=sys.argv[2])
 start = time.time()
 time.sleep(1.5)
@@ -576,7 +577,7 @@ rule alone:
 
 MIXED_JOB = """
 import json, os, sys, time
-from shapewise import gpuslots
+from shapewise.execution import gpuslots
 device = gpuslots.enter_job("cuda", directory=sys.argv[2], mode=sys.argv[3])
 start = time.time()
 time.sleep(1.0)
@@ -767,7 +768,7 @@ def test_a_result_records_its_lock_as_held_when_written(tmp_path, monkeypatch):
 
 CHILD_OF_A_JOB = textwrap.dedent("""
     import json, sys
-    from shapewise import gpuslots
+    from shapewise.execution import gpuslots
     gpuslots.take_over(json.loads(sys.stdin.read()))
     slot = gpuslots.held()
     print(json.dumps({"record": slot.record(), "others": [n["job"] for n in slot.others_now()]}))
@@ -806,10 +807,10 @@ def test_on_slot_runs_with_the_slot_set_and_before_auto_is_resolved(tmp_path):
     assert device == "cuda" and order == [("on_slot", "lock", "0"), "cuda check"]
 
 
-# ---- the run: what its jobs inherit, set once per invocation (shapewise.runs.begin) ---------------------------
+# ---- the run: what its jobs inherit, set once per invocation (shapewise.execution.runs.begin) ---------------
 
 def test_a_run_begins_with_its_pool_identity_and_triton_cache_for_its_jobs(tmp_path):
-    from shapewise import jobserver, runs
+    from shapewise.execution import jobserver, runs
 
     pool = gpuslots.resolve_pool("all", {gpuslots.FAKE_VAR: "2"})
     environ = {"SLURM_JOB_ID": "77"}

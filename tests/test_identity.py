@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
-from shapewise.identity import identity, mismatches, row_digest
-from shapewise.manifest import normalize_row, row_json
+from shapewise.inputs.manifest import normalize_row, row_json
+from shapewise.provenance.identity import identity, mismatches, row_digest
 
 ROW = normalize_row({"id": "id-row", "batch_size": 2, "seq_len": 8, "d_model": 32, "num_heads": 2, "ffn_dim": 64,
                      "num_layers": 1})

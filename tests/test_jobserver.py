@@ -1,4 +1,5 @@
-"""The job server (shapewise.jobserver): jobs of a run start as forks of one process that imported their code."""
+"""The job server (shapewise.execution.jobserver): jobs of a run start as forks of one process that imported their
+code."""
 
 import json
 import os
@@ -12,7 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from shapewise import gpuslots, jobprocess, jobserver, paths
+from shapewise.execution import gpuslots, jobprocess, jobserver
+from shapewise.inputs import paths
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / "workflow"
@@ -28,7 +30,7 @@ def _ticks(pid):
 
 @pytest.fixture(scope="module")
 def run():
-    """A stand-in for a run's main Snakemake process: its identity, as shapewise.runs.begin publishes it."""
+    """A stand-in for a run's main Snakemake process: its identity, as shapewise.execution.runs.begin publishes it."""
     proc = subprocess.Popen(["sleep", "600"])
     name = f"{socket.gethostname()}:{proc.pid}:{_ticks(proc.pid)}"
     yield name
@@ -62,7 +64,7 @@ def _server_pids(run_name):
             args = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"shapewise.jobserver" in args and run_name.encode() in args:
+        if b"shapewise.execution.jobserver" in args and run_name.encode() in args:
             found.append(int(proc.name))
     return found
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shapewise.manifest import ManifestError, load_manifest, load_manifests
+from shapewise.inputs.manifest import ManifestError, load_manifest, load_manifests
 
 ROOT = Path(__file__).resolve().parent.parent
 GOOD = {"id": "r1", "batch_size": 2, "seq_len": 8, "d_model": 16, "num_heads": 2, "ffn_dim": 32, "num_layers": 1}
@@ -152,8 +152,8 @@ def test_missing_file(tmp_path):
 
 
 def test_official_rows_by_number():
-    """shapewise.manifest.official_rows: the published table keyed 1..14 (scripts name rows by number)."""
-    from shapewise.manifest import official_rows
+    """shapewise.inputs.manifest.official_rows: the published table keyed 1..14 (scripts name rows by number)."""
+    from shapewise.inputs.manifest import official_rows
 
     rows = official_rows()
     assert sorted(rows) == list(range(1, 15))
@@ -165,7 +165,7 @@ def test_official_rows_by_number():
 
 def test_defaults_come_from_the_schema():
     """normalize_row writes no default of its own: a different schema default gives a different row."""
-    from shapewise.manifest import load_schema, normalize_row, schema_defaults
+    from shapewise.inputs.manifest import load_schema, normalize_row, schema_defaults
 
     schema = load_schema()
     defaults = schema_defaults(schema)
@@ -182,7 +182,7 @@ def test_defaults_come_from_the_schema():
 def test_schema_causal_default_is_the_models():
     import dataclasses
 
-    from shapewise.manifest import schema_defaults
+    from shapewise.inputs.manifest import schema_defaults
     from shapewise.model.config import TransformerConfig
 
     model_default = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}["causal"]
@@ -190,7 +190,7 @@ def test_schema_causal_default_is_the_models():
 
 
 def test_input_dtypes_are_the_manifests():
-    from shapewise import manifest
+    from shapewise.inputs import manifest
     from shapewise.jobs.inputs import DTYPES
 
     assert tuple(DTYPES) == manifest.DTYPES
@@ -198,7 +198,7 @@ def test_input_dtypes_are_the_manifests():
 
 def test_enums_have_one_owner():
     """The schema file writes no list of dtypes, masks or routes; the loaded schema holds the code's lists."""
-    from shapewise import manifest
+    from shapewise.inputs import manifest
     from shapewise.model.routing import ROUTES
 
     raw = yaml.safe_load(manifest.SCHEMA_PATH.read_text())["items"]["properties"]
@@ -212,18 +212,19 @@ def test_enums_have_one_owner():
 
 
 def test_manifest_module_imports_no_torch():
-    """Snakemake loads manifests at parse time: importing shapewise.manifest (and the route list) costs no torch."""
+    """Snakemake loads manifests at parse time: importing shapewise.inputs.manifest (and the route list) costs no
+    torch."""
     import subprocess
     import sys
 
-    code = "import sys, shapewise.manifest; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, shapewise.inputs.manifest; assert 'torch' not in sys.modules, 'torch imported'"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           env={"PYTHONPATH": str(ROOT / "workflow"), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
 
 
 def test_target_ms_is_not_part_of_the_rows_identity(tmp_path):
-    from shapewise.manifest import row_json
+    from shapewise.inputs.manifest import row_json
 
     a, b = load_manifest(write(tmp_path, [dict(GOOD, target_ms=1.0), dict(GOOD, id="r2", target_ms=2.0)]))
     assert row_json(a) == row_json(dict(b, id="r1"))

@@ -216,7 +216,7 @@ def test_official_rows_14_and_6_plans_on_an_h200_and_under_caps():
 
 
 def _row(**kw):
-    from shapewise.manifest import normalize_row
+    from shapewise.inputs.manifest import normalize_row
 
     base = {"id": "mem-row", "batch_size": 5, "seq_len": 9, "d_model": 32, "num_heads": 2, "ffn_dim": 48,
             "num_layers": 2, "trials": 1, "route": "sdpa"}
@@ -255,8 +255,8 @@ def test_preflight_counts_a_streamable_row_as_fitting(monkeypatch):
 
 def test_preflight_job_records_the_plan(tmp_path, monkeypatch):
     """The job's result: the reference as before, the optimized model with its plan and io_bytes."""
+    from shapewise.inputs.manifest import row_json
     from shapewise.jobs import preflight
-    from shapewise.manifest import row_json
 
     monkeypatch.delenv(memory.BUDGET_ENV, raising=False)
     out = tmp_path / "pre.json"

@@ -17,7 +17,7 @@ from shapewise.model import TransformerConfig, UserOptimizedTransformer, routing
 from shapewise.model.optimized import OPTIMIZATIONS, switches_used
 from shapewise.model.reference import LAYER_NORM_EPS as EPS
 from shapewise.model.routing import ROUTE_SPECS, Route, with_pdl
-from shapewise.report_data import route_label
+from shapewise.report.report_data import route_label
 
 HOPPER, AMPERE = (9, 0), (8, 0)
 

@@ -76,7 +76,7 @@ def test_report_summary_and_provenance(workdir):
     with open(report / "summary.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert [r["id"] for r in rows] == ["tiny-triton", "tiny-holes"]
-    assert list(rows[0]) == [  # shapewise.report_data.SUMMARY_COLUMNS, spelled out (candidate: shapewise's rows)
+    assert list(rows[0]) == [  # shapewise.report.report_data.SUMMARY_COLUMNS, spelled out (candidate: shapewise's rows)
         "id", "candidate", "machine", "status", "call", "route", "failed_elements", "total_elements",
         "max_abs_error", "strict_failed_elements", "reference_median_ms", "reference_ci_low_ms",
         "reference_ci_high_ms", "optimized_median_ms", "optimized_ci_low_ms", "optimized_ci_high_ms", "speedup",
@@ -274,7 +274,7 @@ def test_forced_route_that_cannot_serve_fails_the_job_only(workdir):
 
 def test_results_from_different_gpus_are_reported_apart(workdir):
     """Two rows measured on different device models: two groups, two geomeans, a banner."""
-    from shapewise import provenance
+    from shapewise.provenance import provenance
 
     timing = workdir / "results" / "timing" / "tiny-holes.json"
     original = timing.read_bytes()
@@ -286,7 +286,7 @@ def test_results_from_different_gpus_are_reported_apart(workdir):
     try:
         # what the report rule handed the plain run's report: its rows are the manifest's as they are now
         # (other tests' runs, dry ones included, wrote other inputs files: a baseline, passed variables, candidates)
-        from shapewise.manifest import load_manifest, row_json
+        from shapewise.inputs.manifest import load_manifest, row_json
 
         rows = [row_json(r) for r in load_manifest(workdir / "shapes" / "tiny.yaml")]
         (inputs,) = {json.dumps(d["rows"], sort_keys=True): p
@@ -294,7 +294,7 @@ def test_results_from_different_gpus_are_reported_apart(workdir):
                      for d in [json.loads(p.read_text())]
                      if [row_json(r["row"]) for r in d["rows"]] == rows and not d["pass_env"]
                      and not d["baseline"] and not d["candidates"]}.values()
-        done = subprocess.run([sys.executable, "-m", "shapewise.report", "--inputs", str(inputs), "--outdir",
+        done = subprocess.run([sys.executable, "-m", "shapewise.report.report", "--inputs", str(inputs), "--outdir",
                                "results/report-mixed"], cwd=workdir, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr

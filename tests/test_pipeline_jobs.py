@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from shapewise import roofline
-from shapewise.manifest import normalize_row, row_json
+from shapewise.analysis import roofline
+from shapewise.inputs.manifest import normalize_row, row_json
 
 ROOT = Path(__file__).resolve().parent.parent
 ROW = normalize_row({"id": "chunk-row", "batch_size": 3, "seq_len": 256, "d_model": 32, "num_heads": 2,
@@ -101,7 +101,7 @@ def test_roofline_parameter_count_matches_the_reference_model():
 
 def test_report_names_rows_that_ran_a_shorter_protocol():
     """A heavy row's shorter protocol is reported by row, never passed off as the common one."""
-    from shapewise.report import protocols
+    from shapewise.report.report import protocols
 
     usual = {"warmup": 20, "rounds": 3, "calls": 100}
     short = {"warmup": 1, "rounds": 1, "calls": 3}
@@ -156,8 +156,8 @@ def test_roofline_peak_is_the_fastest_rate_the_row_may_use():
 def test_only_huge_inputs_are_drawn_on_the_gpu(monkeypatch):
     """make_case draws inputs of at least DEVICE_DRAW_MIN_ELEMENTS on the GPU's generator (official row 14's CPU
     draw: about 20 s per case, estimated), everything else on the CPU generator: the same case on every device."""
-    from shapewise.model import TransformerConfig
     from shapewise.jobs import inputs as common
+    from shapewise.model import TransformerConfig
 
     row14 = TransformerConfig(32, 100000, 1024, 16, 1024, 2, True)
     row6 = TransformerConfig(10000, 128, 128, 4, 128, 4, True)
@@ -195,8 +195,8 @@ def test_a_row_that_does_not_fit_is_recorded_as_a_skip_by_every_job_without_allo
     """Batch 100 000 000 (its input alone: 400 GB): accuracy, timing, profile and ablation write a resource skip
     with their identity, and none builds a model or draws the input."""
     from shapewise.cli import main
-    from shapewise.identity import identity
     from shapewise.jobs import ablation, accuracy, profile, timing
+    from shapewise.provenance.identity import identity
 
     def refuse(*args, **kwargs):
         raise AssertionError("a skipped row must not build models or draw inputs")
@@ -254,7 +254,7 @@ def test_timing_job_records_protocol_intervals_call_and_identity(tmp_path):
         "mb.json", "--protocol", json.dumps(TIMING_SETTINGS), "--impl-digest", "i", "--env-digest", "e",
         "--out", "t.json")
     tim = json.loads((tmp_path / "t.json").read_text())
-    from shapewise.identity import identity
+    from shapewise.provenance.identity import identity
 
     assert tim["identity"] == identity(row, "i", "e") and tim["status"] == "ok"
     assert tim["protocol"]["name"] == "stable" and tim["protocol"]["gc_off"] is True
@@ -282,8 +282,8 @@ def test_timing_job_records_protocol_intervals_call_and_identity(tmp_path):
 
 
 def test_mask_cost_is_measured_only_for_an_all_true_mask():
+    from shapewise.analysis.stats import summarize
     from shapewise.jobs.timing import mask_cost
-    from shapewise.stats import summarize
 
     rounds = {"optimized": [[1.1] * 4, [1.2] * 4, [1.1] * 4], "optimized_unmasked": [[1.0] * 4, [1.1] * 4, [1.0] * 4]}
     out = mask_cost(rounds, summarize(rounds), "all-true", {"optimized": "r", "optimized_unmasked": "r"})
@@ -454,7 +454,7 @@ def test_contention_by_memory_when_no_process_is_listed_not_even_ours(monkeypatc
 
 
 def test_cpu_pinning_per_slot_inherit_and_explicit(monkeypatch, tmp_path):
-    from shapewise import cpus
+    from shapewise.execution import cpus
     from shapewise.jobs import device as dev
 
     # no topology (each logical CPU its own core), whatever this machine's siblings: tests/test_cpus.py has those
@@ -575,7 +575,7 @@ def test_core_pick_pins_the_launching_thread_to_the_cheapest_core_before_every_r
 def test_core_pick_is_checked_and_needs_a_gpu():
     import yaml
 
-    from shapewise import paths
+    from shapewise.inputs import paths
     from shapewise.jobs import device as jobs_device
     from shapewise.jobs import timing
 

@@ -15,7 +15,7 @@ from checkout import REPO
 
 
 def test_atexit_clears_then_runs_handlers_without_exiting():
-    """shapewise.jobserver._child: a job forked from the job server drops the server's exit handlers
+    """shapewise.execution.jobserver._child: a job forked from the job server drops the server's exit handlers
     (atexit._clear) and runs its own before os._exit (atexit._run_exitfuncs)."""
     code = ("import atexit, os, sys\n"
             "atexit.register(print, 'server')\n"
@@ -30,12 +30,12 @@ def test_atexit_clears_then_runs_handlers_without_exiting():
 
 
 def test_triton_autotuner_has_what_gpushare_wraps():
-    """shapewise.gpushare wraps Autotuner.check_disk_cache and Autotuner._bench (as WRAPPED names them) and swaps
-    the per-instance `do_bench` (a cached property of Autotuner) for one untimed launch."""
+    """shapewise.execution.gpushare wraps Autotuner.check_disk_cache and Autotuner._bench (as WRAPPED names them) and
+    swaps the per-instance `do_bench` (a cached property of Autotuner) for one untimed launch."""
     pytest.importorskip("triton")
     from triton.runtime.autotuner import Autotuner
 
-    from shapewise import gpushare
+    from shapewise.execution import gpushare
 
     assert gpushare.unavailable() is None  # a job would hold its GPU alone on every kernel choice otherwise
     assert isinstance(inspect.getattr_static(Autotuner, "do_bench"), functools.cached_property)
@@ -78,7 +78,7 @@ def test_the_weight_check_benchmark_replaces_a_runner_through_the_models_paths()
     UserOptimizedTransformer._paths (keyed (shape, dtype, device, mask is None), each runner with its `route`)."""
     code = ("import json\n"
             "from benchmarks.weight_check import measure\n"
-            "from shapewise.manifest import load_manifest\n"
+            "from shapewise.inputs.manifest import load_manifest\n"
             "row = load_manifest('shapes/smoke.yaml')[0]\n"
             "print(json.dumps(measure(row, calls=2, repeats=1)))\n")
     # the benchmarks are modules of the checkout (python -c puts its working directory first on the path)

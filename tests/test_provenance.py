@@ -5,8 +5,8 @@ import subprocess
 
 import pytest
 
-from shapewise import provenance
 from shapewise.cli import main as cli_main
+from shapewise.provenance import provenance
 
 INPUTS = ["model/a.py", "shapes/s.yaml"]
 ARTIFACTS = ["report.md", "report.html", "summary.csv", "data/timing/r1.json"]

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 from checkout import copy_checkout
-from shapewise import identity, paths, provenance, report, report_data
+from shapewise.inputs import paths
+from shapewise.provenance import identity, provenance
+from shapewise.report import report, report_data
 
 IMPL = "a" * 64
 ENV = "e" * 64
@@ -433,7 +435,7 @@ def test_only_resource_skip_rows_still_render(tmp_path, monkeypatch):
 
 
 def test_provenance_verifies(run):
-    from shapewise.provenance import verify
+    from shapewise.provenance.provenance import verify
 
     report.render(run, "results/report")
     assert verify("results/report", artifacts_only=True, out=lambda *_: None) == 0
@@ -486,7 +488,7 @@ def _snakemake(cwd, *args):
 def test_deleted_result_is_scheduled_again(tmp_path):
     """Rule all requests RESULT_TARGETS (workflow/rules/common.smk) besides the report: Snakemake does not rerun the
     job of a missing intermediate file whose consumer is up to date (it would say "Nothing to be done")."""
-    from shapewise import manifest
+    from shapewise.inputs import manifest
 
     copy_checkout(tmp_path)
     rows = manifest.load_manifests([str(REPO / paths.manifest("smoke"))])

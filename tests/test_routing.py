@@ -292,7 +292,7 @@ OFFICIAL_KV = set()  # the kv_precompute entry serves no official row
 
 
 def test_committed_policy_routes_the_official_rows_as_measured():
-    from shapewise.manifest import official_rows
+    from shapewise.inputs.manifest import official_rows
 
     for n, row in official_rows().items():
         shape = TransformerConfig(**{f: row[f] for f in ("batch_size", "seq_len", "d_model", "num_heads", "ffn_dim",

@@ -10,8 +10,8 @@ import textwrap
 import pytest
 import torch
 
+from shapewise.inputs.manifest import normalize_row
 from shapewise.jobs.candidate import CandidateFailed, check_output, host_copy, read_plain, write_plain
-from shapewise.manifest import normalize_row
 from test_candidates import run_job
 
 ROW = normalize_row({"id": "hostile-row", "batch_size": 2, "seq_len": 7, "d_model": 32, "num_heads": 2,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shapewise import compare, report, report_data
 from shapewise.cli import main as cli_main
+from shapewise.report import compare, report, report_data
 
 from test_report import make_run  # tests/ is on sys.path under pytest
 

@@ -1,7 +1,7 @@
 """The limits of the YAML the pipeline reads besides manifests: a config loaded by Snakemake (whose loader keeps
-aliases) is checked by shapewise.limits.check_loaded, which stops an alias bomb after a bounded number of steps;
-the shipped config and manifests pass the strict reader (shapewise.limits.load_yaml). The config schema's patterns
-refuse a value ending in a newline, and its `commit` is a full commit id, the one verify can check."""
+aliases) is checked by shapewise.inputs.limits.check_loaded, which stops an alias bomb after a bounded number of steps;
+the shipped config and manifests pass the strict reader (shapewise.inputs.limits.load_yaml). The config schema's
+patterns refuse a value ending in a newline, and its `commit` is a full commit id, the one verify can check."""
 
 import time
 from pathlib import Path
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shapewise import limits, paths, provenance
+from shapewise.inputs import limits, paths
+from shapewise.provenance import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 # Five levels of thirty aliases: 30^5 = 24 300 000 strings once expanded, seven levels deep.

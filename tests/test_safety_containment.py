@@ -12,8 +12,8 @@ import time
 import pytest
 
 import test_candidates
+from shapewise.inputs.manifest import normalize_row
 from shapewise.jobs.candidate import contain
-from shapewise.manifest import normalize_row
 
 ROW = normalize_row({"id": "contained-row", "batch_size": 1, "seq_len": 4, "d_model": 16, "num_heads": 2,
                      "ffn_dim": 32, "num_layers": 1, "trials": 1})
@@ -198,7 +198,7 @@ def test_where_confinement_is_off_the_candidate_is_recorded_unconfined_and_the_r
     assert record["writes"] == "unconfined" and contain.SWITCH in record["reason"]
     assert record["processes"] == "subreaper"
 
-    from shapewise.report_candidates import containment_notes
+    from shapewise.report.report_candidates import containment_notes
     assert containment_notes({"accuracy": result, "timing": {}, "profile": {}}) == [
         f"ran unconfined [accuracy job]: its writes were not restricted ({record['reason']})"]
 

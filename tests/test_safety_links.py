@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 from checkout import copy_checkout
-from shapewise import provenance, report
+from shapewise.provenance import provenance
+from shapewise.report import report
 from test_report import make_run
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shapewise import limits, manifest, paths
 from shapewise.cli import main as cli_main
-from shapewise.manifest import ManifestError, load_manifest, load_manifests
+from shapewise.inputs import limits, manifest, paths
+from shapewise.inputs.manifest import ManifestError, load_manifest, load_manifests
 
 ROOT = Path(__file__).resolve().parent.parent
 GOOD = {"id": "r1", "batch_size": 2, "seq_len": 8, "d_model": 16, "num_heads": 2, "ffn_dim": 32, "num_layers": 1}
@@ -190,7 +190,7 @@ def test_number_field_given_a_huge_integer(tmp_path):
 
 
 def test_id_length_limit_comes_from_the_longest_file_name():
-    """Derived from shapewise.paths: the longest name of a row's files is `<id>.json` (5 more characters)."""
+    """Derived from shapewise.inputs.paths: the longest name of a row's files is `<id>.json` (5 more characters)."""
     longest = max(len(Path(p).name) for p in paths.per_shape("x").values() if "x" in Path(p).name)
     assert manifest.id_length_limit() == limits.NAME_MAX - (longest - 1) == 250
 

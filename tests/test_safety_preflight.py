@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from shapewise.cli import main
+from shapewise.inputs.manifest import normalize_row, row_json
 from shapewise.jobs import preflight
-from shapewise.manifest import normalize_row, row_json
 
 # batch 100 000, seq 100 000, d_model 8192, 64 heads, ffn 32768, 96 layers: 77 G parameters, ~928 GB to build
 HOSTILE = normalize_row({"id": "hostile", "batch_size": 100_000, "seq_len": 100_000, "d_model": 8192,

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shapewise import paths, report
+from shapewise.inputs import paths
+from shapewise.report import report
 
 from test_report import make_run, write_json  # tests/ is on sys.path under pytest
 

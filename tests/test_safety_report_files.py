@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from shapewise import paths, report
+from shapewise.inputs import paths
+from shapewise.report import report
 
 import test_report  # tests/ is on sys.path under pytest
 from test_report import make_run, write_json
@@ -88,7 +89,7 @@ def test_report_job_writes_utf8_under_the_c_locale(run, tmp_path):
     (tmp_path / "inputs.json").write_text(json.dumps(run))
     env = dict(os.environ, LC_ALL="C", LANG="C", PYTHONUTF8="0", PYTHONIOENCODING="",
                PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    done = subprocess.run([sys.executable, "-m", "shapewise.report", "--inputs", "inputs.json", "--outdir",
+    done = subprocess.run([sys.executable, "-m", "shapewise.report.report", "--inputs", "inputs.json", "--outdir",
                            "results/report"], cwd=tmp_path, env=env, capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
     for name in ("report.md", "report.html"):

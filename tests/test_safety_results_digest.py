@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from shapewise import paths, provenance, report, report_data
+from shapewise.inputs import paths
 from shapewise.jobs import io
+from shapewise.provenance import provenance
+from shapewise.report import report, report_data
 
 from test_report import make_run, write_json  # tests/ is on sys.path under pytest
 

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 from checkout import copy_checkout
-from shapewise import cli, gpuslots, jobserver, paths, runs
+from shapewise import cli
+from shapewise.execution import gpuslots, jobserver, runs
+from shapewise.inputs import paths
 
 # ---- pass_env: a value with braces ---------------------------------------------------------------------------
 
@@ -75,7 +77,7 @@ def test_markers_of_ended_or_damaged_runs_are_no_conflict(tmp_path):
 
 CHATTY = """
 import subprocess, sys
-from shapewise import jobserver
+from shapewise.execution import jobserver
 jobserver.LOG_DRAIN_S = 1
 with jobserver.capped_output(head=1000, tail=600):
     print("the job starts", flush=True)
@@ -119,7 +121,7 @@ def test_a_process_left_behind_holding_the_log_does_not_hold_the_job(tmp_path):
 
 def test_a_log_that_is_not_one_file_is_left_alone(tmp_path):
     out, err = tmp_path / "out", tmp_path / "err"
-    code = ("from shapewise import jobserver\nwith jobserver.capped_output(head=10, tail=10):\n"
+    code = ("from shapewise.execution import jobserver\nwith jobserver.capped_output(head=10, tail=10):\n"
             "    print('x' * 100)\n")
     with open(out, "wb") as o, open(err, "wb") as e:
         subprocess.run([sys.executable, "-c", code], stdout=o, stderr=e, check=True, timeout=60)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from shapewise import limits, paths, provenance
 from shapewise.cli import main as cli_main
+from shapewise.inputs import limits, paths
+from shapewise.provenance import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 OWN_FILES = ["report.html", "report.md", "summary.csv"]  # a report's own files, as the record sorts them

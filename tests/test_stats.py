@@ -1,11 +1,11 @@
-"""Bootstrap intervals over timing rounds (shapewise.stats) on synthetic round times with a known spread."""
+"""Bootstrap intervals over timing rounds (shapewise.analysis.stats) on synthetic round times with a known spread."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from shapewise import stats
+from shapewise.analysis import stats
 
 
 def rounds_of(true_ms, rel_sigma, n_rounds, calls, seed, round_sigma=0.0):

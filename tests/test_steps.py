@@ -1,12 +1,14 @@
-"""The step registry (shapewise.steps) and what is derived from it: paths, GPU modes, the job server's imports, the
-`shapewise job` sub-commands and the rules' shell commands."""
+"""The step registry (shapewise.inputs.steps) and what is derived from it: paths, GPU modes, the job server's imports,
+the `shapewise job` sub-commands and the rules' shell commands."""
 
 import importlib
 import re
 
 import pytest
 
-from shapewise import cli, gpuslots, paths, steps
+from shapewise import cli
+from shapewise.execution import gpuslots
+from shapewise.inputs import paths, steps
 from checkout import REPO
 
 

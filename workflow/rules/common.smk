@@ -17,13 +17,13 @@ import sys
 from pathlib import Path
 
 from shapewise import candidates as sw_candidates
-from shapewise import gpuslots as sw_gpuslots
-from shapewise import inventory as sw_inventory
-from shapewise import manifest as sw_manifest
-from shapewise import paths as sw_paths
-from shapewise import provenance as sw_provenance
-from shapewise import settings as sw_settings
-from shapewise import steps as sw_steps
+from shapewise.execution import gpuslots as sw_gpuslots
+from shapewise.inputs import manifest as sw_manifest
+from shapewise.inputs import paths as sw_paths
+from shapewise.inputs import settings as sw_settings
+from shapewise.inputs import steps as sw_steps
+from shapewise.provenance import inventory as sw_inventory
+from shapewise.provenance import provenance as sw_provenance
 
 BASEDIR = Path(workflow.basedir).resolve()
 # The package's source in this checkout: the digests below hash it, the jobs run the installed package.
@@ -68,8 +68,8 @@ def _manifest_names():
 
 
 MANIFESTS = [sw_paths.manifest(name) for name in _manifest_names()]
-# The report records every input by its path under the checkout (shapewise.provenance): a manifest or config file
-# that it could not record (one linked from outside the checkout) stops the run now, not in its report job.
+# The report records every input by its path under the checkout (shapewise.provenance.provenance): a manifest or config
+# file that it could not record (one linked from outside the checkout) stops the run now, not in its report job.
 _UNRECORDABLE = sw_provenance.unrecordable(".", inputs=[*MANIFESTS, sw_paths.CONFIG_FILE])
 if _UNRECORDABLE:
     raise WorkflowError("\n".join(_UNRECORDABLE + ["nothing was run: keep the file itself under the checkout"]))
@@ -102,7 +102,7 @@ IMPL_DIGEST = sw_inventory.implementation(BASEDIR)["digest"]
 DIGESTS = {"environment": ENV_DIGEST, "implementation": IMPL_DIGEST}
 # The measuring code itself: editing it reruns the measurements, editing the
 # report code does not.
-HARNESS_FILES = sorted((PACKAGE_SOURCE / "jobs").glob("*.py")) + [PACKAGE_SOURCE / "roofline.py"]
+HARNESS_FILES = sorted((PACKAGE_SOURCE / "jobs").glob("*.py")) + [PACKAGE_SOURCE / "analysis" / "roofline.py"]
 HARNESS_DIGEST = sw_inventory.digest_of({p.name: sw_inventory.sha256_file(p) for p in HARNESS_FILES if p.is_file()})
 
 FINGERPRINTS = dict(sw_paths.FINGERPRINTS)
@@ -140,7 +140,7 @@ def protocol_of(section):
 
 
 def _is_heavy(shape):
-    from shapewise import roofline
+    from shapewise.analysis import roofline
 
     row = ROWS.get(shape)
     return row is not None and roofline.flops(**row)["total"] >= config["heavy"]["min_gflop"] * 1e9
@@ -149,7 +149,7 @@ def _is_heavy(shape):
 def row_priority(wildcards):
     """Cheaper rows first (higher priority runs first): a run stopped early (a time limit, a GPU gone) has
     finished the most rows it could. Priority = -log2(FLOPs of one forward)."""
-    from shapewise import roofline
+    from shapewise.analysis import roofline
 
     row = ROWS.get(wildcards.shape)
     return -math.log2(max(2.0, roofline.flops(**row)["total"])) if row is not None else 0
@@ -162,7 +162,7 @@ HEAVY_SHARED_FIRST = 500
 
 
 def step_priority(step):
-    """The priority function of `step`'s jobs: the step's order (shapewise.steps says why) first, then the row's
+    """The priority function of `step`'s jobs: the step's order (shapewise.inputs.steps says why) first, then the row's
     (heavy.shared_first: a heavy row's shared steps first)."""
     order = sw_steps.STEPS[step].order
 
@@ -201,11 +201,11 @@ def res(name):
 #   this Python, whose packages the environment fingerprint records, and
 #   another software stack would measure something other than what it says.
 JOB = f"{shlex.quote(sys.executable)} -m shapewise job"
-REPORT = f"{shlex.quote(sys.executable)} -m shapewise.report"
+REPORT = f"{shlex.quote(sys.executable)} -m shapewise.report.report"
 
 
 def job_shell(step):
-    """The shell command of a job of `step`, from its options in shapewise.steps: every job but the fingerprints
+    """The shell command of a job of `step`, from its options in shapewise.inputs.steps: every job but the fingerprints
     gets the device, the implementation and environment digests (recorded in its result's identity; a candidate's
     job gets its candidate's), the variables of config pass_env, its result file and its log."""
     return sw_steps.shell(step)
@@ -219,9 +219,9 @@ def job_shell(step):
 # gpus.smk).
 def checked(pattern):
     """An input function for a result that a job reads: the path, after a check that an existing file is a readable
-    result (shapewise.provenance.result_file_problem). Input functions run while the DAG is built, before Snakemake
-    deletes any output it would regenerate, so a damaged preflight stops the run before the good results of its
-    row are removed."""
+    result (shapewise.provenance.provenance.result_file_problem). Input functions run while the DAG is built, before
+    Snakemake deletes any output it would regenerate, so a damaged preflight stops the run before the good results of
+    its row are removed."""
 
     def path(wildcards):
         name = pattern.format(**dict(wildcards.items()))

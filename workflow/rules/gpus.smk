@@ -1,4 +1,4 @@
-# The GPU pool of this run (shapewise.gpuslots): every GPU `nvidia-smi -L` lists, narrowed by the user's
+# The GPU pool of this run (shapewise.execution.gpuslots): every GPU `nvidia-smi -L` lists, narrowed by the user's
 # CUDA_VISIBLE_DEVICES and by config `gpus` (all | a count | GPU ids such as "0,2").
 #
 # - Snakemake's global `gpu` resource becomes the pool's size, so `snakemake --cores all` runs as many jobs that
@@ -9,18 +9,18 @@
 #   `--resources gpu=K` on the command line (or in a profile) wins. Registered while the workflow is read: the
 #   scheduler takes them from there; reading the pool writes nothing.
 # - The run itself starts in the onstart handler below, the one place that sets what the jobs inherit (the pool,
-#   the run's identity for its job server, its Triton cache) and writes the run's marker: shapewise.runs.begin,
-#   which refuses the run while another one of this checkout is going on (after `snakemake --unlock`).
-#   Snakemake calls it once per invocation, in its main process, after building the DAG and before the first job;
-#   not in a dry run, when there is nothing to do, or with --no-hooks (then each job starts fresh, without the
-#   job server, and locks a GPU of all those here).
+#   the run's identity for its job server, its Triton cache) and writes the run's marker:
+#   shapewise.execution.runs.begin, which refuses the run while another one of this checkout is going on (after
+#   `snakemake --unlock`). Snakemake calls it once per invocation, in its main process, after building the DAG and
+#   before the first job; not in a dry run, when there is nothing to do, or with --no-hooks (then each job starts
+#   fresh, without the job server, and locks a GPU of all those here).
 # - Only the main Snakemake process does this; a job started by a cluster executor re-reads this file on
 #   its node, where SLURM has chosen the GPU.
 
-from shapewise import gpuslots as sw_gpuslots
-from shapewise import paths as sw_paths
-from shapewise import runs as sw_runs
-from shapewise import steps as sw_steps
+from shapewise.execution import gpuslots as sw_gpuslots
+from shapewise.execution import runs as sw_runs
+from shapewise.inputs import paths as sw_paths
+from shapewise.inputs import steps as sw_steps
 
 GPU_POOL = []
 if workflow.is_main_process:
@@ -86,11 +86,11 @@ onerror:
 
 
 def gpu_resources(step, uses_gpu=None):
-    """The `gpu` and `gpu_share` resources of a job of `step` (its GPU use in shapewise.steps; `gpu` of a step whose
-    jobs may run without a GPU: a function of the wildcards). A local run with GPUs: a job that times takes one
+    """The `gpu` and `gpu_share` resources of a job of `step` (its GPU use in shapewise.inputs.steps; `gpu` of a step
+    whose jobs may run without a GPU: a function of the wildcards). A local run with GPUs: a job that times takes one
     GPU and all of its share (gpu=1, gpu_share=SHARED_PER_GPU), one that times nothing one share and no GPU of its
     own (gpu=0, gpu_share=1), so Snakemake starts nothing beside a job that times on a one-GPU machine and up to
-    SHARED_PER_GPU jobs that time nothing per GPU; the GPU locks place them (shapewise.gpuslots). Elsewhere (a
+    SHARED_PER_GPU jobs that time nothing per GPU; the GPU locks place them (shapewise.execution.gpuslots). Elsewhere (a
     cluster executor, no GPU here) every GPU job asks for one GPU, as SLURM is to give it. Functions: the
     executor is known once the DAG is built, after this file is read. `uses_gpu(wildcards)`: False for a job of
     the step that runs without a GPU (neither resource)."""

@@ -3,12 +3,12 @@
 # GPU jobs ask for their GPU through gpu_resources (gpus.smk): a job that times
 # (microbench, timing, ablation) holds a GPU alone, the others (the environment
 # fingerprint, preflight, warm-up, accuracy, profile) may share one
-# (shapewise.gpuslots); under SLURM each uses the GPU SLURM gives it. The
+# (shapewise.execution.gpuslots); under SLURM each uses the GPU SLURM gives it. The
 # implementation fingerprint and the report ask for none. Jobs start in
 # step_priority order (common.smk). Each rule names its step of
-# shapewise.steps, whose options (and the rule's params, inputs and outputs
+# shapewise.inputs.steps, whose options (and the rule's params, inputs and outputs
 # they name) make its shell command (job_shell); result and log paths come
-# from shapewise.paths; what the per-shape rules share (ROW_INPUTS,
+# from shapewise.inputs.paths; what the per-shape rules share (ROW_INPUTS,
 # ROW_PARAMS, MEASURE_RESOURCES) from common.smk.
 
 

@@ -5,10 +5,10 @@
 # The report gets its inputs from the DAG, not by reading the manifests again:
 # rule report_inputs writes one JSON file with the rows of this run (as
 # common.smk loaded them, REPORT_INPUTS_TEXT), each row's result files
-# (shapewise.paths), the fingerprints, the microbenchmark, the environment
+# (shapewise.inputs.paths), the fingerprints, the microbenchmark, the environment
 # digest and the baseline. The file's name is the SHA-256 of its content, so a
 # change of any of these is a new input file, which reruns the report; nothing
-# is written while Snakemake builds the DAG. shapewise.report checks every
+# is written while Snakemake builds the DAG. shapewise.report.report checks every
 # result's identity against its row and refuses, by file name, one that does
 # not match.
 #

@@ -36,8 +36,8 @@ from pathlib import Path
 import yaml
 
 import shapewise.model as model_package
-from shapewise import paths
-from shapewise.inventory import digest_of, sha256_file
+from shapewise.inputs import paths
+from shapewise.provenance.inventory import digest_of, sha256_file
 
 CLASS_NAME = "UserOptimizedTransformer"
 # Names the report and summary.csv give the two models every run measures; no candidate may take them.

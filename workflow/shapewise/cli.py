@@ -15,12 +15,13 @@ import argparse
 import re
 import sys
 
-from shapewise import gpuslots, jobserver, paths
-from shapewise.compare import DEFAULT_FLOORS
-from shapewise.compare import main as compare_main
-from shapewise.jobprocess import add_job_parser, job_environment_variables, run_job_here
-from shapewise.manifest import ManifestError, load_manifests, load_schema
-from shapewise.provenance import verify
+from shapewise.execution import gpuslots, jobserver
+from shapewise.execution.jobprocess import add_job_parser, job_environment_variables, run_job_here
+from shapewise.inputs import paths
+from shapewise.inputs.manifest import ManifestError, load_manifests, load_schema
+from shapewise.provenance.provenance import verify
+from shapewise.report.compare import DEFAULT_FLOORS
+from shapewise.report.compare import main as compare_main
 
 
 def build_parser():
@@ -106,8 +107,9 @@ def main(argv=None):
 
 
 def run_job(args, argv):
-    """A pipeline job: as a fork of the run's job server where there is one (shapewise.jobserver: it has imported
-    torch and the job code already), else in this process; either way its log capped (jobserver.capped_output)."""
+    """A pipeline job: as a fork of the run's job server where there is one (shapewise.execution.jobserver: it has
+    imported torch and the job code already), else in this process; either way its log capped
+    (jobserver.capped_output)."""
     job_environment_variables(getattr(args, "env", []))
     with jobserver.capped_output():
         rc = jobserver.run(args, argv)

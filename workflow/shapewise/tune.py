@@ -15,7 +15,7 @@ geometric-mean time among those qualifying on all its rows; a group the sweep ha
 If one fused layer of row 6 beats one layer of the unfused triton route by more than 10%, the fused route's
 size bound is raised to cover row 6. Prints every decision; the policy's other entries are kept.
 
-Both files are read through shapewise.limits.load_json (size, UTF-8, nesting, no key twice) and checked before
+Both files are read through shapewise.inputs.limits.load_json (size, UTF-8, nesting, no key twice) and checked before
 anything is decided (check_sweep, check_policy): a missing, damaged or malformed file stops the command with its
 name and, for a sweep record, the record's number and field.
 """
@@ -25,8 +25,8 @@ import json
 import math
 from collections import defaultdict
 
-from shapewise import limits
-from shapewise.manifest import official_rows
+from shapewise.inputs import limits
+from shapewise.inputs.manifest import official_rows
 from shapewise.model.policy import POLICY_PATH
 
 # (max_tokens, max_heads) of each launch entry, in order; None: no bound. 4096 tokens = 128 programs of 32 rows,

@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from shapewise import cpus, gpuslots
+from shapewise.execution import cpus, gpuslots
 
 
 def setup(device, threads=None):
@@ -131,8 +131,8 @@ NOT_AVAILABLE_ON_CPU = {"available": False, "reason": "CPU job: no GPU"}
 def gpu_identity(device):
     """{"index", "uuid", "name", "slot", "slot_source", "cuda_visible_devices", "lock"} of the GPU a job runs on, or
     None on a CPU. `index` is torch's index (among the visible GPUs), `slot` the physical index the slot pool gave,
-    `lock` how the job holds it (shapewise.gpuslots.Slot.record: alone or shared, since when, the other holders
-    then; absent without a lock: under SLURM, or CUDA_VISIBLE_DEVICES chosen by hand)."""
+    `lock` how the job holds it (shapewise.execution.gpuslots.Slot.record: alone or shared, since when, the other
+    holders then; absent without a lock: under SLURM, or CUDA_VISIBLE_DEVICES chosen by hand)."""
     if torch.device(device).type != "cuda":
         return None
     index = torch.cuda.current_device()
@@ -216,7 +216,7 @@ def gpu_memory_used_bytes(gpu):
 
 def snapshot(gpu, at):
     """What a contention check looks at, now: the GPU's compute processes, its used memory, this job's own, and
-    the run's other jobs holding this GPU (their lock notes, shapewise.gpuslots)."""
+    the run's other jobs holding this GPU (their lock notes, shapewise.execution.gpuslots)."""
     slot = gpuslots.held()
     return {"at": at, "processes": compute_processes(gpu), "memory_used_bytes": gpu_memory_used_bytes(gpu),
             "own_reserved_bytes": int(torch.cuda.memory_reserved()),
@@ -289,7 +289,7 @@ def _job_start_record():
 
 def job_cpu_affinity(explicit_threads=None):
     """The cores this job runs on, as every result records them (`cpu_affinity`): what the job did when it
-    took its GPU slot (shapewise.cpus.pin_job, in shapewise.cli), or, in a process not started by
+    took its GPU slot (shapewise.execution.cpus.pin_job, in shapewise.cli), or, in a process not started by
     `shapewise job`, its cores as they are. The torch thread count is capped at the number of cores unless
     the job was given --threads (`explicit_threads`)."""
     start = _job_start_record()
@@ -303,7 +303,7 @@ def pin_cpus(spec):
     was done (the `cpu_affinity` record, `cores` = the cores the job runs on afterwards).
 
     "inherit": the cores the job started with (a job of the local lock pool: already its slot's cores).
-    "per-slot": its slot's share of the job's allowed cores (shapewise.cpus: whole physical cores, split among
+    "per-slot": its slot's share of the job's allowed cores (shapewise.execution.cpus: whole physical cores, split among
     the GPUs of the run's pool), so concurrent GPU jobs never share a core; only with slots from the local lock
     pool (under SLURM the scheduler places the job, with CUDA_VISIBLE_DEVICES from the user nothing says which
     jobs run beside it). A list: those cores, which must be among the cores the job was allowed at its start."""

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shapewise import inventory
-from shapewise.identity import identity
 from shapewise.jobs.device import setup
 from shapewise.jobs.io import header, log, write_result
+from shapewise.provenance import inventory
+from shapewise.provenance.identity import identity
 
 
 def main(args):

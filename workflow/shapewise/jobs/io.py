@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 
-from shapewise import gpuslots, provenance
-from shapewise.inventory import job_environment
-from shapewise.identity import identity
+from shapewise.execution import gpuslots, jobprocess
 from shapewise.jobs.device import gpu_identity, job_cpu_affinity
+from shapewise.provenance import provenance
+from shapewise.provenance.identity import identity
+from shapewise.provenance.inventory import job_environment
 
 
 def log(message):
@@ -37,7 +38,7 @@ def header(step, row, device, args=None):
         "row": row,
         "identity": identity(row, getattr(args, "impl_digest", None), getattr(args, "env_digest", None)),
         "device": device,
-        "environment": job_environment(device),
+        "environment": job_environment(device, jobprocess.process_record()),
         "gpu": gpu_identity(device),
         "cpu_affinity": job_cpu_affinity(getattr(args, "threads", None)),
         "started": now_iso(),
@@ -47,13 +48,14 @@ def header(step, row, device, args=None):
 
 def partial_path(path):
     """Where write_result writes `path` before moving it into place: beside it, under a name of fixed length,
-    so the longest file name of a row does not grow with it (shapewise.manifest.id_length_limit)."""
+    so the longest file name of a row does not grow with it (shapewise.inputs.manifest.id_length_limit)."""
     path = Path(path)
     return path.with_name(f".{hashlib.sha256(path.name.encode()).hexdigest()[:16]}.partial")
 
 
 def write_result(path, result):
-    """Write `result` as JSON, sealed with the digest of its content (shapewise.provenance.seal), atomically."""
+    """Write `result` as JSON, sealed with the digest of its content (shapewise.provenance.provenance.seal),
+    atomically."""
     t0 = result.pop("_t0", None)
     result["finished"] = now_iso()
     slot = gpuslots.held()
@@ -80,8 +82,8 @@ def _json_default(obj):
 
 def read_json(path):
     """An earlier job's result; a damaged one (not JSON, or edited after its job sealed it:
-    shapewise.provenance.result_file_problem) stops this job naming the file and the command that redoes it. A
-    result without a digest is taken as it is."""
+    shapewise.provenance.provenance.result_file_problem) stops this job naming the file and the command that redoes it.
+    A result without a digest is taken as it is."""
     problem = provenance.result_file_problem(path)
     if problem:
         row = Path(path).stem

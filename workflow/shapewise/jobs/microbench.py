@@ -19,9 +19,9 @@ import time
 
 import torch
 
+from shapewise.analysis.roofline import PEAK_ENTRIES
 from shapewise.jobs.device import setup
 from shapewise.jobs.io import header, log, write_result
-from shapewise.roofline import PEAK_ENTRIES
 
 
 # triton.testing.do_bench runs a function for about DO_BENCH_WARMUP_MS, then times it (one CUDA event pair per

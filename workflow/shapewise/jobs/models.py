@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from shapewise.inputs.manifest import MODEL_FIELDS
 from shapewise.jobs.inputs import DTYPES
-from shapewise.manifest import MODEL_FIELDS
 from shapewise.model import BaselineTransformer, TransformerConfig, UserOptimizedTransformer
 
 WEIGHT_SEED = 0  # every model of a row starts from torch.manual_seed(WEIGHT_SEED)

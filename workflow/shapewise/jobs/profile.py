@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from shapewise import gpuslots, kernels
+from shapewise import kernels
+from shapewise.execution import gpuslots
 from shapewise.jobs.device import setup, sync
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
 from shapewise.jobs.io import header, log, read_json, write_result

@@ -19,12 +19,12 @@ by its own pair of CUDA events (so p90 is a per-call figure); on a CPU by time.p
 Both record the GPU's clocks, temperature and power before and after, and the other processes on the GPU
 (`contention`). Reported per model: the median over all timed calls, its bootstrap interval over rounds, the
 round medians and their spread, p90, min, tokens/s, peak memory; the speedup with its interval and the `noisy`
-flag (shapewise.stats); the fraction of the roofline floor. A row whose optimized model does not fit (preflight)
-is a resource skip: nothing is built or allocated.
+flag (shapewise.analysis.stats); the fraction of the roofline floor. A row whose optimized model does not fit
+(preflight) is a resource skip: nothing is built or allocated.
 
 Where the row's call passes an all-True mask (the official harness's call), each round also times the optimized
 model called without it (model(x), same x, last in the round): `mask_cost` is the median over rounds of the ratio
-of the two calls' round medians, with its interval over rounds (shapewise.stats.paired_round_ratio), against
+of the two calls' round medians, with its interval over rounds (shapewise.analysis.stats.paired_round_ratio), against
 MASK_COST_LIMIT; the ratio of the two pooled medians beside it (`ratio_of_medians`, which a round's level moves;
 see mask_cost). Its calls are not part of the speedup or the stopping rule.
 """
@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from shapewise import roofline, stats
+from shapewise.analysis import roofline, stats
 from shapewise.jobs.device import (CORE_PICKS, PROBE_LAUNCHES, contention, first_call_ms, gpu_state,
                                    launch_cost_us, peak_memory_bytes, peak_memory_reset, pick_core, pin_cpus, setup,
                                    snapshot, summarize, time_calls, triton_cache_entries)

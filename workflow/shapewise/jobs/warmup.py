@@ -6,7 +6,7 @@ and each ablation variant the ablation job will run (jobs.ablation.variants and 
 protocol). Triton writes what it compiles to its on-disk cache (TRITON_CACHE_DIR, shared by the run's jobs), so
 the timing and ablation jobs, which hold their GPU alone, load those kernels instead of compiling them. Nothing
 here is timed against anything: an autotuned kernel with several candidates has every candidate compiled and
-none chosen (shapewise.gpushare); the choice is timed in a job that holds its GPU alone.
+none chosen (shapewise.execution.gpushare); the choice is timed in a job that holds its GPU alone.
 
 The result records each call's first-call wall time and the kernels it compiled (new entries in Triton's cache):
 what a cold cache costs, which the later jobs no longer show. A row whose optimized model does not fit

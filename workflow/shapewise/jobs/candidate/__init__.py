@@ -49,7 +49,8 @@ from pathlib import Path
 
 import torch
 
-from shapewise import candidates, cpus, gpuslots, jobprocess
+from shapewise import candidates
+from shapewise.execution import cpus, gpuslots, jobprocess
 from shapewise.jobs import preflight
 from shapewise.jobs.candidate.contain import Contained, confine
 from shapewise.jobs.device import free_memory_bytes, setup

@@ -6,7 +6,8 @@ import importlib
 import json
 import sys
 
-from shapewise import cpus, gpuslots, jobprocess, steps
+from shapewise.execution import cpus, gpuslots, jobprocess
+from shapewise.inputs import steps
 from shapewise.jobs.candidate.contain import adopt_log
 
 

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from shapewise import stats
+from shapewise.analysis import stats
 from shapewise.jobs.candidate import (CandidateFailed, beside, build, call, check_output, drive, guarded,
                                       reference_fit, serve)
 from shapewise.jobs.device import first_call_ms, peak_memory_bytes, peak_memory_reset, setup, time_calls

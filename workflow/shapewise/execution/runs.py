@@ -24,7 +24,8 @@ import re
 from datetime import datetime, timezone
 from pathlib import Path
 
-from shapewise import gpuslots, jobserver, paths
+from shapewise.execution import gpuslots, jobserver
+from shapewise.inputs import paths
 
 MARKERS = paths.ROOT / ".snakemake" / "shapewise-runs"
 

@@ -2,8 +2,8 @@
 
 Triton's autotuner times each candidate launch of a kernel on its first call for a new key, keeps the fastest and
 writes the choice to Triton's on-disk cache, where every later job finds it. Timed beside other jobs, the choice
-could be another one. So in a job holding its GPU shared (shapewise.gpuslots), a choice among several candidates
-is never made:
+could be another one. So in a job holding its GPU shared (shapewise.execution.gpuslots), a choice among several
+candidates is never made:
 - a warm-up job (`warm`) launches every candidate once (Triton compiles each into its cache) and goes on with the
   first, in this process only: nothing is timed, nothing is written to the cache as chosen;
 - any other job compiles the candidates the same way, then stops with NeedsExclusiveGPU: it runs again from the
@@ -24,8 +24,8 @@ import sys
 import threading
 from datetime import datetime
 
-from shapewise import gpuslots
-from shapewise.gpuslots import EXCLUSIVE
+from shapewise.execution import gpuslots
+from shapewise.execution.gpuslots import EXCLUSIVE
 
 _STATE = threading.local()
 _INSTALLED = {}

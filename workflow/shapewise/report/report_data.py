@@ -1,13 +1,13 @@
 """The report's data: the inputs the DAG hands it, checked, and the per-row table built from them.
 
 The report rule writes one JSON file of inputs (see workflow/rules/report.smk): the rows of the run with their
-manifest fields, each row's result files (from shapewise.paths), the fingerprints, the microbenchmark, the
+manifest fields, each row's result files (from shapewise.inputs.paths), the fingerprints, the microbenchmark, the
 environment digest of the run and, optionally, a baseline report directory. Nothing here re-reads a manifest.
 
 Every result is checked before it is used: it must parse, carry the digest of its own content that its job wrote
-(`content_sha256`, shapewise.provenance.seal: a result edited by hand, or written before the digest existed, is
-refused), and its `identity` (shapewise.identity) must name the row, the row digest, the implementation digest and
-the environment digest of this run. Where the inputs say so, its device must be the one the run asked for
+(`content_sha256`, shapewise.provenance.provenance.seal: a result edited by hand, or written before the digest existed,
+is refused), and its `identity` (shapewise.provenance.identity) must name the row, the row digest, the implementation
+digest and the environment digest of this run. Where the inputs say so, its device must be the one the run asked for
 (`device`: cuda or cpu) and the SHAPEWISE_* variables it recorded must be the ones the run passed (`pass_env`), and
 every manifest must still hold the bytes the rows were read from (`manifest_sha256`). A result that does not is
 refused by file name with the command that regenerates it; all problems are collected first and raised together
@@ -25,12 +25,16 @@ from pathlib import Path
 
 import pandas as pd
 
-from shapewise import identity, paths, provenance, roofline, runs
+from shapewise.analysis import roofline
 from shapewise.candidates import SHAPEWISE
-from shapewise.inventory import sha256_file
-from shapewise.jobprocess import PIPELINE_PREFIX
+from shapewise.execution import runs
+from shapewise.execution.jobprocess import PIPELINE_PREFIX
+from shapewise.inputs import paths
+from shapewise.provenance import identity, provenance
+from shapewise.provenance.inventory import sha256_file
 
-# The columns of summary.csv, in this order: their one list (the report writes them, shapewise.compare reads them).
+# The columns of summary.csv, in this order: their one list (the report writes them, shapewise.report.compare reads
+# them).
 SUMMARY_COLUMNS = [
     "id", "candidate", "machine", "status", "call", "route", "failed_elements", "total_elements", "max_abs_error",
     "strict_failed_elements", "reference_median_ms", "reference_ci_low_ms", "reference_ci_high_ms",
@@ -137,7 +141,7 @@ def load(inputs, problems):
     """Read and check shapewise's own results the inputs name, appending what is wrong with them to `problems`.
     Returns ({"rows": [...], "environment_fingerprint", "implementation", "microbench"}, the digests every result
     carries); raises ReportInputError at once when the fingerprints cannot be read. The candidates' results:
-    shapewise.report_candidates.load_rows (shapewise.report.load reads both)."""
+    shapewise.report.report_candidates.load_rows (shapewise.report.report.load reads both)."""
     fp_paths = inputs["fingerprints"]
     env_fp = read_result(fp_paths["env"], regenerate_file(fp_paths["env"]), problems)
     impl_fp = read_result(fp_paths["impl"], regenerate_file(fp_paths["impl"]), problems)
@@ -489,8 +493,8 @@ def write_summary(frame, path, candidate_frame=None):
 
 
 def how_made(loaded, report_run=None, report_started=None):
-    """Lines saying which pipeline runs made the report's results (shapewise.runs): per run its start, jobs, wall
-    time, GPUs, how the jobs held them, how their processes started and whether the Triton cache was empty at its
+    """Lines saying which pipeline runs made the report's results (shapewise.execution.runs): per run its start, jobs,
+    wall time, GPUs, how the jobs held them, how their processes started and whether the Triton cache was empty at its
     start. The rows' warm-ups (not read by the report otherwise) and the candidates' jobs count as jobs of the run
     that made them."""
     results = [loaded["environment_fingerprint"], loaded["microbench"]]  # the implementation's digest names no run

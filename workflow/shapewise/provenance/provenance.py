@@ -59,8 +59,8 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 
-from shapewise import limits, paths
-from shapewise.inventory import sha256_file
+from shapewise.inputs import limits, paths
+from shapewise.provenance.inventory import sha256_file
 
 FORMAT = 2
 FORMATS = (1, 2)  # the formats verify understands

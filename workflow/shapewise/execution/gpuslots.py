@@ -4,7 +4,7 @@ The pool is the GPUs `nvidia-smi -L` lists, narrowed to those in CUDA_VISIBLE_DE
 then to the config knob `gpus` (all | a count | a list of GPU ids). The Snakefile resolves it once as it reads
 the workflow (workflow/rules/gpus.smk): Snakemake's global `gpu` resource becomes the pool's size (unless
 `--resources gpu=K` was given); when the run starts, the pool's indices go to every job in
-SHAPEWISE_PIPELINE_GPUS (shapewise.runs.begin).
+SHAPEWISE_PIPELINE_GPUS (shapewise.execution.runs.begin).
 
 A job (shapewise.cli.run_job, before anything imports torch) takes a slot of one GPU under LOCK_ROOT/<host>/,
 locked with flock, in the mode of its step (GPU_USE): exclusive for the steps that time (timing, ablation,
@@ -39,8 +39,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from shapewise import paths, steps
-from shapewise.steps import EXCLUSIVE, SHARED
+from shapewise.inputs import paths, steps
+from shapewise.inputs.steps import EXCLUSIVE, SHARED
 
 POOL_VAR = "SHAPEWISE_PIPELINE_GPUS"
 SLOT_VAR = "SHAPEWISE_PIPELINE_GPU_SLOT"
@@ -50,13 +50,13 @@ RUN_SLURM_VAR = "SHAPEWISE_PIPELINE_SLURM_JOB_ID"
 FAKE_VAR = "SHAPEWISE_PIPELINE_FAKE_GPUS"
 SOURCES = ("lock", "slurm", "user", "none")
 
-# How a job uses its GPU (shapewise.steps: exclusive for a job that times, shared for one that times nothing).
+# How a job uses its GPU (shapewise.inputs.steps: exclusive for a job that times, shared for one that times nothing).
 MODES = (EXCLUSIVE, SHARED)
-# The mode of each step's jobs (shapewise job STEP), as shapewise.steps gives it.
+# The mode of each step's jobs (shapewise job STEP), as shapewise.inputs.steps gives it.
 GPU_USE = {name: step.gpu for name, step in steps.STEPS.items()}
 # At most this many jobs share one GPU (the measurement behind it: docs/decisions.md).
 SHARED_PER_GPU = 6
-# "exclusive" for a job that runs again holding its GPU alone (shapewise.gpushare: a kernel choice to time).
+# "exclusive" for a job that runs again holding its GPU alone (shapewise.execution.gpushare: a kernel choice to time).
 USE_VAR = "SHAPEWISE_PIPELINE_GPU_USE"
 
 # Per checkout (the .snakemake/ directory is git-ignored) and per host: a checkout on a shared file system
@@ -542,7 +542,7 @@ def enter_job(device, needs_gpu=True, environ=None, cuda_available=None, directo
     lock's mode (EXCLUSIVE, the default, or SHARED; see job_mode); `why`: why a job of a sharing step takes it
     EXCLUSIVE (recorded with the lock).
     `on_slot()` runs once those are set and before `auto` is resolved (which imports torch): the place to pin
-    the job's CPU cores (shapewise.cpus.pin_job)."""
+    the job's CPU cores (shapewise.execution.cpus.pin_job)."""
     env = os.environ if environ is None else environ
     cuda_available = cuda_available or _cuda_available
     slot, source = None, "none"

@@ -1,6 +1,6 @@
 """One pipeline job (`shapewise job STEP ...`) in this process, a fresh one or a fork of the run's job server
-(shapewise.jobserver): its sub-command's parser, its SHAPEWISE_* variables, its GPU slot and CPU cores, its step;
-and how the process started (`process_record`, for the job's result).
+(shapewise.execution.jobserver): its sub-command's parser, its SHAPEWISE_* variables, its GPU slot and CPU cores, its
+step; and how the process started (`process_record`, for the job's result).
 
 shapewise.cli runs a job as a client of the job server, which forks and runs it here (run_forked), or, where there
 is no server, runs it here itself (run_job_here): both ways parse and run the job the same way.
@@ -13,8 +13,9 @@ import importlib
 import os
 import sys
 
-from shapewise import cpus, gpushare, gpuslots, steps
-from shapewise.settings import devices
+from shapewise.execution import cpus, gpushare, gpuslots
+from shapewise.inputs import steps
+from shapewise.inputs.settings import devices
 
 PIPELINE_PREFIX = "SHAPEWISE_PIPELINE_"  # the pipeline's own variables (GPU slot pool), never removed
 
@@ -32,7 +33,7 @@ def process_record():
 
 
 def record_process(**how):
-    """This process started as `how` says (shapewise.jobserver: a fork of the server, or fresh and why)."""
+    """This process started as `how` says (shapewise.execution.jobserver: a fork of the server, or fresh and why)."""
     _RECORD.clear()
     _RECORD.update(how)
 
@@ -45,8 +46,8 @@ def adopt_process_record(record):
 
 
 def add_job_parser(sub):
-    """`shapewise job STEP`: one sub-command per step of shapewise.steps, with the options every job takes and the
-    step's own (each required)."""
+    """`shapewise job STEP`: one sub-command per step of shapewise.inputs.steps, with the options every job takes and
+    the step's own (each required)."""
     job = sub.add_parser("job", help="run one pipeline job (Snakemake calls this)")
     parsers = job.add_subparsers(dest="step", required=True)
     for name, step in steps.STEPS.items():
@@ -84,7 +85,7 @@ def job_environment_variables(passed):
 def run_job_here(args, argv, server_mode=None):
     """Run the job in this process (fresh, or forked from the job server that serves `server_mode`)."""
     job_environment_variables(getattr(args, "env", []))
-    # A GPU job takes one GPU of the run's pool for its whole run (shapewise.gpuslots), before anything
+    # A GPU job takes one GPU of the run's pool for its whole run (shapewise.execution.gpuslots), before anything
     # imports torch: CUDA_VISIBLE_DEVICES must be set before CUDA initializes. `auto` is resolved after
     # that. The GPU jobs are those measure.smk gives a GPU (all device jobs but the implementation
     # fingerprint); a job that times holds it alone, the others may share it (gpuslots.GPU_USE). Triton reads
@@ -93,8 +94,8 @@ def run_job_here(args, argv, server_mode=None):
     mode = None
     if getattr(args, "device", None) is not None:
         def pin():
-            # holding a slot of the local lock pool: the CPU cores of that slot (shapewise.cpus), before torch is
-            # imported (also by `auto`): its threads and the compile subprocesses (ptxas) stay on these cores
+            # holding a slot of the local lock pool: the CPU cores of that slot (shapewise.execution.cpus), before torch
+            # is imported (also by `auto`): its threads and the compile subprocesses (ptxas) stay on these cores
             try:
                 cpus.pin_job()
             except cpus.CpuSlotError as exc:

@@ -22,8 +22,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shapewise import jobprocess
-
 # Files whose content defines "the implementation": every source or data file
 # of the model and its kernels (the routing policy data file included, if any).
 IMPLEMENTATION_DIRS = ("model", "kernels")
@@ -121,7 +119,7 @@ _CHEAP = []  # cheap_environment() once read in this process: what it reads does
 
 def cheap_environment():
     """The environment as far as it can be read without importing torch (read once per process: a job server
-    reads it before it forks its jobs, shapewise.jobserver)."""
+    reads it before it forks its jobs, shapewise.execution.jobserver)."""
     if not _CHEAP:
         _CHEAP.append(_read_cheap_environment())
     return dict(_CHEAP[0])
@@ -152,8 +150,10 @@ def software_environment():
     return {k: env[k] for k in ("torch", "triton", "python", "python_executable", "packages_sha256")}
 
 
-def job_environment(device: str):
-    """Everything a result needs to say where it came from; imports torch."""
+def job_environment(device: str, process: dict):
+    """Everything a result needs to say where it came from; imports torch. `process`: how the job's process
+    started (shapewise.execution.jobprocess.process_record), handed in by the caller: the job process's modules read
+    this one (shapewise.execution.jobserver), never the other way round."""
     import torch  # deferred: torch, for a job's result only (the report and compare read the rest)
 
     env = cheap_environment()
@@ -165,7 +165,7 @@ def job_environment(device: str):
     # Inside a pipeline job these are only the pipeline's own (SHAPEWISE_PIPELINE_*) and those config
     # pass_env passed on: shapewise.cli removes every other SHAPEWISE_* variable of the user's shell.
     env["shapewise_variables"] = shapewise_variables()
-    env["job_process"] = jobprocess.process_record()  # a fork of the run's job server, or a fresh process and why
+    env["job_process"] = process  # a fork of the run's job server, or a fresh process and why
     env["triton_cache_dir"] = os.environ.get("TRITON_CACHE_DIR")
     if device == "cuda":
         index = torch.cuda.current_device()

@@ -1,7 +1,7 @@
 """CPU cores of a GPU slot: the one owner of how a node's logical CPUs are split among its GPU slots.
 
-Every local GPU job (slot source `lock`, shapewise.gpuslots) pins itself to its slot's share of the CPUs as soon
-as it holds the slot (shapewise.cli.run_job, before torch is imported), so the CPU work of jobs on other GPUs
+Every local GPU job (slot source `lock`, shapewise.execution.gpuslots) pins itself to its slot's share of the CPUs as
+soon as it holds the slot (shapewise.cli.run_job, before torch is imported), so the CPU work of jobs on other GPUs
 (Triton compiles, ptxas, host-bound models) never lands on its cores, and the compile subprocesses it starts
 inherit its cores. The share is made of whole physical cores: all allowed hyperthreads of one core go to the
 same slot, whatever the numbering of siblings (k and k+N/2, or 2k and 2k+1). Cores are ordered by
@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shapewise.gpuslots import POOL_VAR, SLOT_VAR, SOURCE_VAR
+from shapewise.execution.gpuslots import POOL_VAR, SLOT_VAR, SOURCE_VAR
 
 SYSFS_ROOT = "/sys/devices/system/cpu"
 

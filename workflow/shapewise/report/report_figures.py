@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from shapewise import paths
+from shapewise.inputs import paths
 
 ROW_INCHES = 0.32  # height per bar
 MIN_HEIGHT = 2.6

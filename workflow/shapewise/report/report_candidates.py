@@ -17,8 +17,10 @@ shows its time beside its failure, and it is never the fastest.
 
 from __future__ import annotations
 
-from shapewise import candidates, identity, paths
-from shapewise.report_data import (ReportInputError, check_identity, check_run_settings, copy_into, geomean,
+from shapewise import candidates
+from shapewise.inputs import paths
+from shapewise.provenance import identity
+from shapewise.report.report_data import (ReportInputError, check_identity, check_run_settings, copy_into, geomean,
                                    read_result, row_record)
 
 SHAPEWISE = candidates.SHAPEWISE  # the `candidate` column's value for shapewise's own rows

@@ -13,7 +13,7 @@ import os
 
 import yaml
 
-from shapewise import paths
+from shapewise.inputs import paths
 
 
 @functools.cache

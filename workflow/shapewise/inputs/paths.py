@@ -1,16 +1,16 @@
 """Where things are: the one owner of every path the pipeline, the CLI and the report use.
 
-The package's own files (schemas, templates) are found beside this module, in a checkout as in an installed
-wheel. Everything else is relative to the working directory: Snakemake's, the checkout's root, where the
-pipeline runs (its config, manifests and results) and keeps its state under .snakemake/.
+The package's own files (schemas/, templates/) are found at the top of the package (workflow/shapewise/), in a
+checkout as in an installed wheel. Everything else is relative to the working directory: Snakemake's, the checkout's
+root, where the pipeline runs (its config, manifests and results) and keeps its state under .snakemake/.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from shapewise import steps
+from shapewise.inputs import steps
 
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parent.parent  # shapewise, above this subpackage (shapewise.inputs)
 SCHEMAS = PACKAGE / "schemas"
 SHAPES_SCHEMA = SCHEMAS / "shapes.schema.yaml"
 CONFIG_SCHEMA = SCHEMAS / "config.schema.yaml"
@@ -21,12 +21,12 @@ ROOT = Path.cwd()
 CONFIG_FILE = "config/config.yaml"  # the pipeline's config, relative to the root (Snakemake's working directory)
 
 RESULTS = "results"
-# The per-shape steps the report reads, in its order (shapewise.steps); each writes one JSON file per row.
+# The per-shape steps the report reads, in its order (shapewise.inputs.steps); each writes one JSON file per row.
 SHAPE_STEPS = steps.of(steps.SHAPE, reported=True)
 FINGERPRINTS = {"env": f"{RESULTS}/fingerprint/environment.json",
                 "impl": f"{RESULTS}/fingerprint/implementation.json"}
 MICROBENCH = f"{RESULTS}/microbench/microbench.json"
-# The report of a run: its files (shapewise.report writes them, figures/ and data/ beside them) and the
+# The report of a run: its files (shapewise.report.report writes them, figures/ and data/ beside them) and the
 # content-addressed inputs files its rule writes.
 REPORT_DIR = f"{RESULTS}/report"
 REPORT_FILES = {"md": "report.md", "html": "report.html", "summary": "summary.csv", "provenance": "provenance.json"}
@@ -75,8 +75,9 @@ def per_shape(shape: str) -> dict:
 
 # A report directory keeps a copy of every result it drew from under data/, laid out as under results/.
 REPORT_DATA = "data"
-REPORT_FIGURES = "figures"  # the report's figures (shapewise.report_figures)
-REPORT_SOURCES = "candidates"  # each measured candidate's files, candidates/<name>/<file> (shapewise.report_candidates)
+REPORT_FIGURES = "figures"  # the report's figures (shapewise.report.report_figures)
+# each measured candidate's files, candidates/<name>/<file> (shapewise.report.report_candidates)
+REPORT_SOURCES = "candidates"
 # The directories a report job fills. With REPORT_FILES they are what the job owns in a report directory: it
 # replaces them whole, and provenance.json lists every file in them, since a file it left out could change unseen.
 REPORT_DIRS = (REPORT_DATA, REPORT_FIGURES, REPORT_SOURCES)
@@ -95,8 +96,8 @@ def log(step: str, name: str) -> str:
 
 
 # A candidate's results (config `candidates`, shapewise.candidates): per candidate and row, the accuracy, timing and
-# profile steps (shapewise.steps: candidate-accuracy, ...), laid out under results/candidates/<name>/ as shapewise's
-# are under results/.
+# profile steps (shapewise.inputs.steps: candidate-accuracy, ...), laid out under results/candidates/<name>/ as
+# shapewise's are under results/.
 CANDIDATE_STEPS = tuple(steps.result_name(step) for step in steps.of(steps.CANDIDATE))
 
 

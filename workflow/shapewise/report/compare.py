@@ -38,9 +38,9 @@ import math
 import re
 from pathlib import Path
 
-from shapewise import paths
 from shapewise.candidates import SHAPEWISE
-from shapewise.inventory import SOFTWARE_SEPARATOR
+from shapewise.inputs import paths
+from shapewise.provenance.inventory import SOFTWARE_SEPARATOR
 
 SUMMARY = "summary.csv"
 MODELS = ("optimized", "reference")
@@ -127,7 +127,7 @@ def rows_from_timing_results(results_dir) -> list[dict]:
     """Rows of a results directory without a report: one per <results_dir>/timing/*.json (shapewise's) and
     <results_dir>/candidates/<name>/timing/*.json (a candidate's), with the columns compare reads (what the
     report's summary.csv would carry for them)."""
-    from shapewise.report_data import route_label  # deferred: pandas, which report_data imports, for this reader only
+    from shapewise.report.report_data import route_label  # deferred: pandas, which report_data imports
 
     rows = []
     timing_dirs = [(SHAPEWISE, Path(results_dir) / "timing")] + [

@@ -1,12 +1,12 @@
 """The report job: summary.csv, figures, report.md/.html, provenance.json.
 
-    python -m shapewise.report --inputs INPUTS.json --outdir results/report
+    python -m shapewise.report.report --inputs INPUTS.json --outdir results/report
 
 INPUTS.json is written by the report rule (workflow/rules/report.smk): the rows of the run and their result files,
 as the DAG knows them (report.load checks each result's identity against its row). Results are grouped by
 the machine that produced them (GPU or CPU model plus a digest of the software, see
-shapewise.inventory.machine_key): each group gets its own table and geomean, and timings of different machines
-are never mixed into one number.
+shapewise.provenance.inventory.machine_key): each group gets its own table and geomean, and timings of different
+machines are never mixed into one number.
 
 A report that cannot be built leaves the previous one as it was: everything is rendered into a temporary
 directory beside the output, which then takes the output's place in one step (swap_in).
@@ -38,11 +38,14 @@ import jinja2
 import markupsafe
 import pandas as pd
 
-from shapewise import candidates, paths, provenance, report_candidates, report_data, report_figures
-from shapewise.compare import CompareError, compare_rows, label, load_rows, nothing_in_common
-from shapewise.jobserver import RUN_VAR
-from shapewise.report_data import ReportInputError, copy_into
-from shapewise.stats import NOISY_HALF_WIDTH
+from shapewise import candidates
+from shapewise.analysis.stats import NOISY_HALF_WIDTH
+from shapewise.execution.jobserver import RUN_VAR
+from shapewise.inputs import paths
+from shapewise.provenance import provenance
+from shapewise.report import report_candidates, report_data, report_figures
+from shapewise.report.compare import CompareError, compare_rows, label, load_rows, nothing_in_common
+from shapewise.report.report_data import ReportInputError, copy_into
 
 SOURCE_DIRS = ("model", "kernels", "workflow")
 SOURCE_SUFFIXES = (".py", ".smk", ".yaml", ".yml", ".json", ".j2", ".csv", ".toml")
@@ -398,7 +401,7 @@ STARTED = datetime.now(timezone.utc)  # the report job's start: the end of its r
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m shapewise.report", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m shapewise.report.report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--inputs", required=True, help="the JSON file of inputs the report rule writes")
     parser.add_argument("--outdir", required=True)

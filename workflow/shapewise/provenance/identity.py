@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 
-from shapewise.manifest import row_json
+from shapewise.inputs.manifest import row_json
 
 FIELDS = ("row_id", "row_digest", "implementation_digest", "environment_digest")
 

@@ -4,13 +4,13 @@ already imported torch, Triton and the job code, instead of importing them itsel
 A fresh job process spends seconds before its first line of work (Python, torch, the model and kernel modules);
 a fork of a process that did that once costs milliseconds. Each job is still a process of its own, with its own
 output and log, and nothing of one job reaches another:
-- the server imports modules and reads the static environment (shapewise.inventory.cheap_environment), and
+- the server imports modules and reads the static environment (shapewise.provenance.inventory.cheap_environment), and
   nothing else: it never initializes CUDA (CUDA does not survive a fork; `fork_problems` checks that torch did not
   initialize it, that the driver is not initialized, and that a fork of the server can initialize it), runs no
   kernel, and starts no thread;
 - each job gets a fork of that same state, with the job's own stdin, stdout and stderr (passed over the socket),
   working directory, umask, environment, CPU affinity and torch thread count (what a fresh process takes from
-  that environment), then runs it as a fresh process would (shapewise.jobprocess): the GPU slot, the CPU
+  that environment), then runs it as a fresh process would (shapewise.execution.jobprocess): the GPU slot, the CPU
   pinning, `auto` resolved, the step;
 - a job that crashes or is killed takes only its own process; the client (the process Snakemake started) waits
   for it to be gone, so its GPU memory and locks are released, before it returns the job's exit status;
@@ -21,7 +21,7 @@ output and log, and nothing of one job reaches another:
   one line saying how many bytes were left out. Everything the job starts (a candidate's child) writes into the
   same pipe.
 
-Which jobs use it: those of a local pipeline run (SHAPEWISE_PIPELINE_RUN, set by shapewise.runs.begin in
+Which jobs use it: those of a local pipeline run (SHAPEWISE_PIPELINE_RUN, set by shapewise.execution.runs.begin in
 the main Snakemake process: its host, pid and start time) on that run's host. A job SLURM placed, one run by hand,
 or one whose run set SHAPEWISE_PIPELINE_JOB_SERVER=off starts fresh. The first job that finds no server starts
 one (under a lock, so there is one per run and server key) and waits until it is ready; the server stops when the
@@ -57,8 +57,10 @@ import traceback
 from collections import deque
 from datetime import datetime
 
-from shapewise import gpushare, gpuslots, inventory, jobprocess, paths, steps
-from shapewise.jobprocess import RunFresh
+from shapewise.execution import gpushare, gpuslots, jobprocess
+from shapewise.execution.jobprocess import RunFresh
+from shapewise.inputs import paths, steps
+from shapewise.provenance import inventory
 
 RUN_VAR = "SHAPEWISE_PIPELINE_RUN"
 OFF_VAR = "SHAPEWISE_PIPELINE_JOB_SERVER"  # "off": the run's jobs start as fresh processes
@@ -67,18 +69,19 @@ OFF_VAR = "SHAPEWISE_PIPELINE_JOB_SERVER"  # "off": the run's jobs start as fres
 PER_JOB_VARS = frozenset({"OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                           "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS", "TMPDIR", "TMP", "TEMP", "TEMPDIR",
                           "_", "PWD", "OLDPWD", "SHLVL"})
-# The modules a server imports for its jobs: every step's module (shapewise.steps), every module of the model and
+# The modules a server imports for its jobs: every step's module (shapewise.inputs.steps), every module of the model and
 # of the kernels (the jobs import several of them where they are used), and what else the jobs import inside
 # functions.
 PACKAGES = ("shapewise.model", "shapewise.kernels")
-MODULES = ("shapewise.manifest", "shapewise.identity", "shapewise.roofline", "shapewise.stats", "shapewise.cpus",
-           "shapewise.gpushare", "torch.profiler", "triton.testing", "triton.runtime.autotuner",
-           "triton.runtime.interpreter")
+MODULES = ("shapewise.inputs.manifest", "shapewise.provenance.identity", "shapewise.analysis.roofline",
+           "shapewise.analysis.stats", "shapewise.execution.cpus", "shapewise.execution.gpushare", "torch.profiler",
+           "triton.testing", "triton.runtime.autotuner", "triton.runtime.interpreter")
 STATE_DIR = paths.ROOT / ".snakemake" / "shapewise-job-server"
 START_TIMEOUT_S = 300  # the server's imports, on a loaded machine
 GONE_TIMEOUT_S = 60  # a finished job's process tearing down its CUDA context
 MAX_MESSAGE = 1 << 20
-# Attempts of one job: each kernel choice a shared job meets runs it again (shapewise.gpushare); a job meets a few.
+# Attempts of one job: each kernel choice a shared job meets runs it again (shapewise.execution.gpushare); a job meets a
+# few.
 MAX_ATTEMPTS = 12
 
 # A job's log (capped_output): its first and last bytes. A job of shapewise writes kilobytes; a candidate may print
@@ -95,8 +98,8 @@ def _start_ticks(pid):
 
 
 def run_id():
-    """This process as a pipeline run: host:pid:start ticks (shapewise.runs.begin calls it in the main Snakemake
-    process)."""
+    """This process as a pipeline run: host:pid:start ticks (shapewise.execution.runs.begin calls it in the main
+    Snakemake process)."""
     return f"{socket.gethostname()}:{os.getpid()}:{_start_ticks(os.getpid())}"
 
 
@@ -221,7 +224,7 @@ def _start_server(run, mode, key, env):
         if state["failed"].is_file():
             return None, state["failed"].read_text().strip()
         with open(state["log"], "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "shapewise.jobserver", "serve", run, mode, key],
+            proc = subprocess.Popen([sys.executable, "-m", "shapewise.execution.jobserver", "serve", run, mode, key],
                                     env=server_environment(mode, env), stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=log, close_fds=True)
         line = proc.stdout.readline() if select.select([proc.stdout], [], [], START_TIMEOUT_S)[0] else b""
@@ -652,12 +655,13 @@ def _watch_client(conn):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 4 or argv[0] != "serve":
-        print("usage: python -m shapewise.jobserver serve RUN MODE KEY (started by `shapewise job`)", file=sys.stderr)
+        print("usage: python -m shapewise.execution.jobserver serve RUN MODE KEY (started by `shapewise job`)",
+              file=sys.stderr)
         return 2
     return serve(*argv[1:])
 
 
-if __name__ == "__main__":  # run the package's module, so the jobs see one shapewise.jobserver
-    from shapewise import jobserver
+if __name__ == "__main__":  # run the package's module, so the jobs see one shapewise.execution.jobserver
+    from shapewise.execution import jobserver
 
     raise SystemExit(jobserver.main())

@@ -2,10 +2,10 @@
 
 Per step: what it runs once for (the run, each row, each candidate and row), how its jobs use a GPU, where it
 starts among ready jobs, the module whose `main(args)` runs it, and its options in command-line order. From this
-registry come the result paths' steps (shapewise.paths), the GPU lock modes (shapewise.gpuslots) and the rules'
-`gpu` resources, the job server's imports (shapewise.jobserver), the priorities and shell commands of the rules
-(workflow/rules/common.smk) and the `shapewise job` sub-commands (shapewise.cli). A rule names its step and lists
-its own inputs, outputs and params; the options here say which of them the job gets.
+registry come the result paths' steps (shapewise.inputs.paths), the GPU lock modes (shapewise.execution.gpuslots) and
+the rules' `gpu` resources, the job server's imports (shapewise.execution.jobserver), the priorities and shell commands
+of the rules (workflow/rules/common.smk) and the `shapewise job` sub-commands (shapewise.cli). A rule names its step and
+lists its own inputs, outputs and params; the options here say which of them the job gets.
 
 Imports nothing of shapewise: every other module may import it.
 """
@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 # What a step runs once for: the whole run, each row of the manifests, each candidate on each row.
 RUN, SHAPE, CANDIDATE = "run", "shape", "candidate"
 # How a job uses its GPU. A job that times (or picks a kernel by timing it) holds its GPU alone for its whole run;
-# jobs that time nothing may share one GPU with each other, never with an exclusive holder (shapewise.gpuslots).
+# jobs that time nothing may share one GPU with each other, never with an exclusive holder
+# (shapewise.execution.gpuslots).
 EXCLUSIVE, SHARED = "exclusive", "shared"
 
 

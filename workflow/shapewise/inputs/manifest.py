@@ -12,12 +12,12 @@ enums are written into the schema when it is loaded, so one validation pass
 checks them all. Integers must be written as integers (2, not 2.0) and every
 number must be finite (no .nan, no .inf).
 
-Limits checked before anything else (shapewise.limits owns the numbers): the
+Limits checked before anything else (shapewise.inputs.limits owns the numbers): the
 file's size, UTF-8, nesting depth, no YAML alias and no key written twice in
-a row (shapewise.limits.load_yaml); at least one row; every integer fits a
+a row (shapewise.inputs.limits.load_yaml); at least one row; every integer fits a
 signed 64-bit count, and so does every tensor a row's models allocate
 (TENSORS, at most limits.TENSOR_ELEMENTS_MAX elements); an id fits in every
-file name the pipeline makes of it (id_length_limit, from shapewise.paths)
+file name the pipeline makes of it (id_length_limit, from shapewise.inputs.paths)
 and does not end in a part repeated PERIODIC_REPEATS times (Snakemake refuses
 such a wildcard value as a sign of a cyclic rule); a padded row can pad at
 least one token.
@@ -35,10 +35,10 @@ from pathlib import Path, PurePosixPath
 import jsonschema
 import yaml
 
-from shapewise import limits, paths
+from shapewise.inputs import limits, paths
+from shapewise.inputs.paths import OFFICIAL_MANIFEST as OFFICIAL_PATH
+from shapewise.inputs.paths import SHAPES_SCHEMA as SCHEMA_PATH
 from shapewise.model.routing import ROUTES
-from shapewise.paths import OFFICIAL_MANIFEST as OFFICIAL_PATH
-from shapewise.paths import SHAPES_SCHEMA as SCHEMA_PATH
 
 SIZE_FIELDS = ("batch_size", "seq_len", "d_model", "num_heads", "ffn_dim", "num_layers")
 MODEL_FIELDS = SIZE_FIELDS + ("causal",)
@@ -186,7 +186,7 @@ def normalize_row(row, schema=None):
 @functools.lru_cache(maxsize=None)
 def id_length_limit():
     """The longest row id whose every file name fits limits.NAME_MAX: NAME_MAX less the most that any file name
-    of a row (a result, a profile file, a log: shapewise.paths) adds to the id. The jobs write a result through
+    of a row (a result, a profile file, a log: shapewise.inputs.paths) adds to the id. The jobs write a result through
     a temporary name that does not contain the id (shapewise.jobs.io.write_result)."""
     probe = "{shape}"
     names = [*paths.per_shape(probe).values(), *paths.profile_extra(probe).values(),
