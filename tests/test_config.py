@@ -74,6 +74,22 @@ def test_other_helpers_keys_have_defaults():
     jsonschema.validate(dict(config(), baseline="reports/h200"), schema())
 
 
+@pytest.mark.parametrize("budget,ok", [(3, True), (0.5, True), (None, True), (0, False), (-2, False),
+                                       ("3", False), (True, False)])
+def test_the_stable_protocols_time_budget_is_a_positive_number_or_null(budget, ok):
+    """timing.stable.max_seconds (absent or null: no time bound); an error names the field. The shipped GPU protocol
+    sets one, the CPU smoke protocol none."""
+    cfg = config()
+    assert cfg["timing"]["stable"]["max_seconds"] > 0 and "max_seconds" not in cfg["timing"]["cpu"]
+    cfg["timing"]["stable"]["max_seconds"] = budget
+    if ok:
+        jsonschema.validate(cfg, schema())
+    else:
+        with pytest.raises(jsonschema.ValidationError) as caught:
+            jsonschema.validate(cfg, schema())
+        assert list(caught.value.absolute_path) == ["timing", "stable", "max_seconds"], caught.value
+
+
 def test_one_definition_of_a_heavy_row():
     """Heavy rows (by GFLOP) take heavy.resources; there is no second, token-count based `large` entry."""
     cfg = config()

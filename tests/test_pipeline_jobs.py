@@ -367,6 +367,76 @@ def test_stable_protocol_stops_when_the_interval_settles_and_at_its_cap(monkeypa
     assert stopping == {"rounds_run": 3, "reason": "fixed"} and all(seen_gc)  # the official protocol touches no gc
 
 
+def clocked_time_calls(per_round, clock):
+    """scripted_time_calls whose calls advance `clock` (a one-item list of seconds) by their own time: the rounds'
+    elapsed time follows the models', as on a device."""
+    counters = {}
+
+    def fake(fn, device, count):
+        which = fn()
+        r = counters.get(which, 0)
+        counters[which] = r + 1
+        ms = per_round[which](r)
+        clock[0] += ms * count * 1e-3
+        return [ms] * count
+    return fake
+
+
+def test_stable_protocol_stops_before_a_round_that_would_pass_its_time_budget(monkeypatch):
+    """max_seconds: a run that never settles (it would reach max_rounds) stops on time once another round, at the
+    mean round so far, would pass the budget; never before min_rounds; null is no bound; settling still wins."""
+    from shapewise.jobs import timing
+
+    device = torch.device("cpu")
+    calls = {"reference": lambda: "reference", "optimized": lambda: "optimized"}
+    stable = {"warmup": 0, "calls": 4, "min_rounds": 3, "max_rounds": 12, "ci_half_width": 0.02, "gc_off": True,
+              "cpus": "inherit"}
+    # 4 calls of each model a round: rounds of 1.0, 0.8 and 1.2 s on the fake clock, a speedup that never settles
+    drifting = {"reference": lambda r: (200.0, 150.0, 250.0)[r % 3], "optimized": lambda r: 50.0}
+
+    def run(budget):
+        clock = [0.0]
+        monkeypatch.setattr(timing, "clock", lambda: clock[0])
+        monkeypatch.setattr(timing, "time_calls", clocked_time_calls(drifting, clock))
+        rounds, _, stopping = timing.run_rounds(calls, device, "stable", dict(stable, max_seconds=budget))
+        return rounds, stopping, clock[0]
+
+    # after 4 rounds 4.0 s, a fifth at the mean (1.0 s) fits 5.5 s; after 5 rounds 4.8 s, a sixth (0.96 s) does not
+    rounds, stopping, elapsed = run(5.5)
+    assert stopping["reason"] == "time" and stopping["rounds_run"] == 5 == len(rounds["optimized"])
+    assert stopping["max_seconds"] == 5.5 and stopping["half_width"] > 0.02 and elapsed <= 5.5
+    # a budget below one round still runs min_rounds
+    _, stopping, _ = run(0.01)
+    assert stopping["reason"] == "time" and stopping["rounds_run"] == 3 and stopping["max_seconds"] == 0.01
+    # a budget that max_rounds fits within ends at the cap, as does none at all
+    for budget in (12.5, None):
+        _, stopping, _ = run(budget)
+        assert stopping["reason"] == "cap" and stopping["rounds_run"] == 12 and stopping["max_seconds"] == budget
+    _, stopping, _ = run(11.5)  # 10.8 s after 11 rounds: the twelfth, the cap's, would pass the budget
+    assert (stopping["reason"], stopping["rounds_run"]) == ("time", 11)
+    # an interval that settles within the budget stops on the interval
+    steady = {"reference": lambda r: 200.0 + 0.1 * (r % 2), "optimized": lambda r: 50.0}
+    clock = [0.0]
+    monkeypatch.setattr(timing, "clock", lambda: clock[0])
+    monkeypatch.setattr(timing, "time_calls", clocked_time_calls(steady, clock))
+    _, _, stopping = timing.run_rounds(calls, device, "stable", dict(stable, max_seconds=0.01))
+    assert stopping["reason"] == "settled" and stopping["rounds_run"] == 3
+
+
+@pytest.mark.parametrize("budget", [0, -1.5, "3", True, [3]])
+def test_a_bad_time_budget_is_named(budget):
+    """The job refuses what the schema refuses (tests/test_config.py), naming the field and the value."""
+    from shapewise.jobs import timing
+
+    stable = {"warmup": 0, "calls": 4, "min_rounds": 3, "max_rounds": 5, "ci_half_width": 0.02, "gc_off": True,
+              "cpus": "inherit", "max_seconds": budget}
+    with pytest.raises(SystemExit, match=r"max_seconds .*expected a number of seconds above 0, or null"):
+        timing.run_rounds({"optimized": lambda: None}, torch.device("cpu"), "stable", stable)
+    assert timing.max_seconds_of(dict(stable, max_seconds=None)) is None
+    assert timing.max_seconds_of({}) is None
+    assert timing.describe("stable", dict(stable, max_seconds=2.5), torch.device("cpu"))["max_seconds"] == 2.5
+
+
 FAKE_UUID = "GPU-58f2a1b0-0000-1111-2222-333344445555"
 OTHER_UUID = "GPU-99999999-0000-1111-2222-333344445555"
 

@@ -302,6 +302,41 @@ def test_host_cpu_labels():
     assert "200 launches" in report_data.core_pick_note([official, {"core_pick": CORE_PICK}])
 
 
+def test_rows_stopped_on_the_time_budget_are_marked_and_counted(tmp_path, monkeypatch):
+    """A stable row stopped by max_seconds shows `time` and its budget where its rounds are shown; the method
+    section counts the rows that stopped on time apart from those that settled and those at the cap."""
+    monkeypatch.chdir(tmp_path)
+    rows = [(_row(f"t-0{i}", 128, 128, 128), "timed") for i in range(1, 5)]
+    inputs = make_run(tmp_path, rows=rows)
+    stops = {"t-02": {"rounds_run": 11, "reason": "time"}, "t-03": {"rounds_run": 8, "reason": "time"},
+             "t-04": {"rounds_run": 30, "reason": "cap"}}
+    for row, _ in rows:
+        timing = _results(row, "timed")["timing"]
+        timing["protocol"]["max_seconds"] = 3
+        timing["stopping"] = dict(stops.get(row["id"], timing["stopping"]), max_seconds=3)
+        write_json(tmp_path / paths.result("timing", row["id"]), timing)
+    report.render(inputs, "results/report")
+    md = (tmp_path / "results/report/report.md").read_text()
+    html = (tmp_path / "results/report/report.html").read_text()
+    for text in (md, " ".join(html.split())):
+        flat = " ".join(text.split())
+        assert "stable, 11 rounds (time: 3 s)" in flat and "stable, 8 rounds (time: 3 s)" in flat
+        assert "stable, 30 rounds (cap)" in flat and "stable, 9 rounds (settled)" in flat
+        assert ("Stopping (stable protocol), 4 rows timed: 1 stopped once the speedup's interval settled, 2 on the "
+                "time budget (max_seconds 3 s of rounds a row) before it settled, 1 at the round cap") in flat
+        assert "before a round that would take the rounds past 3 s" in flat
+
+
+def test_stopping_note():
+    official = {"protocol": {"name": "official"}, "stopping": {"rounds_run": 3, "reason": "fixed"}}
+    assert report_data.stopping_note([official, {}]) is None
+    older = {"protocol": {"name": "stable"}, "stopping": {"rounds_run": 30, "reason": "cap"}}  # before max_seconds
+    assert report_data.stopping_note([official, older]) == (
+        "Stopping (stable protocol), 1 row timed: 0 stopped once the speedup's interval settled, 0 on the time "
+        "budget (no time budget set) before it settled, 1 at the round cap; a row stopped on time or at the cap has "
+        "the interval it reached, shown in its timing row.")
+
+
 def test_tolerances_are_not_typed_into_the_templates():
     from shapewise.model.tolerance import TOLERANCES
 

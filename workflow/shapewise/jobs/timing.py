@@ -10,7 +10,11 @@ by its own pair of CUDA events (so p90 is a per-call figure); on a CPU by time.p
 - "stable": Python's garbage collector collected before each round and disabled during it (what the job held
   before the first round frozen, gc.freeze, so that each collection walks only the objects made since); the job
   optionally pinned to CPU cores (`cpus`); rounds continue from `min_rounds` until the bootstrap interval of the speedup
-  (or, with one model, of each model's median) is within +-`ci_half_width`, at most `max_rounds`. With
+  (or, with one model, of each model's median) is within +-`ci_half_width`, at most `max_rounds`, and, where
+  `max_seconds` is set, not beyond it: from `min_rounds` on, the rounds stop before one that would take them past
+  `max_seconds` seconds, a round's time estimated as the mean of the rounds so far (a host that never settles
+  otherwise pays every row the full `max_rounds`). `stopping.reason` records the rule that stopped them: settled, cap,
+  time (fixed: the official protocol). With
   `core_pick: fastest-launch` (GPU only) the launching thread is pinned before every round to the core of its
   allowed set on which a tiny kernel launch costs least at that moment (shapewise.jobs.device.pick_core): on a
   virtual machine a core's launch cost switches between levels within a minute (docs/decisions.md#core-pick), and
@@ -50,6 +54,8 @@ from shapewise.jobs.microbench import peaks
 from shapewise.jobs.preflight import fits
 
 PROTOCOL_NAMES = ("official", "stable")
+# The clock of the stable protocol's time budget (max_seconds): the rounds' elapsed time, not the calls' own timers.
+clock = time.perf_counter
 # The order within a round. optimized_unmasked: the optimized model called as model(x) on the same x, timed beside
 # the official call model(x, mask) where the row's mask is all-True (see mask_cost).
 MODELS = ("reference", "optimized", "optimized_unmasked")
@@ -91,6 +97,15 @@ def core_pick_of(protocol):
     return pick
 
 
+def max_seconds_of(protocol):
+    """The stable protocol's time budget in seconds, `max_seconds` (absent or null = None: no bound), checked."""
+    budget = protocol.get("max_seconds")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
+        raise SystemExit(f"timing protocol max_seconds {budget!r}: expected a number of seconds above 0, or null "
+                         "for no time bound")
+    return budget
+
+
 def describe(name, protocol, device):
     """The protocol as the result records it: the configured parameters only (the same for every row that ran
     it; what happened in a row is recorded beside it)."""
@@ -101,7 +116,7 @@ def describe(name, protocol, device):
     if name == "stable":
         out.update(min_rounds=protocol["min_rounds"], max_rounds=protocol["max_rounds"],
                    ci_half_width=protocol["ci_half_width"], gc_off=protocol["gc_off"], cpus=protocol["cpus"],
-                   core_pick=core_pick_of(protocol))
+                   core_pick=core_pick_of(protocol), max_seconds=max_seconds_of(protocol))
     return out
 
 
@@ -160,12 +175,14 @@ def timed(calls, device):
 
 def run_rounds(calls, device, name, protocol, tag=""):
     """Alternating timed rounds of `calls` ({model: function or Timed}). Returns ({model: [round times]}, {model:
-    peak bytes}, stopping) where stopping says how many rounds ran and why they stopped."""
+    peak bytes}, stopping) where stopping says how many rounds ran and why they stopped (`reason`: fixed, settled,
+    cap or time; the stable protocol's interval and time budget beside it)."""
     models = timed(calls, device)
     rounds = {which: [] for which in MODELS if which in models}
     peaks_seen = {which: None for which in rounds}
     stable = name == "stable"
     limit = protocol["max_rounds"] if stable else protocol["rounds"]
+    budget = max_seconds_of(protocol) if stable else None
     width = None
     reason = "fixed"
     pick = core_pick_of(protocol) if stable else CORE_PICKS[0]
@@ -179,6 +196,7 @@ def run_rounds(calls, device, name, protocol, tag=""):
     if gc_off:  # what the job holds now (modules, models, inputs) is never garbage: each round's collection
         gc.collect()  # then walks only what came since, not the ~200 k objects of torch and Triton (~75 ms)
         gc.freeze()
+    start = clock()
     for r in range(limit):
         if picking:
             picks.append(pick_core(cores, lambda core: launch_cost_us(device)))
@@ -203,6 +221,11 @@ def run_rounds(calls, device, name, protocol, tag=""):
             if width is not None and width <= protocol["ci_half_width"]:
                 reason = "settled"
                 break
+            elapsed = clock() - start
+            if budget is not None and r + 1 < limit and elapsed * (r + 2) / (r + 1) > budget:
+                log(f"{tag}round {r + 1}: {elapsed:.2f} s; another round would pass max_seconds {budget} s")
+                reason = "time"
+                break
         else:
             log(f"{tag}round {r + 1}/{limit} done")
     else:
@@ -221,7 +244,7 @@ def run_rounds(calls, device, name, protocol, tag=""):
                                  "cores": cores, "rounds": picks}
     if stable:
         stopping.update(half_width=width, target_half_width=protocol["ci_half_width"],
-                        measured_on="speedup" if len(rounds) == 2 else "each model's median")
+                        measured_on="speedup" if len(rounds) == 2 else "each model's median", max_seconds=budget)
     return rounds, peaks_seen, stopping
 
 

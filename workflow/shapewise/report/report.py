@@ -309,6 +309,7 @@ def build(inputs, loaded, outdir):
         "routes_anchor": ROUTES_ANCHOR,
         "host_cpus_heading": report_data.HOST_CPUS_HEADING,
         "core_pick_note": report_data.core_pick_note([i["data"]["timing"] for i in items]),
+        "stopping_note": report_data.stopping_note([i["data"]["timing"] for i in items]),
         "candidates": candidate_sources,
         "speedup_outside": speedup_outside(records, candidate_records),
         "candidate_failures": candidates.FAILURES,

@@ -291,6 +291,7 @@ def row_record(item):
         "protocol_name": (tim.get("protocol") or {}).get("name"),
         "rounds_run": (tim.get("stopping") or {}).get("rounds_run"),
         "stopping_reason": (tim.get("stopping") or {}).get("reason"),
+        "stopping_max_seconds": _num((tim.get("stopping") or {}).get("max_seconds")),
         "gpu": gpu_label(gpu),
         "gpu_uuid": gpu.get("uuid") if isinstance(gpu, dict) else None,
         "contended": contention.get("contended") if contention.get("checked") else None,
@@ -409,6 +410,24 @@ def core_pick_note(timings):
             f"moved to the CPU core of the job's cores on which a tiny kernel launch was cheapest at that moment"
             f"{probed}; on a shared virtual machine a core's launch cost changes from minute to minute, and the "
             f"time of a launch-bound model follows it. Each row's picks are listed under \"{HOST_CPUS_HEADING}\".")
+
+
+def stopping_note(timings):
+    """One sentence counting how the rows timed by the stable protocol stopped: on the interval (`stopping.reason`
+    settled), on the time budget before the interval settled (time; the budget, `max_seconds`, beside it), at the
+    round cap (cap); None when no row ran the stable protocol."""
+    stops = [t.get("stopping") for t in timings if (t.get("protocol") or {}).get("name") == "stable"]
+    stops = [s for s in stops if isinstance(s, dict) and s.get("reason") in ("settled", "time", "cap")]
+    if not stops:
+        return None
+    count = {reason: sum(s["reason"] == reason for s in stops) for reason in ("settled", "time", "cap")}
+    budgets = sorted({b for b in (_num(s.get("max_seconds")) for s in stops) if b is not None})
+    budget = ("max_seconds " + ", ".join(f"{b:g} s" for b in budgets) + " of rounds a row") if budgets else \
+        "no time budget set"
+    return (f"Stopping (stable protocol), {len(stops)} row{'s' if len(stops) != 1 else ''} timed: "
+            f"{count['settled']} stopped once the speedup's interval settled, {count['time']} on the time budget "
+            f"({budget}) before it settled, {count['cap']} at the round cap; a row stopped on time or at the cap "
+            "has the interval it reached, shown in its timing row.")
 
 
 # ------------------------------------------------------------------ the table
