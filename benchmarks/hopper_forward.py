@@ -7,9 +7,9 @@ Per official row, on the pipeline's weights and first-trial inputs (the official
 reference in fp32 (TF32 off); then `hopper_forward` in each of VARIANTS (`overlap`: a head's q, k, v projections
 issued back to back before one wait, or each waited for alone; `producer`: a loader warp fills the weight ring;
 `pair`: two 4-warp programs a sequence, on causal rows of 65 to 128 tokens only, on one `pair_scratch` allocated
-outside the timed calls; both): its output against the reference at the official and strict tolerances, and
-its median GPU time per call (a CUDA graph of 10 launches replayed `reps` times, each replay between its own pair of
-CUDA events, divided by 10).
+outside the timed calls; both; `duo`: the two halves as two warpgroups of one program, where the kernel serves
+it): its output against the reference at the official and strict tolerances, and its median GPU time per call
+(a CUDA graph of 10 launches replayed `reps` times, each replay between its own pair of CUDA events, divided by 10).
 Then the model called as the official harness calls it, with route `hopper` forced and as routed with the
 hopper_forward switch off: the median of `reps` calls, each between its own pair of CUDA events (the timing job's
 timer), the two alternating over 3 rounds.
@@ -32,7 +32,8 @@ from shapewise.model.weights import layer_weights, per_layer
 ROWS = "1,5,6,2,9,10,12,11,7,3,4"
 # the kernel's variants timed alone: hopper_forward's keyword arguments (the route runs its defaults)
 VARIANTS = {"overlap=True": {"overlap": True}, "overlap=False": {"overlap": False}, "producer=True": {"producer": True},
-            "pair=True": {"pair": True}, "pair=True,producer=True": {"pair": True, "producer": True}}
+            "pair=True": {"pair": True}, "pair=True,producer=True": {"pair": True, "producer": True},
+            "duo=True": {"duo": True}}
 
 
 def row_result(shape_row, reps):
@@ -47,12 +48,13 @@ def row_result(shape_row, reps):
     y = torch.empty_like(x)
     with torch.inference_mode():
         for name, variant in VARIANTS.items():
-            if variant.get("pair"):
+            if variant.get("pair") or variant.get("duo"):
                 why = hf.why_unsupported(cfg.seq_len, cfg.d_model, cfg.num_heads, cfg.ffn_dim, causal=cfg.causal,
-                                         pair=True)
+                                         pair=bool(variant.get("pair")), duo=bool(variant.get("duo")))
                 if why:
                     out[name] = {"skipped": why}
                     continue
+            if variant.get("pair"):
                 variant = {**variant, "scratch": hf.pair_scratch(cfg.batch_size, cfg.num_layers, cfg.num_heads,
                                                                  out["launch"]["HD"], x.device)}
 

@@ -1,13 +1,14 @@
 """The Hopper forward kernel built for sm_90 offline (no GPU): registers, spills, shared memory, SASS instructions.
 
-Usage: python -m benchmarks.hopper_sass [OUT.json] [--rows 1,12,7] [--pair] [--producer]
+Usage: python -m benchmarks.hopper_sass [OUT.json] [--rows 1,12,7] [--pair] [--producer] [--duo]
 
 Per official row it serves, `_hopper_forward_fwd` compiled as the route launches it (fp32 input, the row's causal
-flag, a mask, `overlap` on; `--pair`, `--producer`: those variants, `pair` (two programs a sequence) on the rows it
-serves) through the ptxas that ships with Triton: ptxas's registers and spills
-(`benchmarks.attention_registers.usage`), the SASS instructions of the whole kernel by opcode (cuobjdump; its layer
-loop is not unrolled, so the count is about one layer's and one sequence's prologue and epilogue), and the TMA loads
-in its Triton IR (one per ring slot to start, then one per weight tile of a layer).
+flag, a mask, `overlap` on; `--pair`, `--producer`, `--duo`: those variants, `pair` and `duo` (a sequence's two
+halves in two programs, or in two warpgroups of one) on the rows they serve) through the ptxas that ships with
+Triton: ptxas's registers and spills (`benchmarks.attention_registers.usage`), the SASS instructions of the whole
+kernel by opcode (cuobjdump; its layer loop is not unrolled, so the count is about one layer's and one sequence's
+prologue and epilogue), and the TMA loads in its Triton IR (one per ring slot to start, then one per weight tile of a
+layer; with a loader warp, one per allocation of the ring's barriers).
 """
 from __future__ import annotations
 
@@ -31,19 +32,19 @@ TMA_LOAD = "ttng.async_tma_copy_global_to_local"
 SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
-def compile_hopper(S, d, H, F, causal=True, masked=True, pair=False, producer=False):
+def compile_hopper(S, d, H, F, causal=True, masked=True, pair=False, producer=False, duo=False):
     """The kernel compiled for sm_90 at this shape (with `pair`: two programs a sequence; with `producer`: a loader
     warp fills the weight ring), and its launch_config."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    cfg = hf.launch_config(S, d, H, F, pair=pair)
+    cfg = hf.launch_config(S, d, H, F, pair=pair, duo=duo)
     stream = torch.zeros(hf.stream_tiles(H, F, cfg["HD"]) * cfg["HD"], d, dtype=torch.float16)
     fn = hf._hopper_forward_fwd
     consts = dict(S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=H, F_CHUNKS=cfg["F_CHUNKS"],
                   NUM_SLOTS=cfg["NUM_SLOTS"], RING_GROUPS=cfg["RING_GROUPS"], V_PAD=cfg["V_PAD"], IS_CAUSAL=causal,
                   HAS_MASK=masked, OVERLAP=True,
-                  PAIR=pair, PRODUCER=producer, num_warps=cfg["num_warps"])
+                  PAIR=pair, PRODUCER=producer or duo, DUO=duo, num_warps=cfg["num_warps"])
     sig = {n: "constexpr" if n in consts else mangle_type(hf.weight_descriptor(stream, cfg["HD"]))
            if n == "w_desc" else "*i8" if n == "Mask" else "*fp16" if n == "KV" else "*i32" if n == "Flags"
            else "fp32" if n in ("qk_scale", "eps")
@@ -71,17 +72,18 @@ def main():
     p.add_argument("--rows", default="1,12,7", help="official rows")
     p.add_argument("--pair", action="store_true", help="the kernel with `pair` on, on the rows it serves")
     p.add_argument("--producer", action="store_true", help="the kernel with `producer` on (a loader warp)")
+    p.add_argument("--duo", action="store_true", help="the kernel with `duo` on (two warpgroups a sequence)")
     args = p.parse_args()
     out = []
     for n in row_numbers(args.rows):
         r = official(n)
         S, d, H, F = r["seq_len"], r["d_model"], r["num_heads"], r["ffn_dim"]
         causal = r.get("causal", True)
-        if hf.why_unsupported(S, d, H, F, causal=causal, pair=args.pair):
+        if hf.why_unsupported(S, d, H, F, causal=causal, pair=args.pair, duo=args.duo):
             continue
-        kernel, cfg = compile_hopper(S, d, H, F, causal=causal, pair=args.pair, producer=args.producer)
+        kernel, cfg = compile_hopper(S, d, H, F, causal=causal, pair=args.pair, producer=args.producer, duo=args.duo)
         ops = sass_opcodes(kernel)
-        rec = {"row": r["id"], "launch": cfg, "pair": args.pair, "producer": args.producer,
+        rec = {"row": r["id"], "launch": cfg, "pair": args.pair, "producer": args.producer, "duo": args.duo,
                **usage(kernel, cfg["num_warps"]),
                "sass_instructions": sum(ops.values()), "sass_by_opcode": dict(ops.most_common(20)),
                "tma_loads_in_ir": kernel.asm["ttgir"].count(TMA_LOAD)}

@@ -42,6 +42,13 @@ barrier of the partition's warps before every arrive, and between two waits on o
 landed" barriers are spread over RING_GROUPS allocations (`_bar`) so that a head's three waits take none. The same
 math in the same order: the output is bit for bit the default's.
 
+Warpgroup duo (`duo=True`, prepared and off; causal sequences of PAIR_MIN_SEQ_LEN to MAX_SEQ_LEN tokens): the pair's
+two halves in one program, as two partitions of 4 warps beside the loader warp, each with its own residual stream and
+no barrier with the other, so that one half's wgmma runs while the other's softmax does. The first half scores only
+its own 64 keys (the causal mask hides the rest); it writes its k and v rows of each head into one of two shared
+buffers (alternating by head) and signals them by an mbarrier, the second half waits for them, scores all 128 keys and
+hands the buffer back by another; both hand weight tiles back (each event counts two arrivals).
+
 Operands fp16, accumulation and statistics fp32; masks exact (any valid-token mask, a sequence with no valid
 token included); the output in the caller's dtype.
 """
@@ -73,6 +80,10 @@ PAIR_ROWS = 64  # rows of each program of a pair: one warpgroup, the 64-row tile
 PAIR_MIN_SEQ_LEN = PAIR_ROWS + 1  # a pair's second program holds a token (shorter: one 64-row program serves)
 # `producer`'s loader partition: one warp, registers enough for its loop (the math warps take the rest of the file)
 LOADER_REGISTERS = 24
+# `duo`'s second-half partition: registers as many as its 128-key scores need; the first half takes what the loader
+# and it leave (65536 a block: 240 for 4 warps beside these)
+DUO_REGISTERS = 248
+DUO_MAX_HEAD_DIM = 64  # `duo`'s heads: a wider one's q, k, v accumulators beside the scores would spill
 # `producer`'s hand-back events in flight at most: a multiple of 4 above MAX_SLOTS (the loader waits for the event of
 # tile t - NUM_SLOTS while the math has handed back at most the tiles before t, each at most one event)
 EVENT_SLOTS = 2 * MAX_SLOTS
@@ -91,14 +102,20 @@ def head_dim_padded(head_dim: int) -> int:
 
 
 def why_unsupported(seq_len: int, d_model: int, num_heads: int, ffn_dim: int, *, causal: bool = True,
-                    pair: bool = False) -> str | None:
-    """Why the Hopper forward (with `pair`: two programs a sequence) cannot serve this shape (any device), or None:
-    the one statement of its limits."""
-    if pair and not causal:
-        return "the Hopper forward's program pair serves causal attention only (its first half reads no later key)"
-    if pair and not PAIR_MIN_SEQ_LEN <= seq_len <= MAX_SEQ_LEN:
-        return (f"the Hopper forward's program pair serves seq_len in [{PAIR_MIN_SEQ_LEN}, {MAX_SEQ_LEN}] (two "
-                f"halves of {PAIR_ROWS} rows), got {seq_len}")
+                    pair: bool = False, duo: bool = False) -> str | None:
+    """Why the Hopper forward (with `pair`: two programs a sequence; with `duo`: two warpgroups a sequence in one
+    program) cannot serve this shape (any device), or None: the one statement of its limits."""
+    for on, what in ((pair, "program pair"), (duo, "warpgroup duo")):
+        if on and not causal:
+            return f"the Hopper forward's {what} serves causal attention only (its first half reads no later key)"
+        if on and not PAIR_MIN_SEQ_LEN <= seq_len <= MAX_SEQ_LEN:
+            return (f"the Hopper forward's {what} serves seq_len in [{PAIR_MIN_SEQ_LEN}, {MAX_SEQ_LEN}] (two "
+                    f"halves of {PAIR_ROWS} rows), got {seq_len}")
+    if pair and duo:
+        return "the Hopper forward runs a sequence's halves as a program pair or as a warpgroup duo, not both"
+    if duo and num_heads and d_model % num_heads == 0 and head_dim_padded(d_model // num_heads) > DUO_MAX_HEAD_DIM:
+        return (f"the Hopper forward's warpgroup duo serves heads up to {DUO_MAX_HEAD_DIM} wide, got "
+                f"{d_model // num_heads}")
     if gluon is None:
         return "the Hopper forward needs Triton's Gluon (triton >= 3.5)"
     if d_model not in D_MODELS:
@@ -111,7 +128,7 @@ def why_unsupported(seq_len: int, d_model: int, num_heads: int, ffn_dim: int, *,
     if hd > d_model:
         return f"the Hopper forward pads head_dim to {hd}, wider than d_model={d_model}"
     if _ring_slots(_seq_pad(seq_len), hd, d_model, stream_tiles(num_heads, ffn_dim, hd),
-                   _vector_pad(d_model, num_heads, ffn_dim, hd)) < MIN_SLOTS:
+                   _vector_pad(d_model, num_heads, ffn_dim, hd), duo=duo) < MIN_SLOTS:
         return (f"the Hopper forward's weight ring holds fewer than {MIN_SLOTS} tiles of [{hd}, {d_model}] in "
                 f"shared memory")
     return None
@@ -150,11 +167,13 @@ def ring_groups(tiles_per_layer: int) -> int:
     return 4 if tiles_per_layer % 4 == 0 else 2
 
 
-def _ring_slots(s_pad: int, hd: int, d_model: int, tiles_per_layer: int, v_pad: int) -> int:
+def _ring_slots(s_pad: int, hd: int, d_model: int, tiles_per_layer: int, v_pad: int, duo: bool = False) -> int:
     """Slots of the weight ring: as many [hd, d] fp16 tiles as fit in SMEM_BYTES beside k and v ([s_pad, hd] fp16
-    each, s_pad the keys) and two layers' vectors (fp32), at most MAX_SLOTS and at most a layer's tiles, a multiple
-    of `ring_groups`."""
-    fit = min(MAX_SLOTS, tiles_per_layer, (SMEM_BYTES - 4 * s_pad * hd - 8 * v_pad) // (2 * hd * d_model))
+    each, s_pad the keys) and two layers' vectors (fp32), both twice with `duo` (two heads' k and v, each half's
+    vectors), at most MAX_SLOTS and at most a layer's tiles, a multiple of `ring_groups`."""
+    copies = 2 if duo else 1
+    fit = min(MAX_SLOTS, tiles_per_layer,
+              (SMEM_BYTES - copies * (4 * s_pad * hd + 8 * v_pad)) // (2 * hd * d_model))
     return fit - fit % ring_groups(tiles_per_layer)
 
 
@@ -302,6 +321,7 @@ if gluon is not None:
     _NEG_HALF_LOG2E = gl.constexpr(-0.5 / math.log(2))
     _LOADER_REGISTERS = gl.constexpr(LOADER_REGISTERS)
     _EVENT_SLOTS = gl.constexpr(EVENT_SLOTS)
+    _DUO_REGISTERS = gl.constexpr(DUO_REGISTERS)
 
     @gluon.jit
     def _gelu(t):
@@ -477,10 +497,10 @@ if gluon is not None:
         S_PAD: gl.constexpr, D: gl.constexpr, HD: gl.constexpr, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr,
         NUM_SLOTS: gl.constexpr, RING_GROUPS: gl.constexpr, V_PAD: gl.constexpr, IS_CAUSAL: gl.constexpr,
         HAS_MASK: gl.constexpr, OVERLAP: gl.constexpr, PAIR: gl.constexpr, PRODUCER: gl.constexpr,
-        num_warps: gl.constexpr,
+        DUO: gl.constexpr, num_warps: gl.constexpr,
     ):
-        # keys a program scores: its own rows', or with PAIR the whole (two-halves) sequence's
-        if PAIR:
+        # keys a program scores: its own rows', or with PAIR (DUO) the whole (two-halves) sequence's
+        if PAIR or DUO:
             KEYS: gl.constexpr = 2 * S_PAD
         else:
             KEYS: gl.constexpr = S_PAD
@@ -488,13 +508,27 @@ if gluon is not None:
         TILES: gl.constexpr = 4 * NUM_HEADS + 2 * F_CHUNKS
         ring = gl.allocate_shared_memory(gl.float16, [NUM_SLOTS, HD, D], w_desc.layout)
         bars = _ring_barriers(NUM_SLOTS, RING_GROUPS)  # a slot's tile landed
-        k_s = gl.allocate_shared_memory(gl.float16, [KEYS, HD], KV_LAYOUT)
-        v_s = gl.allocate_shared_memory(gl.float16, [KEYS, HD], KV_LAYOUT)
-        vec_s = gl.allocate_shared_memory(gl.float32, [2, V_PAD], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        if DUO:  # k and v of two heads in turn (the first half writes the next while the second reads this
+            # one); each half's vectors in its own two rows; per buffer: the first half's rows written, the second's
+            # reads done
+            k_s = gl.allocate_shared_memory(gl.float16, [2, KEYS, HD], KV_LAYOUT)
+            v_s = gl.allocate_shared_memory(gl.float16, [2, KEYS, HD], KV_LAYOUT)
+            vec_s = gl.allocate_shared_memory(gl.float32, [4, V_PAD], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            kv_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2):
+                mbarrier.init(kv_full.index(i), count=1)
+                mbarrier.init(kv_free.index(i), count=1)
+            kv_bars = (kv_full, kv_free)
+        else:
+            k_s = gl.allocate_shared_memory(gl.float16, [KEYS, HD], KV_LAYOUT)
+            v_s = gl.allocate_shared_memory(gl.float16, [KEYS, HD], KV_LAYOUT)
+            vec_s = gl.allocate_shared_memory(gl.float32, [2, V_PAD], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            kv_bars = (bars[0], bars[0])  # not read
         if PRODUCER:  # tiles handed back: the loader partition may refill their slots (`_event_of`)
             events = gl.allocate_shared_memory(gl.int64, [_EVENT_SLOTS, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(_EVENT_SLOTS):
-                mbarrier.init(events.index(i), count=1)
+                mbarrier.init(events.index(i), count=2 if DUO else 1)  # with DUO both halves hand back
         else:
             events = ring  # not read
 
@@ -507,13 +541,28 @@ if gluon is not None:
             programs = programs // 2
         tiles_per_forward = num_layers * TILES
         total = gl.cdiv(batch - pid, programs) * tiles_per_forward  # tiles this program consumes
-        if PRODUCER:
+        if DUO:  # the sequence's two halves in two partitions of num_warps warps, and the loader
             gl.warp_specialize([
                 (_forward_program, (X, Y, Mask, w_desc, VEC, NFw, NFb, batch, seq_len, num_layers, qk_scale, eps,
                                     stride_xb, stride_xs, stride_yb, stride_ys, stride_mb, KV, Flags, ring, bars,
-                                    events, k_s, v_s, vec_s, pid, programs, half, total, tiles_per_forward, S_PAD, D,
-                                    HD, NUM_HEADS, F_CHUNKS, NUM_SLOTS, V_PAD, KEYS, IS_CAUSAL, HAS_MASK, OVERLAP,
-                                    PAIR, PRODUCER, num_warps)),
+                                    events, k_s, v_s, vec_s, kv_bars, pid, programs, half, total,
+                                    tiles_per_forward, S_PAD, D, HD, NUM_HEADS, F_CHUNKS, NUM_SLOTS, V_PAD, S_PAD,
+                                    IS_CAUSAL, HAS_MASK, OVERLAP, PAIR, PRODUCER, DUO, 0, num_warps)),
+                (_forward_program, (X, Y, Mask, w_desc, VEC, NFw, NFb, batch, seq_len, num_layers, qk_scale, eps,
+                                    stride_xb, stride_xs, stride_yb, stride_ys, stride_mb, KV, Flags, ring, bars,
+                                    events, k_s, v_s, vec_s, kv_bars, pid, programs, half, total,
+                                    tiles_per_forward, S_PAD, D, HD, NUM_HEADS, F_CHUNKS, NUM_SLOTS, V_PAD, KEYS,
+                                    IS_CAUSAL, HAS_MASK, OVERLAP, PAIR, PRODUCER, DUO, 1, num_warps)),
+                (_load_weights, (w_desc, ring, bars, events, total, tiles_per_forward, HD, NUM_SLOTS, NUM_HEADS,
+                                 F_CHUNKS)),
+            ], [num_warps, 1], [_DUO_REGISTERS, _LOADER_REGISTERS])
+        elif PRODUCER:
+            gl.warp_specialize([
+                (_forward_program, (X, Y, Mask, w_desc, VEC, NFw, NFb, batch, seq_len, num_layers, qk_scale, eps,
+                                    stride_xb, stride_xs, stride_yb, stride_ys, stride_mb, KV, Flags, ring, bars,
+                                    events, k_s, v_s, vec_s, kv_bars, pid, programs, half, total, tiles_per_forward,
+                                    S_PAD, D, HD, NUM_HEADS, F_CHUNKS, NUM_SLOTS, V_PAD, KEYS, IS_CAUSAL, HAS_MASK,
+                                    OVERLAP, PAIR, PRODUCER, DUO, 0, num_warps)),
                 (_load_weights, (w_desc, ring, bars, events, total, tiles_per_forward, HD, NUM_SLOTS, NUM_HEADS,
                                  F_CHUNKS)),
             ], [1], [_LOADER_REGISTERS])
@@ -525,9 +574,9 @@ if gluon is not None:
                                                     _bar(bars, i, i % 4, NUM_SLOTS), ring.index(i))
             _forward_program(X, Y, Mask, w_desc, VEC, NFw, NFb, batch, seq_len, num_layers, qk_scale, eps,
                              stride_xb, stride_xs, stride_yb, stride_ys, stride_mb, KV, Flags, ring, bars, events,
-                             k_s, v_s, vec_s, pid, programs, half, total, tiles_per_forward, S_PAD, D, HD,
+                             k_s, v_s, vec_s, kv_bars, pid, programs, half, total, tiles_per_forward, S_PAD, D, HD,
                              NUM_HEADS, F_CHUNKS, NUM_SLOTS, V_PAD, KEYS, IS_CAUSAL, HAS_MASK, OVERLAP, PAIR,
-                             PRODUCER, num_warps)
+                             PRODUCER, DUO, 0, num_warps)
         for i in gl.static_range(NUM_SLOTS):
             mbarrier.invalidate(_bar(bars, i, i % 4, NUM_SLOTS))
         if PRODUCER:
@@ -537,13 +586,15 @@ if gluon is not None:
     @gluon.jit
     def _forward_program(X, Y, Mask, w_desc, VEC, NFw, NFb, batch, seq_len, num_layers, qk_scale, eps,
                          stride_xb, stride_xs, stride_yb, stride_ys, stride_mb, KV, Flags, ring, bars, events, k_s,
-                         v_s, vec_s, pid, programs, half, total, tiles_per_forward, S_PAD: gl.constexpr,
+                         v_s, vec_s, kv_bars, pid, programs, half, total, tiles_per_forward, S_PAD: gl.constexpr,
                          D: gl.constexpr, HD: gl.constexpr, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr,
                          NUM_SLOTS: gl.constexpr, V_PAD: gl.constexpr, KEYS: gl.constexpr, IS_CAUSAL: gl.constexpr,
                          HAS_MASK: gl.constexpr, OVERLAP: gl.constexpr, PAIR: gl.constexpr,
-                         PRODUCER: gl.constexpr, NUM_WARPS: gl.constexpr):
+                         PRODUCER: gl.constexpr, DUO: gl.constexpr, HALF: gl.constexpr, NUM_WARPS: gl.constexpr):
         """A program's sequences (pid, pid + programs, ...) through every layer and the final LayerNorm, in
-        NUM_WARPS warps (with PRODUCER the default partition: the loader partition fills the ring)."""
+        NUM_WARPS warps (with PRODUCER the default partition: the loader partition fills the ring). With DUO one
+        half of each sequence, rows HALF * S_PAD on, scoring KEYS keys (the first half its own 64: the causal mask
+        hides the rest; the second all 128), k and v in the double buffers of k_s and v_s (`kv_bars`)."""
         # accumulators: residual/out-projection [S_PAD, D], per-head [S_PAD, HD], scores [S_PAD, KEYS]
         L_D: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                       instr_shape=[16, D, 16])
@@ -571,7 +622,8 @@ if gluon is not None:
         H_COL: gl.constexpr = gl.SliceLayout(0, L_H)
 
         v_offs = gl.arange(0, V_PAD, layout=L_V)
-        vec_s.index(0).store(gl.load(VEC + v_offs))  # layer 0's vectors; each layer stages the next one's
+        VB: gl.constexpr = 2 * HALF  # this half's two rows of vec_s (with DUO; else HALF is 0)
+        vec_s.index(VB).store(gl.load(VEC + v_offs))  # layer 0's vectors; each layer stages the next one's
         if PAIR:
             if half == 0:  # its key rows S_PAD.. stay zero: masked, and finite for p @ v
                 k_s.slice(S_PAD, S_PAD).store(gl.zeros([S_PAD, HD], gl.float16, L_KV))
@@ -586,6 +638,9 @@ if gluon is not None:
         if PAIR:  # this program's rows: positions half * S_PAD.. of the sequence
             rows = rows + half * S_PAD
             q_rows = q_rows + half * S_PAD
+        if DUO:  # this partition's rows
+            rows = rows + HALF * S_PAD
+            q_rows = q_rows + HALF * S_PAD
         row_in = rows < seq_len
         key_in = keys < seq_len
         tile_in = gl.expand_dims(row_in, 1) & gl.expand_dims(cols < D, 0)
@@ -611,15 +666,26 @@ if gluon is not None:
                 seen = pid * 0  # heads of this sequence the second program knows published
             for layer in range(num_layers):
                 ev0 = (g // TILES) * (NUM_HEADS + F_CHUNKS + 2)  # this layer's first hand-back event (`_event_of`)
+                hc0 = (g // TILES) * NUM_HEADS  # heads this program ran before this layer (DUO's k, v buffers)
                 # the vectors of the layer after this one (the next sequence's first after the last), loaded now
                 # and staged in the other buffer at the layer's end; the buffer: the parity of layers run so far
                 upcoming = gl.load(VEC + gl.where(layer + 1 < num_layers, layer + 1, 0) * V_PAD + v_offs)
                 parity = (g // TILES) % 2
-                vecs = vec_s.index(parity)
+                vecs = vec_s.index(VB + parity)
                 h = _layer_norm(x, _vec(vecs, N1W, D, L_COL), _vec(vecs, N1B, D, L_COL), D, eps).to(gl.float16)
                 h = gl.convert_layout(h, A_H)
                 # a runtime loop: one copy of a head's code (four unrolled copies stalled on instruction fetch)
                 for head in range(NUM_HEADS):
+                    if DUO:  # this head's k, v buffer; the first half scores its own rows' keys only
+                        hc = hc0 + head
+                        kv = hc % 2
+                        kb = k_s.index(kv)
+                        vb = v_s.index(kv)
+                        kr = kb.slice(0, KEYS)
+                        vr = vb.slice(0, KEYS)
+                    else:
+                        kr = k_s
+                        vr = v_s
                     b_q = gl.load(VEC + layer * V_PAD + QB + head * HD + hcols)  # arrives under the projections
                     lo = gl.where(head > 0, g - 1, g)  # the previous head's out-projection's tile, where there is one
                     if PAIR:  # this head's scratch tiles
@@ -683,19 +749,32 @@ if gluon is not None:
                                 k_s.slice(S_PAD, S_PAD).store(k.to(gl.float16))
                                 v_s.slice(S_PAD, S_PAD).store(v.to(gl.float16))
                             async_copy.wait_group(0)  # the first half's rows landed (the second program)
+                        elif DUO:
+                            if HALF == 0:  # the second half has read this buffer's head before last
+                                mbarrier.wait(kv_bars[1].index(kv), (hc // 2 + 1) & 1, pred=hc >= 2)
+                            kb.slice(HALF * S_PAD, S_PAD).store(k.to(gl.float16))
+                            vb.slice(HALF * S_PAD, S_PAD).store(v.to(gl.float16))
                         else:
                             k_s.store(k.to(gl.float16))
                             v_s.store(v.to(gl.float16))
                         fence_async_shared()  # the stores above before the wgmma reads below (async proxy)
                         gl.thread_barrier()  # every warp's rows of k and v written
+                        if DUO:
+                            if HALF == 0:  # its rows of this head's k and v are the second half's to read
+                                mbarrier.arrive(kv_bars[0].index(kv))
+                            else:
+                                mbarrier.wait(kv_bars[0].index(kv), (hc // 2) & 1)
                     q = (q + gl.expand_dims(b_q, 0)).to(gl.float16)
-                    s = warpgroup_mma(gl.convert_layout(q, A_S), k_s.permute((1, 0)), zeros_s, use_acc=False)
+                    s = warpgroup_mma(gl.convert_layout(q, A_S), kr.permute((1, 0)), zeros_s, use_acc=False)
                     s = gl.where(visible, s, float("-inf"))
                     m = gl.max(s, axis=1)
                     m = gl.where(m == float("-inf"), 0.0, m)  # a row with no visible key: p = 0, output 0
                     p = gl.exp2(s * qk_scale - gl.expand_dims(m * qk_scale, 1))  # one FFMA an element
                     l_sum = gl.sum(p, axis=1)
-                    o = warpgroup_mma(gl.convert_layout(p.to(gl.float16), A_H), v_s, zeros_h, use_acc=False)
+                    o = warpgroup_mma(gl.convert_layout(p.to(gl.float16), A_H), vr, zeros_h, use_acc=False)
+                    if DUO:
+                        if HALF == 1:  # its reads of this buffer done: the first half may write it again
+                            mbarrier.arrive(kv_bars[1].index(kv))
                     l_sum = gl.convert_layout(gl.where(l_sum == 0.0, 1.0, l_sum), gl.SliceLayout(1, L_H))
                     o = (o / gl.expand_dims(l_sum, 1)).to(gl.float16)
                     # complete: the loop carries x as a tensor, not as a wgmma in flight
@@ -735,7 +814,7 @@ if gluon is not None:
                 x = x + gl.expand_dims(_vec(vecs, OUTB, D, L_COL), 0)
                 x = gl.where(gl.expand_dims(row_ok, 1), x, 0.0)
                 # every warp is past this layer's last read of the other buffer (the hand-back's barrier above)
-                vec_s.index(1 - parity).store(upcoming)
+                vec_s.index(VB + 1 - parity).store(upcoming)
                 gl.thread_barrier()
             if PAIR:
                 if half == 1:  # every head seen (the count is final): the flag back to 0 for the next launch
@@ -749,18 +828,20 @@ if gluon is not None:
 # ----------------------------------------------------------------------------------------------
 # Launcher and public function
 # ----------------------------------------------------------------------------------------------
-def launch_config(seq_len: int, d_model: int, num_heads: int, ffn_dim: int, pair: bool = False) -> dict:
-    """The kernel's compile-time shape for this model shape: S_PAD (a program's rows), HD, F_CHUNKS, NUM_SLOTS,
-    RING_GROUPS, V_PAD, PAIR, num_warps. With `pair` a program holds PAIR_ROWS rows and scores all 128 keys (k and v
-    take shared memory for 128 rows, as without it)."""
+def launch_config(seq_len: int, d_model: int, num_heads: int, ffn_dim: int, pair: bool = False,
+                  duo: bool = False) -> dict:
+    """The kernel's compile-time shape for this model shape: S_PAD (a program's, or with `duo` a warpgroup's, rows),
+    HD, F_CHUNKS, NUM_SLOTS, RING_GROUPS, V_PAD, PAIR, DUO, num_warps (a half's with `duo`: the program has twice as
+    many and a loader warp). With `pair` or `duo` a half holds PAIR_ROWS rows and the second scores all 128 keys (k
+    and v take shared memory for 128 rows, as without them; twice with `duo`)."""
     hd = head_dim_padded(d_model // num_heads)
     keys = _seq_pad(seq_len)
-    s_pad = PAIR_ROWS if pair else keys
+    s_pad = PAIR_ROWS if pair or duo else keys
     v_pad = _vector_pad(d_model, num_heads, ffn_dim, hd)
     tiles = stream_tiles(num_heads, ffn_dim, hd)
     return {"S_PAD": s_pad, "HD": hd, "F_CHUNKS": -(-ffn_dim // hd),
-            "NUM_SLOTS": _ring_slots(keys, hd, d_model, tiles, v_pad), "RING_GROUPS": ring_groups(tiles),
-            "V_PAD": v_pad, "PAIR": bool(pair), "num_warps": s_pad // 16}
+            "NUM_SLOTS": _ring_slots(keys, hd, d_model, tiles, v_pad, duo=duo), "RING_GROUPS": ring_groups(tiles),
+            "V_PAD": v_pad, "PAIR": bool(pair), "DUO": bool(duo), "num_warps": s_pad // 16}
 
 
 def weight_descriptor(stream: torch.Tensor, hd: int):
@@ -794,7 +875,8 @@ def pair_scratch_bytes(batch: int, num_layers: int, num_heads: int, hd: int) -> 
     return batch * (num_layers * num_heads * 2 * PAIR_ROWS * hd * 2 + 4)
 
 
-def _arguments(x, w, *, num_heads, causal, eps, mask, out, desc, programs, overlap, pair, producer, scratch):
+def _arguments(x, w, *, num_heads, causal, eps, mask, out, desc, programs, overlap, pair, producer, scratch,
+               duo=False):
     """(programs, the kernel's arguments by parameter name) for `hopper_forward`'s call, checked: every name of
     `_hopper_forward_fwd`'s signature, constexprs and num_warps included."""
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.stride(-1) != 1:
@@ -803,12 +885,12 @@ def _arguments(x, w, *, num_heads, causal, eps, mask, out, desc, programs, overl
     B, S, d = x.shape
     L = w["o_b"].shape[0]
     ffn = w["in_b"].shape[1]  # padded: the same chunks as the real width
-    why = why_unsupported(S, d, num_heads, ffn, causal=bool(causal), pair=bool(pair))
+    why = why_unsupported(S, d, num_heads, ffn, causal=bool(causal), pair=bool(pair), duo=bool(duo))
     if why:
         raise ValueError(f"hopper_forward: {why}")
     if not _on_hopper(x.device):
         raise ValueError(f"hopper_forward: needs a Hopper GPU (sm_90), got {x.device}")
-    cfg = launch_config(S, d, num_heads, ffn, pair=bool(pair))
+    cfg = launch_config(S, d, num_heads, ffn, pair=bool(pair), duo=bool(duo))
     stream = w["stream"]
     if stream.dtype != torch.float16 or stream.shape != (L * stream_tiles(num_heads, ffn, cfg["HD"]) * cfg["HD"], d):
         raise ValueError(f"hopper_forward: the weight stream must be fp16 [{L} layers * tiles * {cfg['HD']}, {d}] "
@@ -850,12 +932,13 @@ def _arguments(x, w, *, num_heads, causal, eps, mask, out, desc, programs, overl
         S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=num_heads, F_CHUNKS=cfg["F_CHUNKS"],
         NUM_SLOTS=cfg["NUM_SLOTS"], RING_GROUPS=cfg["RING_GROUPS"], V_PAD=cfg["V_PAD"], IS_CAUSAL=bool(causal),
         HAS_MASK=mask is not None,
-        OVERLAP=bool(overlap), PAIR=bool(pair), PRODUCER=bool(producer), num_warps=cfg["num_warps"],
+        OVERLAP=bool(overlap), PAIR=bool(pair), PRODUCER=bool(producer or duo), DUO=bool(duo),
+        num_warps=cfg["num_warps"],
     )
 
 
 def hopper_forward(x, w, *, num_heads, causal, eps, mask=None, out=None, desc=None, programs=None, overlap=True,
-                   pair=False, producer=False, scratch=None):
+                   pair=False, producer=False, scratch=None, duo=False):
     """The whole forward over `x [B, S, d]` with `pack_weights`'s weights `w`: [B, S, d] in x's dtype (or into
     `out`), invalid rows 0. `eps`: the LayerNorms' epsilon (the model's, model/reference.py). `desc`: the stream's
     `weight_descriptor` (built here when None); `programs`: persistent programs (default one per SM); `overlap`: a
@@ -863,10 +946,12 @@ def hopper_forward(x, w, *, num_heads, causal, eps, mask=None, out=None, desc=No
     to back before one wait, else each waited for alone; `pair`: two 4-warp programs per sequence, rows 0-63 and
     64-127 (causal, PAIR_MIN_SEQ_LEN <= S <= 128; the module's docstring), `programs` then even and at most the SMs,
     `scratch` its `pair_scratch` (allocated here when None; reused, one launch at a time); `producer`: a loader
-    warp fills the weight ring (the module's docstring; measured before it becomes the default:
-    docs/decisions.md#hopper-producer)."""
+    warp fills the weight ring (the module's docstring; docs/decisions.md#hopper-producer); `duo`: a sequence's two
+    halves in two warpgroups of one program, with a loader warp (causal, PAIR_MIN_SEQ_LEN <= S <= 128, heads up to
+    DUO_MAX_HEAD_DIM wide; the module's docstring; prepared, docs/decisions.md#hopper-duo)."""
     programs, args = _arguments(x, w, num_heads=num_heads, causal=causal, eps=eps, mask=mask, out=out, desc=desc,
-                                programs=programs, overlap=overlap, pair=pair, producer=producer, scratch=scratch)
+                                programs=programs, overlap=overlap, pair=pair, producer=producer, scratch=scratch,
+                                duo=duo)
     _hopper_forward_fwd[(programs,)](**args)
     return args["Y"]
 
@@ -890,7 +975,7 @@ class PreparedLaunch:
                  "run", "function", "metadata", "kernel", "c_launch", "direct", "direct_at")
 
     def __init__(self, x, w, *, num_heads, causal, eps, mask=None, desc=None, programs=None, overlap=True,
-                 pair=False, producer=False, scratch=None, direct=True):
+                 pair=False, producer=False, scratch=None, direct=True, duo=False):
         if not _aligned(x, mask):
             raise ValueError("PreparedLaunch: x and the mask must be contiguous and 16-byte aligned (the layout the "
                              "kernel is specialized on); hopper_forward serves any layout")
@@ -898,7 +983,7 @@ class PreparedLaunch:
         self.programs, args = _arguments(x, w, num_heads=num_heads, causal=causal, eps=eps, mask=mask, out=out,
                                          desc=desc,
                                          programs=programs, overlap=overlap, pair=pair, producer=producer,
-                                         scratch=scratch)
+                                         scratch=scratch, duo=duo)
         with torch.cuda.device(x.device):  # the module loads into this device's context
             kernel = _hopper_forward_fwd.warmup(grid=(self.programs,), **args)
             if kernel is None:  # a jit_cache_hook of Triton's knobs declined the compile

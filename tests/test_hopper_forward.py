@@ -68,6 +68,21 @@ def test_the_pair_order_computes_the_reference_forward(shape, mask_kind):
     assert (got - want).abs().max().item() < 1e-12
 
 
+def test_duo_limits_are_named_in_one_place():
+    """The warpgroup duo: causal, 65 to 128 tokens, heads up to DUO_MAX_HEAD_DIM wide, not with the pair; its
+    k, v double buffers and both halves' vectors counted in the ring's shared memory."""
+    assert hf.why_unsupported(128, 128, 4, 128, duo=True) is None
+    assert "causal" in hf.why_unsupported(128, 128, 4, 128, causal=False, duo=True)
+    assert "seq_len in [65, 128]" in hf.why_unsupported(64, 128, 4, 128, duo=True)
+    assert "up to 64 wide" in hf.why_unsupported(128, 128, 1, 128, duo=True)
+    assert "not both" in hf.why_unsupported(128, 128, 4, 128, duo=True, pair=True)
+    duo, one = hf.launch_config(128, 128, 2, 128, duo=True), hf.launch_config(128, 128, 2, 128)
+    assert duo["S_PAD"] == hf.PAIR_ROWS and duo["num_warps"] == 4 and duo["DUO"] and not one["DUO"]
+    ring = duo["NUM_SLOTS"] * duo["HD"] * 128 * 2  # [HD, d] fp16 tiles
+    assert ring + 2 * (4 * 128 * duo["HD"] + 8 * duo["V_PAD"]) <= hf.SMEM_BYTES
+    assert duo["NUM_SLOTS"] % duo["RING_GROUPS"] == 0 and duo["NUM_SLOTS"] <= one["NUM_SLOTS"]
+
+
 def test_pair_limits_are_named_in_one_place():
     assert "causal" in hf.why_unsupported(128, 128, 4, 128, causal=False, pair=True)
     for s in (64, 1, 129):
@@ -199,21 +214,27 @@ COMPILE = textwrap.dedent('''
     from benchmarks.hopper_sass import TMA_LOAD, compile_hopper
     from shapewise.kernels import hopper_forward as hf
 
-    for S, d, H, F, causal, masked, pair, producer in (
-            (128, 128, 4, 128, True, True, False, False), (128, 128, 1, 128, True, False, False, False),
-            (32, 128, 16, 128, False, True, False, False), (128, 32, 4, 32, True, True, False, False),
+    for S, d, H, F, causal, masked, pair, producer, duo in (
+            (128, 128, 4, 128, True, True, False, False, False), (128, 128, 1, 128, True, False, False, False, False),
+            (32, 128, 16, 128, False, True, False, False, False), (128, 32, 4, 32, True, True, False, False, False),
             # the pair variant at official rows 1, 9, 10 (4, 1, 2 heads)
-            (128, 128, 4, 128, True, True, True, False), (128, 128, 1, 128, True, True, True, False),
-            (128, 128, 2, 128, True, True, True, False),
+            (128, 128, 4, 128, True, True, True, False, False), (128, 128, 1, 128, True, True, True, False, False),
+            (128, 128, 2, 128, True, True, True, False, False),
             # a loader warp: rows 1 and 12, and with the pair row 10
-            (128, 128, 4, 128, True, True, False, True), (32, 128, 4, 128, True, True, False, True),
-            (128, 128, 2, 128, True, True, True, True)):
-        k, cfg = compile_hopper(S, d, H, F, causal, masked, pair, producer)
+            (128, 128, 4, 128, True, True, False, True, False), (32, 128, 4, 128, True, True, False, True, False),
+            (128, 128, 2, 128, True, True, True, True, False),
+            # the warpgroup duo at rows 1 and 7
+            (128, 128, 4, 128, True, True, False, False, True), (128, 32, 4, 32, True, True, False, False, True)):
+        k, cfg = compile_hopper(S, d, H, F, causal, masked, pair, producer, duo)
         ptx = k.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, (S, d, H)
         assert k.metadata.shared <= 227 * 1024, (S, d, H, k.metadata.shared)
         loads = k.asm["ttgir"].count(TMA_LOAD)
-        if producer:  # the loader's one loop over the program's tiles, a load per allocation of the ring's barriers
+        if duo:  # two halves of 4 warps, each with its own partition barrier
+            flat = " ".join(ptx.split())
+            assert "bar.sync 0, 128;" in flat and "bar.sync 2, 128;" in flat, (S, d, H)
+            print("duo", S, d, H, F)
+        if producer or duo:  # the loader's loop over the program's tiles, a load per allocation of the ring's barriers
             assert loads == cfg["RING_GROUPS"] and "setmaxnreg" in ptx, (S, d, H, loads)
             assert usage(k, cfg["num_warps"])["spill_store_bytes"] == 0, (S, d, H)
         else:  # one TMA load per ring slot to start, then one per tile in the code of a layer (the head loop's
@@ -402,7 +423,7 @@ def test_the_kernel_builds_for_sm90_with_wgmma_and_tma():
     done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("compiled") == 10 and done.stdout.count("pair") == 4
+    assert done.stdout.count("compiled") == 12 and done.stdout.count("pair") == 4 and done.stdout.count("duo") == 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -481,6 +502,25 @@ def test_pair_matches_fp64(shape, mask_kind, producer):
         rel = ((got.cpu().double() - want).norm() / want.norm()).item()
         assert rel < 3e-3, rel
         assert not scratch["flags"].any()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("shape", [s for s in PAIR_GPU_SHAPES if s[2] // s[3] <= hf.DUO_MAX_HEAD_DIM],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_duo_matches_fp64_and_the_pair(shape, mask_kind):
+    """A sequence's two halves as two warpgroups of one program against fp64, one program per sequence and one
+    for all: bit for bit the pair's output (the same math; the first half's masked keys add exact zeros)."""
+    cfg, xc, mc, want, packed, scratch = _pair_case(shape, mask_kind)
+    pair = hf.hopper_forward(xc, packed, num_heads=cfg.num_heads, causal=True, mask=mc, pair=True, scratch=scratch,
+                             eps=EPS)
+    for programs in (None, 1):
+        out = torch.full_like(xc, float("nan"))  # poisoned: every element must be written
+        got = hf.hopper_forward(xc, packed, num_heads=cfg.num_heads, causal=True, mask=mc, out=out, duo=True,
+                                programs=programs, eps=EPS)
+        check_official(want.float(), got.cpu(), f"duo {shape} {mask_kind} {programs}")
+        assert torch.equal(got, pair)
 
 
 @pytest.mark.gpu
