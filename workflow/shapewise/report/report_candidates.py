@@ -1,7 +1,7 @@
 """The candidates' part of the report (config `candidates`, shapewise.candidates; docs/candidates.md).
 
 - `load_rows`: each candidate's accuracy, timing and profile results of each row, read and checked as shapewise's
-  are (report_data.read_result, check_identity, check_run_settings), the candidate's SHA-256 standing for the
+  are (report_data.read_steps), the candidate's SHA-256 standing for the
   implementation digest;
 - `records`: one record per candidate and row with report_data.row_record's fields (summary.csv's columns: the
   `optimized_*` figures are the candidate's, `reference_*` the reference timed in the same rounds) plus the
@@ -20,8 +20,7 @@ from __future__ import annotations
 from shapewise import candidates
 from shapewise.inputs import paths
 from shapewise.provenance import identity
-from shapewise.report.report_data import (ReportInputError, check_identity, check_run_settings, copy_into, geomean,
-                                   read_result, row_record)
+from shapewise.report.report_data import ReportInputError, copy_into, geomean, read_steps, row_record
 
 SHAPEWISE = candidates.SHAPEWISE  # the `candidate` column's value for shapewise's own rows
 SOURCES = paths.REPORT_SOURCES  # where a report keeps each candidate's files: candidates/<name>/<file>
@@ -45,13 +44,8 @@ def load_rows(inputs, rows, digests, problems):
         for name, spec in (entry.get("candidates") or {}).items():
             expected = dict(digests, implementation_digest=sha[name], row_id=row["id"],
                             row_digest=identity.row_digest(row))
-            redo = regenerate(name, row["id"])
-            data = {}
-            for step in paths.CANDIDATE_STEPS:
-                path = spec["results"][step]
-                data[step] = read_result(path, redo, problems)
-                check_identity(path, data[step], expected, redo, problems)
-                check_run_settings(path, data[step], inputs, redo, problems)
+            data = read_steps(spec["results"], paths.CANDIDATE_STEPS, expected, regenerate(name, row["id"]), inputs,
+                              problems)
             item["candidates"][name] = {"data": data, "paths": spec["results"], "profile_csv": spec["profile_csv"]}
     return listed
 

@@ -137,6 +137,18 @@ def check_identity(path, data, expected, regenerate, problems):
         problems.append(f"{path}: does not belong to this run: {'; '.join(wrong)}; regenerate it with: {regenerate}")
 
 
+def read_steps(results, steps, expected, regenerate, inputs, problems):
+    """{step: the result at results[step]} for each of `steps`, each read and checked against `expected` (its
+    identity) and the run's settings, appending what is wrong to `problems`."""
+    data = {}
+    for step in steps:
+        path = results[step]
+        data[step] = read_result(path, regenerate, problems)
+        check_identity(path, data[step], expected, regenerate, problems)
+        check_run_settings(path, data[step], inputs, regenerate, problems)
+    return data
+
+
 def load(inputs, problems):
     """Read and check shapewise's own results the inputs name, appending what is wrong with them to `problems`.
     Returns ({"rows": [...], "environment_fingerprint", "implementation", "microbench"}, the digests every result
@@ -162,13 +174,7 @@ def load(inputs, problems):
     for entry in inputs["rows"]:
         row = entry["row"]
         expected = dict(digests, row_id=row["id"], row_digest=identity.row_digest(row))
-        regenerate = regenerate_row(row["id"])
-        data = {}
-        for step in paths.SHAPE_STEPS:
-            path = entry["results"][step]
-            data[step] = read_result(path, regenerate, problems)
-            check_identity(path, data[step], expected, regenerate, problems)
-            check_run_settings(path, data[step], inputs, regenerate, problems)
+        data = read_steps(entry["results"], paths.SHAPE_STEPS, expected, regenerate_row(row["id"]), inputs, problems)
         rows.append({"id": row["id"], "row": row, "data": data, "paths": entry["results"],
                      "profile_csv": entry["profile_csv"], "profile_trace": entry["profile_trace"]})
     return {"rows": rows, "environment_fingerprint": env_fp, "implementation": impl_fp,
