@@ -665,12 +665,13 @@ if gluon is not None:
                 flag = Flags + b
                 seen = pid * 0  # heads of this sequence the second program knows published
             for layer in range(num_layers):
-                ev0 = (g // TILES) * (NUM_HEADS + F_CHUNKS + 2)  # this layer's first hand-back event (`_event_of`)
-                hc0 = (g // TILES) * NUM_HEADS  # heads this program ran before this layer (DUO's k, v buffers)
+                layers_run = g // TILES  # by this program before this layer, every sequence counted
+                ev0 = layers_run * (NUM_HEADS + F_CHUNKS + 2)  # this layer's first hand-back event (`_event_of`)
+                hc0 = layers_run * NUM_HEADS  # heads run before this layer (DUO's k, v buffers)
                 # the vectors of the layer after this one (the next sequence's first after the last), loaded now
                 # and staged in the other buffer at the layer's end; the buffer: the parity of layers run so far
                 upcoming = gl.load(VEC + gl.where(layer + 1 < num_layers, layer + 1, 0) * V_PAD + v_offs)
-                parity = (g // TILES) % 2
+                parity = layers_run % 2
                 vecs = vec_s.index(VB + parity)
                 h = _layer_norm(x, _vec(vecs, N1W, D, L_COL), _vec(vecs, N1B, D, L_COL), D, eps).to(gl.float16)
                 h = gl.convert_layout(h, A_H)
