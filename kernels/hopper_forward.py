@@ -42,7 +42,7 @@ barrier of the partition's warps before every arrive, and between two waits on o
 landed" barriers are spread over RING_GROUPS allocations (`_bar`) so that a head's three waits take none. The same
 math in the same order: the output is bit for bit the default's.
 
-Warpgroup duo (`duo=True`, prepared and off; causal sequences of PAIR_MIN_SEQ_LEN to MAX_SEQ_LEN tokens): the pair's
+Warpgroup duo (`duo=True`, where the routing policy's `hopper.duo_max_head_dim` says; causal sequences of PAIR_MIN_SEQ_LEN to MAX_SEQ_LEN tokens): the pair's
 two halves in one program, as two partitions of 4 warps beside the loader warp, each with its own residual stream and
 no barrier with the other, so that one half's wgmma runs while the other's softmax does. The first half scores only
 its own 64 keys (the causal mask hides the rest); it writes its k and v rows of each head into one of two shared
@@ -949,7 +949,7 @@ def hopper_forward(x, w, *, num_heads, causal, eps, mask=None, out=None, desc=No
     `scratch` its `pair_scratch` (allocated here when None; reused, one launch at a time); `producer`: a loader
     warp fills the weight ring (the module's docstring; docs/decisions.md#hopper-producer); `duo`: a sequence's two
     halves in two warpgroups of one program, with a loader warp (causal, PAIR_MIN_SEQ_LEN <= S <= 128, heads up to
-    DUO_MAX_HEAD_DIM wide; the module's docstring; prepared, docs/decisions.md#hopper-duo)."""
+    DUO_MAX_HEAD_DIM wide; the module's docstring; docs/decisions.md#hopper-duo)."""
     programs, args = _arguments(x, w, num_heads=num_heads, causal=causal, eps=eps, mask=mask, out=out, desc=desc,
                                 programs=programs, overlap=overlap, pair=pair, producer=producer, scratch=scratch,
                                 duo=duo)

@@ -55,6 +55,8 @@ OPTIMIZATIONS = (
     "hopper_pair",  # where the policy says so: the Hopper forward with two programs a causal sequence (off: one)
     "hopper_producer",  # where the policy says so: the Hopper forward's weight ring filled by a loader warp (off: by
     # the math warps)
+    "hopper_duo",  # where the policy says so: the Hopper forward with a causal sequence's halves as two warpgroups of
+    # one program (off: the pair and loader warp the policy gives without it)
     "hopper_attention",  # where the policy says so, on sm_90: the triton route's attention as kernels.attention_hopper
     # (off: the attention the policy gives without it, SDPA at these lengths)
 )
@@ -287,6 +289,7 @@ class UserOptimizedTransformer(BaselineTransformer):
         route = select_route(shape, x.dtype, x.device, "none" if mask is None else "general", forced=self.route,
                              allow_fused="fused_layer" not in self.disabled,
                              allow_hopper="hopper_forward" not in self.disabled,
+                             allow_duo="hopper_duo" not in self.disabled,
                              capability=capability)
         if not ROUTE_SPECS[route.name].kernels:
             return route

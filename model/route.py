@@ -32,6 +32,8 @@ class Route:
     # `graph.max_tokens_x_d_model` (`_hopper_route`)
     pair: bool = False  # hopper route: two programs a causal sequence (policy `hopper.pair_max_batch`)
     producer: bool = False  # hopper route: a loader warp fills the weight ring (policy `hopper.producer_max_head_dim`)
+    duo: bool = False  # hopper route: a causal sequence's halves as two warpgroups of one program, with a loader warp
+    # (policy `hopper.duo_max_head_dim`; in place of `pair` and `producer`)
     prepared_launch: bool = False  # hopper route: eager through its signature's PreparedLaunch (eager_min_batch)
     direct_launch: bool = False  # prepared launch: Triton's C launcher called with an argument list built once
     # (policy `hopper.direct_launch`; off: through the compiled kernel's `run`)
@@ -45,6 +47,7 @@ class Route:
         split = " split-layer" if self.split_layer else ""
         pair = " pair" if self.pair else ""
         pair += " producer" if self.producer else ""
+        pair += " duo" if self.duo else ""
         pdl = " pdl" if self.pdl else ""
         eager = " eager" if self.eager else ""
         eager += " prepared-launch" if self.prepared_launch else ""

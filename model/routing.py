@@ -13,7 +13,8 @@ Routes (ROUTE_SPECS: each route's module, which runs it, and what it needs):
   the shape (`max_seq_len`, `min_batch`, `max_heads`; `max_seq_len` null: never unasked), fp16 operands; captured
   in a CUDA graph, or launched eagerly where `eager_min_batch` covers the batch (one prepared launch a call: no
   output copy); two programs a causal sequence where `pair_max_batch` covers the batch and `pair_max_head_dim`
-  the head width.
+  the head width; a causal sequence's halves as two warpgroups of one program where `duo_max_head_dim` covers the
+  head width (in place of the pair).
 
 Operand precision (`Route.precision`; accumulation is fp32 always, and the kernel routes keep an fp32 residual
 stream and fp32 LayerNorm statistics): `reference` and `sdpa` run PyTorch in the input dtype. The kernel routes
@@ -149,7 +150,8 @@ def _hopper_pays(shape: TransformerConfig) -> bool:
             and (heads is None or shape.num_heads <= heads))
 
 
-def _hopper_route(precision: str, reason: str, shape: TransformerConfig, forced: bool = False) -> Route:
+def _hopper_route(precision: str, reason: str, shape: TransformerConfig, forced: bool = False,
+                  allow_duo: bool = True) -> Route:
     """Route `hopper`, captured in a CUDA graph up to the policy's `graph.max_tokens_x_d_model`, launched eagerly
     beyond (its one launch is then a small part of the forward, and the graph's copy of its output out of the
     graph's buffer a large one: row 6, 308 µs of 5.55 ms); through the signature's prepared launch
@@ -160,22 +162,31 @@ def _hopper_route(precision: str, reason: str, shape: TransformerConfig, forced:
     programs a sequence where `hopper.pair_max_batch` (null or absent: never) covers the batch,
     `hopper.pair_max_head_dim` (null or absent: any) the head width, and the kernel's `pair` serves the shape: a
     batch that leaves SMs idle. A loader warp fills the weight ring where `hopper.producer_max_head_dim` (null or
-    absent: never) covers the head width: a wider head's math warps need the registers the loader takes."""
+    absent: never) covers the head width: a wider head's math warps need the registers the loader takes. A causal
+    sequence's halves run as two warpgroups of one program, with its loader warp, in place of both, where
+    `hopper.duo_max_head_dim` (null or absent: never) covers the head width, `allow_duo` holds and the kernel's
+    `duo` serves the shape."""
+    from shapewise.kernels.hopper_forward import why_unsupported  # deferred: routing imports no torch
+
     route = Route("hopper", precision, reason, forced=forced)
     hopper = POLICY["hopper"]
+    widest_duo = hopper.get("duo_max_head_dim")
+    if (allow_duo and widest_duo is not None and shape.head_dim <= widest_duo
+            and why_unsupported(shape.seq_len, shape.d_model, shape.num_heads, shape.ffn_dim, causal=shape.causal,
+                                duo=True) is None):
+        route = replace(route, duo=True, reason=route.reason + (
+            f"; a sequence's halves as two warpgroups and a loader warp (head_dim {shape.head_dim} <= {widest_duo})"))
     widest_producer = hopper.get("producer_max_head_dim")
-    if widest_producer is not None and shape.head_dim <= widest_producer:
+    if not route.duo and widest_producer is not None and shape.head_dim <= widest_producer:
         route = replace(route, producer=True, reason=route.reason + (
             f"; a loader warp fills the weight ring (head_dim {shape.head_dim} <= {widest_producer})"))
     most_pair, widest = hopper.get("pair_max_batch"), hopper.get("pair_max_head_dim")
-    if (most_pair is not None and shape.batch_size <= most_pair
-            and (widest is None or shape.head_dim <= widest)):
-        from shapewise.kernels.hopper_forward import why_unsupported  # deferred: routing imports no torch
-
-        if why_unsupported(shape.seq_len, shape.d_model, shape.num_heads, shape.ffn_dim, causal=shape.causal,
-                           pair=True) is None:
-            route = replace(route, pair=True, reason=route.reason + (
-                f"; two programs a sequence (batch {shape.batch_size} <= {most_pair})"))
+    if (not route.duo and most_pair is not None and shape.batch_size <= most_pair
+            and (widest is None or shape.head_dim <= widest)
+            and why_unsupported(shape.seq_len, shape.d_model, shape.num_heads, shape.ffn_dim, causal=shape.causal,
+                                pair=True) is None):
+        route = replace(route, pair=True, reason=route.reason + (
+            f"; two programs a sequence (batch {shape.batch_size} <= {most_pair})"))
     fewest_eager = hopper.get("eager_min_batch")
     if fewest_eager is not None and shape.batch_size >= fewest_eager:
         direct = bool(hopper.get("direct_launch", False))
@@ -253,7 +264,7 @@ def why_unavailable(name: str, shape: TransformerConfig, dtype, device, interpre
 
 def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none", forced: str | None = None,
                  interpret: bool | None = None, allow_fused: bool = True, allow_hopper: bool = True,
-                 capability=None) -> Route:
+                 allow_duo: bool = True, capability=None) -> Route:
     """Pick the route for one input signature. Pure: reads only its arguments and the policy data.
 
     `forced` (a route name, or None/"auto") is honoured or refused with RouteUnavailable, never replaced.
@@ -274,7 +285,8 @@ def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none
         if forced == "fused":
             return _fused_route("fused", _precision_for(forced, dt, shape), "forced by the caller", shape, forced=True)
         if forced == "hopper":
-            return _hopper_route(_precision_for(forced, dt, shape), "forced by the caller", shape, forced=True)
+            return _hopper_route(_precision_for(forced, dt, shape), "forced by the caller", shape, forced=True,
+                                 allow_duo=allow_duo)
         return _with_split_layer(Route(forced, _precision_for(forced, dt, shape), "forced by the caller", forced=True),
                                  shape)
 
@@ -288,7 +300,8 @@ def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none
             and _precision_for("hopper", dt, shape) == "fp16"
             and not why_unavailable("hopper", shape, dtype, device, interpret, capability)):
         return _hopper_route("fp16", f"one sequence's residual stream in registers: the whole forward in one Gluon "
-                                     f"kernel (seq_len {shape.seq_len} <= {POLICY['hopper']['max_seq_len']})", shape)
+                                     f"kernel (seq_len {shape.seq_len} <= {POLICY['hopper']['max_seq_len']})", shape,
+                             allow_duo=allow_duo)
     if allow_fused and _fused_pays(shape) and not why_unavailable("fused", shape, dtype, device, interpret):
         return _fused_route("fused", _precision_for("fused", dt, shape),
                             f"short, narrow, launch-bound shape: one kernel per layer (tokens*d = {size})", shape)

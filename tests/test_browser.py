@@ -106,11 +106,11 @@ def test_broken_image_is_detected(built, tmp_path):
     assert broken == ["figures/latency.png"]
 
 
-# Fifteen switches: model.optimized.OPTIMIZATIONS' thirteen and two more as long as its longest name, so that a
+# Sixteen switches: model.optimized.OPTIMIZATIONS' fourteen and two more as long as its longest name, so that a
 # table with room for switches to come still fits.
 MANY_SWITCHES = ["fused_layer", "cuda_graph", "reduced_precision", "flash_attention", "fused_layernorm",
                  "packed_qkv", "direct_input", "split_layer", "pdl", "hopper_forward", "hopper_pair", "hopper_producer",
-                 "hopper_attention", "extra_switch_a_14", "extra_switch_b_15"]
+                 "hopper_duo", "hopper_attention", "extra_switch_a_14", "extra_switch_b_15"]
 
 
 def test_wide_tables_fit_the_page(tmp_path, monkeypatch):

@@ -154,7 +154,7 @@ def test_the_packers_size_is_what_it_packs_and_what_the_route_counts(shape, oper
 
 def test_the_route_prepares_its_launch_on_the_first_call_and_takes_it_after():
     """Route hopper with a prepared launch: the runner's first call prepares its signature's launch (with the
-    model's eps) and returns its output; later calls take that launch."""
+    model's eps and the route's variant) and returns its output; later calls take that launch."""
     made = []
 
     class Prepared:
@@ -169,12 +169,12 @@ def test_the_route_prepares_its_launch_on_the_first_call_and_takes_it_after():
             return x + 1
 
     runner = object.__new__(route_hopper.HopperForward)  # its kernel's parts replaced: no Hopper needed
-    runner.route = Route("hopper", "fp16", "test", eager=True, prepared_launch=True)
+    runner.route = Route("hopper", "fp16", "test", eager=True, prepared_launch=True, duo=True)
     runner.prepared_launch, runner.hopper_forward = Prepared, None
     runner.weights, runner.desc, runner.hd, runner.scratch, runner.launch = {}, None, 16, None, None
     model, x = types.SimpleNamespace(config=cfg_of((2, 8, 32, 2, 32, 1))), torch.zeros(2, 8, 32)
     assert torch.equal(runner(model, x, None), x + 1) and torch.equal(runner(model, x, None), x + 1)
-    assert len(made) == 1 and made[0]["eps"] == EPS and made[0]["direct"] is False
+    assert len(made) == 1 and made[0]["eps"] == EPS and made[0]["direct"] is False and made[0]["duo"] is True
 
 
 def test_the_kernels_gelu_is_exact_gelu_to_its_erf():
@@ -610,7 +610,8 @@ def test_route_pairs_programs_where_the_policy_says_so(monkeypatch, mask_kind):
     replayed on one scratch, exact on every mask kind and after a weight edit; the switch off runs one."""
     from shapewise.model import routing
 
-    monkeypatch.setitem(routing.POLICY, "hopper", {**routing.POLICY["hopper"], "pair_max_batch": 64, "min_batch": 1})
+    monkeypatch.setitem(routing.POLICY, "hopper", {**routing.POLICY["hopper"], "pair_max_batch": 64, "min_batch": 1,
+                                                   "duo_max_head_dim": None})
     cfg = cfg_of((6, 100, 128, 4, 128, 2))
     ref, opt = build_pair(cfg, "auto")
     ref, opt = ref.cuda(), opt.cuda()
@@ -637,6 +638,41 @@ def test_route_pairs_programs_where_the_policy_says_so(monkeypatch, mask_kind):
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+def test_route_runs_the_duo_where_the_policy_says_so(monkeypatch, mask_kind):
+    """Policy `hopper.duo_max_head_dim` covering the heads: the route runs a sequence's halves as two warpgroups,
+    exact on every mask kind, call after call and after a weight edit; the switch off runs the pair the policy
+    gives without it, bit for bit the same output."""
+    from shapewise.model import routing
+
+    monkeypatch.setitem(routing.POLICY, "hopper", {**routing.POLICY["hopper"], "pair_max_batch": 64, "min_batch": 1,
+                                                   "duo_max_head_dim": 64})
+    cfg = cfg_of((6, 100, 128, 4, 128, 2))
+    ref, opt = build_pair(cfg, "auto")
+    ref, opt = ref.cuda(), opt.cuda()
+    x, mask = make_inputs(cfg, mask_kind)
+    x, mask = x.cuda(), None if mask is None else mask.cuda()
+    want = fp64_forward(ref.state_dict(), cfg, x.cpu(), None if mask is None else mask.cpu()).nan_to_num(0.0).float()
+    with torch.inference_mode():
+        ys = [opt(x, mask).cpu() for _ in range(3)]
+    assert opt.last_route.name == "hopper" and opt.last_route.duo and not opt.last_route.pair, str(opt.last_route)
+    for y in ys:
+        check_official(want, y, f"duo route, {mask_kind}")
+    _, paired = build_pair(cfg, "auto", disable=("hopper_duo",))
+    paired.load_state_dict(opt.state_dict())
+    with torch.inference_mode():
+        assert torch.equal(paired.cuda()(x, mask).cpu(), ys[0])
+    assert paired.last_route.pair and not paired.last_route.duo, str(paired.last_route)
+    with torch.no_grad():
+        opt.layers[1].ffn_in.weight.mul_(1.5)
+        ref.layers[1].ffn_in.weight.mul_(1.5)
+    want = fp64_forward(ref.state_dict(), cfg, x.cpu(), None if mask is None else mask.cpu()).nan_to_num(0.0).float()
+    with torch.inference_mode():
+        check_official(want, opt(x, mask).cpu(), f"duo route after a weight edit, {mask_kind}")
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_route_launches_eagerly_beyond_the_graph_bound():
     """1040 sequences of 128 x 128 (tokens*d above graph.max_tokens_x_d_model): no graph, a fresh output per call."""
     from shapewise.model import routing
@@ -659,14 +695,14 @@ def test_route_launches_eagerly_beyond_the_graph_bound():
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
-@pytest.mark.parametrize("pair", [False, True])
-def test_a_prepared_launch_equals_the_jit_launch(mask_kind, pair):
+@pytest.mark.parametrize("pair, duo", [(False, False), (True, False), (False, True)])
+def test_a_prepared_launch_equals_the_jit_launch(mask_kind, pair, duo):
     """Call after call with new inputs, and captured in a CUDA graph: the bits of hopper_forward's output."""
     cfg, ref, x, mask, want = _case((5, 100, 64, 2, 64, 2), True, mask_kind)
     packed = {k: v.cuda() for k, v in _packed(ref, cfg, torch.float16).items()}
     scratch = hf.pair_scratch(5, 2, 2, 32, "cuda") if pair else None
     mc = None if mask is None else mask.cuda()
-    keywords = dict(num_heads=2, causal=True, eps=EPS, pair=pair, scratch=scratch)
+    keywords = dict(num_heads=2, causal=True, eps=EPS, pair=pair, duo=duo, scratch=scratch)
     launch = hf.PreparedLaunch(x.cuda(), packed, mask=mc, **keywords)
     assert launch.direct is not None  # this Triton's C launcher reached (kernels.hopper_forward._c_launcher)
     for trial in range(3):
@@ -674,7 +710,7 @@ def test_a_prepared_launch_equals_the_jit_launch(mask_kind, pair):
         got = launch(xc, mc)
         assert torch.equal(got, hf.hopper_forward(xc, packed, mask=mc, **keywords)), trial
         if trial == 0:
-            check_official(want.float(), got.cpu(), f"prepared launch, {mask_kind}, pair={pair}")
+            check_official(want.float(), got.cpu(), f"prepared launch, {mask_kind}, pair={pair}, duo={duo}")
     xc = x.cuda()
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

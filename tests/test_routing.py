@@ -377,11 +377,13 @@ def test_split_layer_has_a_token_floor(monkeypatch):
 # hopper: built for sm_90 alone, picked unasked only where the policy's hopper entry covers the shape
 # ----------------------------------------------------------------------------------------------
 def _hopper_policy(monkeypatch, max_seq_len=128, min_batch=None, max_heads=None, pair_max_batch=None,
-                   pair_max_head_dim=None, eager_min_batch=None, direct_launch=False, producer_max_head_dim=None):
+                   pair_max_head_dim=None, eager_min_batch=None, direct_launch=False, producer_max_head_dim=None,
+                   duo_max_head_dim=None):
     monkeypatch.setitem(routing.POLICY, "hopper", {"max_seq_len": max_seq_len, "min_batch": min_batch,
                                                    "max_heads": max_heads, "pair_max_batch": pair_max_batch,
                                                    "pair_max_head_dim": pair_max_head_dim,
                                                    "producer_max_head_dim": producer_max_head_dim,
+                                                   "duo_max_head_dim": duo_max_head_dim,
                                                    "eager_min_batch": eager_min_batch,
                                                    "direct_launch": direct_launch})
 
@@ -502,6 +504,38 @@ def test_hopper_loader_warp_where_the_policy_covers_the_head_width(monkeypatch):
     assert "hopper_producer" in switches_used(loader, torch.float32, "cuda") and loader.as_dict()["producer"] is True
     off = route_hopper.settle(loader, None, {"hopper_producer"})
     assert not off.producer and off.pair and "hopper_producer disabled" in off.reason
+
+
+def test_hopper_duo_where_the_policy_and_the_kernel_say_so_in_place_of_pair_and_loader(monkeypatch):
+    from shapewise.model import route_hopper
+    from shapewise.model.memory import working_set_bytes
+    from shapewise.model.optimized import switches_used
+
+    row1 = SHAPES[2]  # 64 causal sequences of 128 tokens, heads of 32
+    _hopper_policy(monkeypatch, pair_max_batch=64, producer_max_head_dim=64)  # duo_max_head_dim null: never
+    without = select_route(row1, torch.float32, "cuda", capability=(9, 0))
+    assert without.pair and without.producer and not without.duo
+    assert "hopper_duo" not in switches_used(without, torch.float32, "cuda")
+    _hopper_policy(monkeypatch, pair_max_batch=64, producer_max_head_dim=64, duo_max_head_dim=16)
+    assert not select_route(row1, torch.float32, "cuda", capability=(9, 0)).duo  # heads of 32
+    _hopper_policy(monkeypatch, pair_max_batch=64, producer_max_head_dim=64, duo_max_head_dim=32)
+    duo = select_route(row1, torch.float32, "cuda", capability=(9, 0))
+    assert duo.name == "hopper" and duo.duo and not duo.pair and not duo.producer, duo
+    assert " duo (auto: " in str(duo) and "two warpgroups" in duo.reason and duo.as_dict()["duo"] is True
+    used = switches_used(duo, torch.float32, "cuda")
+    assert "hopper_duo" in used and not {"hopper_pair", "hopper_producer"} & set(used)
+    assert working_set_bytes(row1, torch.float32, duo) < working_set_bytes(row1, torch.float32, without)  # no scratch
+    forced = select_route(row1, torch.float32, "cuda", forced="hopper", capability=(9, 0))
+    assert forced.forced and forced.duo
+    # its switch off: what the policy gives without it, forced or not
+    for how in (None, "hopper"):
+        off = select_route(row1, torch.float32, "cuda", forced=how, capability=(9, 0), allow_duo=False)
+        assert off.pair and off.producer and not off.duo, off
+    # the kernel's duo limits: causal only, 65 to 128 tokens (then the policy's pair and loader, where they serve)
+    for shape in (dataclasses.replace(row1, causal=False), dataclasses.replace(row1, seq_len=64)):
+        r = select_route(shape, torch.float32, "cuda", capability=(9, 0))
+        assert r.name == "hopper" and not r.duo and r.producer, r
+    assert route_hopper.switches(duo) == {"hopper_forward", "hopper_duo"}
 
 
 def test_hopper_attention_where_the_policy_says_so_on_sm90(monkeypatch):
