@@ -1,16 +1,20 @@
 """The pipeline's wall time here: `snakemake --cores all` in this checkout, timed, in one part or several.
 
 Usage: python -m benchmarks.pipeline_wall OUT_DIR [--fresh] [--budget S] [--shapes official,contract] [--commit SHA]
-       [--set KEY=VALUE ...] [-- SNAKEMAKE ARGS...]
+       [--set KEY=VALUE ...] [--reruns ROW:FIELD=VALUE] [-- SNAKEMAKE ARGS...]
 
 Runs Snakemake once, stopping it cleanly (SIGINT, then SIGKILL 30 s later) when `--budget` seconds have passed, and
-writes to OUT_DIR (at most eight files): pipeline-wall.json (this part and every earlier one: start, end, wall time,
+writes to OUT_DIR (at most eight files, ten with `--reruns`): pipeline-wall.json (this part and every earlier one: start, end, wall time,
 exit status, whether the DAG is complete; per step the jobs of the results and the sum of their own `duration_s`;
 the runs behind the results, shapewise.execution.runs.summarize), the part's Snakemake log, `shapewise gpus check
 --min-gpus 1` of the results, and once the report exists its report.md and summary.csv, `shapewise compare` of
 reports/h200 against it, results.tgz (results/ without the profiler traces) and traces.tgz (the traces: a profile job
 whose trace is missing runs again). The parts are kept in results/pipeline-wall.json, so a run in two parts carries
 them with results/ (both archives unpacked) into the second.
+
+`--reruns ROW:FIELD=VALUE` (a complete run only): then Snakemake twice more, each timed with the jobs it ran
+(`reruns` in pipeline-wall.json, their logs beside it): with nothing changed, and with that field of that row of its
+manifest set to VALUE (a YAML scalar), the manifest's bytes restored afterwards.
 
 A first part starts from what the checkout holds: `--fresh` removes results/ and .snakemake/ first, so the run
 starts cold (its Triton cache is .snakemake/triton-cache unless TRITON_CACHE_DIR is set). Nothing here installs
@@ -19,7 +23,9 @@ anything: Snakemake must be importable.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -28,6 +34,10 @@ import tarfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+import yaml
+
+from shapewise.inputs import paths
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ROOT / "results" / "pipeline-wall.json"
@@ -59,6 +69,60 @@ def run_snakemake(args, extra, log_path):
                 status = proc.wait()
     return {"command": command, "started": started, "finished": _now(), "wall_s": round(time.monotonic() - t0, 1),
             "exit_status": status, "stopped_at_budget": stopped, "budget_s": args.budget}
+
+
+JOB_LINE = re.compile(r"^(?:local)?rule (\w+):$", re.MULTILINE)
+
+
+def jobs_run(log_path):
+    """{rule: jobs} that a Snakemake log shows started."""
+    return dict(collections.Counter(JOB_LINE.findall(Path(log_path).read_text(errors="replace"))))
+
+
+def _rows(data):
+    return data["shapes"] if isinstance(data, dict) else data
+
+
+def _row_ids(path):
+    return {row.get("id") for row in _rows(yaml.safe_load(Path(path).read_text()))}
+
+
+def edited_manifest(text, row_id, field, value):
+    """The manifest YAML `text` with `field` of row `row_id` set to `value` (parsed as YAML), re-dumped."""
+    data = yaml.safe_load(text)
+    matches = [row for row in _rows(data) if row.get("id") == row_id]
+    if len(matches) != 1:
+        raise SystemExit(f"pipeline_wall: --reruns names row {row_id!r}, which the manifest has "
+                         f"{len(matches)} times")
+    matches[0][field] = yaml.safe_load(value)
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def reruns(args, extra, out, edit):
+    """The two reruns of a complete run: nothing changed, then one row's field edited (restored after)."""
+    row_id, _, assignment = edit.partition(":")
+    field, _, value = assignment.partition("=")
+    if not (row_id and field and value):
+        raise SystemExit(f"pipeline_wall: --reruns takes ROW:FIELD=VALUE, got {edit!r}")
+    done = []
+    for what, log_name in (("nothing changed", "snakemake-rerun.log"),
+                           (f"{row_id} {field}={value}", "snakemake-rerun-edited.log")):
+        if done:  # the edited row's manifest: the selected manifest that holds it
+            holders = [ROOT / paths.manifest(name) for name in args.shapes.split(",")
+                       if row_id in _row_ids(ROOT / paths.manifest(name))]
+            if not holders:
+                raise SystemExit(f"pipeline_wall: --reruns names row {row_id!r}, in none of {args.shapes}")
+            path = holders[0]
+            original = path.read_bytes()
+            path.write_text(edited_manifest(original.decode(), row_id, field, value))
+        try:
+            part = run_snakemake(args, extra, out / log_name)
+        finally:
+            if done:
+                path.write_bytes(original)
+        done.append({"what": what, "wall_s": part["wall_s"], "exit_status": part["exit_status"],
+                     "jobs": jobs_run(out / log_name)})
+    return done
 
 
 def job_times(results):
@@ -107,6 +171,8 @@ def main():
     p.add_argument("--commit", default=None, help="the commit of the tree, for the report (no .git here)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="one more config value of the run (repeatable), e.g. --set queue_at_gpu_lock=True")
+    p.add_argument("--reruns", metavar="ROW:FIELD=VALUE", default=None,
+                   help="after a complete run, time a rerun with nothing changed and one with this field edited")
     p.add_argument("--fresh", action="store_true",
                    help="start cold: remove results/ and .snakemake/ (the run's Triton cache with it) first")
     args, extra = p.parse_known_args()
@@ -131,6 +197,8 @@ def main():
                "steps": job_times(results), "runs": runs.summarize(all_results(results))}
     for entry in summary["runs"]:
         entry.pop("marker", None)
+    if args.reruns and part["complete"]:
+        summary["reruns"] = reruns(args, extra, out, args.reruns)
     (out / "pipeline-wall.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     shell([sys.executable, "-m", "shapewise", "gpus", "check", "--min-gpus", "1", "results"], out / "gpus-check.txt")
     if (report / "report.md").is_file():
@@ -147,6 +215,8 @@ def main():
           f"{'complete' if part['complete'] else 'not complete: run again with results/ carried'}")
     for step, times in sorted(summary["steps"].items()):
         print(f"  {step}: {times['jobs']} jobs, {times['own_s']} s of their own work")
+    for rerun in summary.get("reruns", []):
+        print(f"rerun, {rerun['what']}: {rerun['wall_s']} s, exit status {rerun['exit_status']}, jobs {rerun['jobs']}")
     return 0 if part["complete"] else 1
 
 

@@ -1,0 +1,30 @@
+"""benchmarks.pipeline_wall's rerun helpers: one field of one manifest row edited, the jobs a Snakemake log started."""
+import pytest
+import yaml
+
+from benchmarks import pipeline_wall as pw
+
+MANIFEST = """# a comment
+- {id: a-01, batch_size: 2, seq_len: 32, d_model: 64, num_heads: 2, ffn_dim: 64, num_layers: 1}
+- {id: a-02, batch_size: 2, seq_len: 32, d_model: 64, num_heads: 2, ffn_dim: 64, num_layers: 1}
+"""
+
+
+def test_an_edit_changes_that_field_of_that_row_alone():
+    before, after = yaml.safe_load(MANIFEST), yaml.safe_load(pw.edited_manifest(MANIFEST, "a-02", "seq_len", "48"))
+    assert after[0] == before[0] and after[1] == {**before[1], "seq_len": 48}
+
+
+@pytest.mark.parametrize("row", ["a-03", "a"])
+def test_an_edit_of_a_row_the_manifest_lacks_names_it(row):
+    with pytest.raises(SystemExit, match=repr(row)):
+        pw.edited_manifest(MANIFEST, row, "seq_len", "48")
+
+
+def test_the_jobs_a_log_started_are_counted_by_rule(tmp_path):
+    log = tmp_path / "snakemake.log"
+    log.write_text("Building DAG of jobs...\n\nrule timing:\n    input: x\n\nlocalrule report:\n\nrule timing:\n"
+                   "    rule timing: not a start\nNothing to be done.\n")
+    assert pw.jobs_run(log) == {"timing": 2, "report": 1}
+    log.write_text("Nothing to be done (all requested files are present and up to date).\n")
+    assert pw.jobs_run(log) == {}
