@@ -1,9 +1,9 @@
 """The Hopper forward kernel built for sm_90 offline (no GPU): registers, spills, shared memory, SASS instructions.
 
-Usage: python -m benchmarks.hopper_sass [OUT.json] [--rows 1,12,7] [--pair] [--producer] [--duo]
+Usage: python -m benchmarks.hopper_sass [OUT.json] [--rows 1,12,7] [--pair] [--producer] [--duo] [--unmasked]
 
 Per official row it serves, `_hopper_forward_fwd` compiled as the route launches it (fp32 input, the row's causal
-flag, a mask, `overlap` on; `--pair`, `--producer`, `--duo`: those variants, `pair` and `duo` (a sequence's two
+flag, a mask (none with `--unmasked`: the `model(x)` call), `overlap` on; `--pair`, `--producer`, `--duo`: those variants, `pair` and `duo` (a sequence's two
 halves in two programs, or in two warpgroups of one) on the rows they serve) through the ptxas that ships with
 Triton: ptxas's registers and spills (`benchmarks.attention_registers.usage`), the SASS instructions of the whole
 kernel by opcode (cuobjdump; its layer loop is not unrolled, so the count is about one layer's and one sequence's
@@ -73,6 +73,7 @@ def main():
     p.add_argument("--pair", action="store_true", help="the kernel with `pair` on, on the rows it serves")
     p.add_argument("--producer", action="store_true", help="the kernel with `producer` on (a loader warp)")
     p.add_argument("--duo", action="store_true", help="the kernel with `duo` on (two warpgroups a sequence)")
+    p.add_argument("--unmasked", action="store_true", help="the kernel without a mask (HAS_MASK off)")
     args = p.parse_args()
     out = []
     for n in row_numbers(args.rows):
@@ -81,9 +82,11 @@ def main():
         causal = r.get("causal", True)
         if hf.why_unsupported(S, d, H, F, causal=causal, pair=args.pair, duo=args.duo):
             continue
-        kernel, cfg = compile_hopper(S, d, H, F, causal=causal, pair=args.pair, producer=args.producer, duo=args.duo)
+        kernel, cfg = compile_hopper(S, d, H, F, causal=causal, masked=not args.unmasked, pair=args.pair,
+                                     producer=args.producer, duo=args.duo)
         ops = sass_opcodes(kernel)
         rec = {"row": r["id"], "launch": cfg, "pair": args.pair, "producer": args.producer, "duo": args.duo,
+               "masked": not args.unmasked,
                **usage(kernel, cfg["num_warps"]),
                "sass_instructions": sum(ops.values()), "sass_by_opcode": dict(ops.most_common(20)),
                "tma_loads_in_ir": kernel.asm["ttgir"].count(TMA_LOAD)}
