@@ -602,6 +602,18 @@ def test_route_serves_the_official_row_shape_and_sees_weight_edits(dtype):
                    "after a weight edit")
 
 
+def _routed_case(cfg, mask_kind):
+    """The reference and the automatically routed model on the same weights, on the GPU, and the case's x, mask."""
+    ref, opt = build_pair(cfg, "auto")
+    x, mask = make_inputs(cfg, mask_kind)
+    return ref.cuda(), opt.cuda(), x.cuda(), None if mask is None else mask.cuda()
+
+
+def _fp64_on_cpu(ref, cfg, x, mask):
+    """The fp64 forward of `ref`'s weights on the CPU, invalid rows 0, as fp32."""
+    return fp64_forward(ref.state_dict(), cfg, x.cpu(), None if mask is None else mask.cpu()).nan_to_num(0.0).float()
+
+
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
@@ -613,11 +625,8 @@ def test_route_pairs_programs_where_the_policy_says_so(monkeypatch, mask_kind):
     monkeypatch.setitem(routing.POLICY, "hopper", {**routing.POLICY["hopper"], "pair_max_batch": 64, "min_batch": 1,
                                                    "duo_max_head_dim": None})
     cfg = cfg_of((6, 100, 128, 4, 128, 2))
-    ref, opt = build_pair(cfg, "auto")
-    ref, opt = ref.cuda(), opt.cuda()
-    x, mask = make_inputs(cfg, mask_kind)
-    x, mask = x.cuda(), None if mask is None else mask.cuda()
-    want = fp64_forward(ref.state_dict(), cfg, x.cpu(), None if mask is None else mask.cpu()).nan_to_num(0.0).float()
+    ref, opt, x, mask = _routed_case(cfg, mask_kind)
+    want = _fp64_on_cpu(ref, cfg, x, mask)
     with torch.inference_mode():
         ys = [opt(x, mask).cpu() for _ in range(4)]  # capture, then replays of the graph that reads x in place
     assert opt.last_route.name == "hopper" and opt.last_route.pair, str(opt.last_route)
@@ -626,7 +635,7 @@ def test_route_pairs_programs_where_the_policy_says_so(monkeypatch, mask_kind):
     with torch.no_grad():
         opt.layers[1].ffn_in.weight.mul_(1.5)
         ref.layers[1].ffn_in.weight.mul_(1.5)
-    want = fp64_forward(ref.state_dict(), cfg, x.cpu(), None if mask is None else mask.cpu()).nan_to_num(0.0).float()
+    want = _fp64_on_cpu(ref, cfg, x, mask)
     with torch.inference_mode():
         check_official(want, opt(x, mask).cpu(), f"pair route after a weight edit, {mask_kind}")
     _, one = build_pair(cfg, "auto", disable=("hopper_pair",))
@@ -648,11 +657,8 @@ def test_route_runs_the_duo_where_the_policy_says_so(monkeypatch, mask_kind):
     monkeypatch.setitem(routing.POLICY, "hopper", {**routing.POLICY["hopper"], "pair_max_batch": 64, "min_batch": 1,
                                                    "duo_max_head_dim": 64})
     cfg = cfg_of((6, 100, 128, 4, 128, 2))
-    ref, opt = build_pair(cfg, "auto")
-    ref, opt = ref.cuda(), opt.cuda()
-    x, mask = make_inputs(cfg, mask_kind)
-    x, mask = x.cuda(), None if mask is None else mask.cuda()
-    want = fp64_forward(ref.state_dict(), cfg, x.cpu(), None if mask is None else mask.cpu()).nan_to_num(0.0).float()
+    ref, opt, x, mask = _routed_case(cfg, mask_kind)
+    want = _fp64_on_cpu(ref, cfg, x, mask)
     with torch.inference_mode():
         ys = [opt(x, mask).cpu() for _ in range(3)]
     assert opt.last_route.name == "hopper" and opt.last_route.duo and not opt.last_route.pair, str(opt.last_route)
@@ -666,7 +672,7 @@ def test_route_runs_the_duo_where_the_policy_says_so(monkeypatch, mask_kind):
     with torch.no_grad():
         opt.layers[1].ffn_in.weight.mul_(1.5)
         ref.layers[1].ffn_in.weight.mul_(1.5)
-    want = fp64_forward(ref.state_dict(), cfg, x.cpu(), None if mask is None else mask.cpu()).nan_to_num(0.0).float()
+    want = _fp64_on_cpu(ref, cfg, x, mask)
     with torch.inference_mode():
         check_official(want, opt(x, mask).cpu(), f"duo route after a weight edit, {mask_kind}")
 
