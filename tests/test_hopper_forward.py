@@ -614,6 +614,14 @@ def _fp64_on_cpu(ref, cfg, x, mask):
     return fp64_forward(ref.state_dict(), cfg, x.cpu(), None if mask is None else mask.cpu()).nan_to_num(0.0).float()
 
 
+def _edit_a_weight(ref, opt, cfg, x, mask):
+    """Layer 1's FFN-in weight scaled in both models, in place (as a user edits one): the new fp64 forward."""
+    with torch.no_grad():
+        opt.layers[1].ffn_in.weight.mul_(1.5)
+        ref.layers[1].ffn_in.weight.mul_(1.5)
+    return _fp64_on_cpu(ref, cfg, x, mask)
+
+
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
@@ -632,10 +640,7 @@ def test_route_pairs_programs_where_the_policy_says_so(monkeypatch, mask_kind):
     assert opt.last_route.name == "hopper" and opt.last_route.pair, str(opt.last_route)
     for y in ys:
         check_official(want, y, f"pair route, {mask_kind}")
-    with torch.no_grad():
-        opt.layers[1].ffn_in.weight.mul_(1.5)
-        ref.layers[1].ffn_in.weight.mul_(1.5)
-    want = _fp64_on_cpu(ref, cfg, x, mask)
+    want = _edit_a_weight(ref, opt, cfg, x, mask)
     with torch.inference_mode():
         check_official(want, opt(x, mask).cpu(), f"pair route after a weight edit, {mask_kind}")
     _, one = build_pair(cfg, "auto", disable=("hopper_pair",))
@@ -669,10 +674,7 @@ def test_route_runs_the_duo_where_the_policy_says_so(monkeypatch, mask_kind):
     with torch.inference_mode():
         assert torch.equal(paired.cuda()(x, mask).cpu(), ys[0])
     assert paired.last_route.pair and not paired.last_route.duo, str(paired.last_route)
-    with torch.no_grad():
-        opt.layers[1].ffn_in.weight.mul_(1.5)
-        ref.layers[1].ffn_in.weight.mul_(1.5)
-    want = _fp64_on_cpu(ref, cfg, x, mask)
+    want = _edit_a_weight(ref, opt, cfg, x, mask)
     with torch.inference_mode():
         check_official(want, opt(x, mask).cpu(), f"duo route after a weight edit, {mask_kind}")
 
@@ -739,11 +741,8 @@ def test_route_launches_eagerly_where_the_policy_says_so(monkeypatch, direct):
     monkeypatch.setitem(routing.POLICY, "hopper", {**routing.POLICY["hopper"], "eager_min_batch": 1, "min_batch": 1,
                                                    "direct_launch": direct})
     cfg = cfg_of((6, 128, 128, 4, 128, 2))
-    ref, opt = build_pair(cfg, "auto")
-    ref, opt = ref.cuda(), opt.cuda()
-    x, mask = make_inputs(cfg, "holes")
-    x, mask = x.cuda(), mask.cuda()
-    want = fp64_forward(ref.state_dict(), cfg, x.cpu(), mask.cpu()).nan_to_num(0.0).float()
+    ref, opt, x, mask = _routed_case(cfg, "holes")
+    want = _fp64_on_cpu(ref, cfg, x, mask)
     with torch.inference_mode():
         ys = [opt(x, mask) for _ in range(3)]
     assert opt.last_route.name == "hopper" and opt.last_route.eager and opt._graphs.holders == []
@@ -756,10 +755,7 @@ def test_route_launches_eagerly_where_the_policy_says_so(monkeypatch, direct):
     shifted.copy_(x)
     with torch.inference_mode():
         assert torch.equal(opt(shifted, mask), ys[0])
-    with torch.no_grad():
-        opt.layers[1].ffn_in.weight.mul_(1.5)
-        ref.layers[1].ffn_in.weight.mul_(1.5)
-    want = fp64_forward(ref.state_dict(), cfg, x.cpu(), mask.cpu()).nan_to_num(0.0).float()
+    want = _edit_a_weight(ref, opt, cfg, x, mask)
     with torch.inference_mode():
         check_official(want, opt(x, mask).cpu(), "prepared launch after a weight edit")
 
