@@ -3,12 +3,13 @@
 Usage: python -m benchmarks.hopper_sass [OUT.json] [--rows 1,12,7] [--pair] [--producer] [--duo] [--unmasked]
 
 Per official row it serves, `_hopper_forward_fwd` compiled as the route launches it (fp32 input, the row's causal
-flag, a mask (none with `--unmasked`: the `model(x)` call), `overlap` on; `--pair`, `--producer`, `--duo`: those variants, `pair` and `duo` (a sequence's two
-halves in two programs, or in two warpgroups of one) on the rows they serve) through the ptxas that ships with
-Triton: ptxas's registers and spills (`benchmarks.attention_registers.usage`), the SASS instructions of the whole
-kernel by opcode (cuobjdump; its layer loop is not unrolled, so the count is about one layer's and one sequence's
-prologue and epilogue), and the TMA loads in its Triton IR (one per ring slot to start, then one per weight tile of a
-layer; with a loader warp, one per allocation of the ring's barriers).
+flag, a mask (none with `--unmasked`: the `model(x)` call), `overlap` on; `--pair`, `--producer`, `--duo`: those
+variants, `pair` and `duo` (a sequence's two halves in two programs, or in two warpgroups of one) on the rows they
+serve) through the ptxas that ships with Triton: ptxas's registers and spills
+(`benchmarks.attention_registers.usage`), the SASS instructions of the whole kernel by opcode (cuobjdump; its layer
+loop is not unrolled, so the count is about one layer's and one sequence's prologue and epilogue), and the TMA loads
+in its Triton IR (one per ring slot to start, then one per weight tile of a layer; with a loader warp, one per
+allocation of the ring's barriers).
 """
 from __future__ import annotations
 

@@ -4,13 +4,13 @@ Usage: python -m benchmarks.pipeline_wall OUT_DIR [--fresh] [--budget S] [--shap
        [--set KEY=VALUE ...] [--reruns ROW:FIELD=VALUE] [-- SNAKEMAKE ARGS...]
 
 Runs Snakemake once, stopping it cleanly (SIGINT, then SIGKILL 30 s later) when `--budget` seconds have passed, and
-writes to OUT_DIR (at most eight files, ten with `--reruns`): pipeline-wall.json (this part and every earlier one: start, end, wall time,
-exit status, whether the DAG is complete; per step the jobs of the results and the sum of their own `duration_s`;
-the runs behind the results, shapewise.execution.runs.summarize), the part's Snakemake log, `shapewise gpus check
---min-gpus 1` of the results, and once the report exists its report.md and summary.csv, `shapewise compare` of
-reports/h200 against it, results.tgz (results/ without the profiler traces) and traces.tgz (the traces: a profile job
-whose trace is missing runs again). The parts are kept in results/pipeline-wall.json, so a run in two parts carries
-them with results/ (both archives unpacked) into the second.
+writes to OUT_DIR (at most eight files, ten with `--reruns`): pipeline-wall.json (this part and every earlier one:
+start, end, wall time, exit status, whether the DAG is complete; per step the jobs of the results and the sum of
+their own `duration_s`; the runs behind the results, shapewise.execution.runs.summarize), the part's Snakemake log,
+`shapewise gpus check --min-gpus 1` of the results, and once the report exists its report.md and summary.csv,
+`shapewise compare` of reports/h200 against it, results.tgz (results/ without the profiler traces) and traces.tgz
+(the traces: a profile job whose trace is missing runs again). The parts are kept in results/pipeline-wall.json, so a
+run in two parts carries them with results/ (both archives unpacked) into the second.
 
 `--reruns ROW:FIELD=VALUE` (a complete run only): then Snakemake twice more, each timed with the jobs it ran
 (`reruns` in pipeline-wall.json, their logs beside it): with nothing changed, and with that field of that row of its

@@ -42,12 +42,13 @@ barrier of the partition's warps before every arrive, and between two waits on o
 landed" barriers are spread over RING_GROUPS allocations (`_bar`) so that a head's three waits take none. The same
 math in the same order: the output is bit for bit the default's.
 
-Warpgroup duo (`duo=True`, where the routing policy's `hopper.duo_max_head_dim` says; causal sequences of PAIR_MIN_SEQ_LEN to MAX_SEQ_LEN tokens): the pair's
-two halves in one program, as two partitions of 4 warps beside the loader warp, each with its own residual stream and
-no barrier with the other, so that one half's wgmma runs while the other's softmax does. The first half scores only
-its own 64 keys (the causal mask hides the rest); it writes its k and v rows of each head into one of two shared
-buffers (alternating by head) and signals them by an mbarrier, the second half waits for them, scores all 128 keys and
-hands the buffer back by another; both hand weight tiles back (each event counts two arrivals).
+Warpgroup duo (`duo=True`, where the routing policy's `hopper.duo_max_head_dim` says; causal sequences of
+PAIR_MIN_SEQ_LEN to MAX_SEQ_LEN tokens): the pair's two halves in one program, as two partitions of 4 warps beside
+the loader warp, each with its own residual stream and no barrier with the other, so that one half's wgmma runs while
+the other's softmax does. The first half scores only its own 64 keys (the causal mask hides the rest); it writes its
+k and v rows of each head into one of two shared buffers (alternating by head) and signals them by an mbarrier, the
+second half waits for them, scores all 128 keys and hands the buffer back by another; both hand weight tiles back
+(each event counts two arrivals).
 
 Operands fp16, accumulation and statistics fp32; masks exact (any valid-token mask, a sequence with no valid
 token included); the output in the caller's dtype.

@@ -500,7 +500,8 @@ def test_hopper_loader_warp_where_the_policy_covers_the_head_width(monkeypatch):
     assert not select_route(row1, torch.float32, "cuda", capability=(9, 0)).producer
     _hopper_policy(monkeypatch, producer_max_head_dim=32, pair_max_batch=64)
     loader = select_route(row1, torch.float32, "cuda", capability=(9, 0))
-    assert loader.producer and loader.pair and " pair producer (auto: " in str(loader) and "loader warp" in loader.reason
+    assert loader.producer and loader.pair and " pair producer (auto: " in str(loader)
+    assert "loader warp" in loader.reason
     assert "hopper_producer" in switches_used(loader, torch.float32, "cuda") and loader.as_dict()["producer"] is True
     off = route_hopper.settle(loader, None, {"hopper_producer"})
     assert not off.producer and off.pair and "hopper_producer disabled" in off.reason
