@@ -98,31 +98,31 @@ def edited_manifest(text, row_id, field, value):
     return yaml.safe_dump(data, sort_keys=False)
 
 
+def _rerun(args, extra, out, what, log_name):
+    """One more Snakemake run: its wall time, exit status and the jobs it started."""
+    part = run_snakemake(args, extra, out / log_name)
+    return {"what": what, "wall_s": part["wall_s"], "exit_status": part["exit_status"],
+            "jobs": jobs_run(out / log_name)}
+
+
 def reruns(args, extra, out, edit):
     """The two reruns of a complete run: nothing changed, then one row's field edited (restored after)."""
     row_id, _, assignment = edit.partition(":")
     field, _, value = assignment.partition("=")
     if not (row_id and field and value):
         raise SystemExit(f"pipeline_wall: --reruns takes ROW:FIELD=VALUE, got {edit!r}")
-    done = []
-    for what, log_name in (("nothing changed", "snakemake-rerun.log"),
-                           (f"{row_id} {field}={value}", "snakemake-rerun-edited.log")):
-        if done:  # the edited row's manifest: the selected manifest that holds it
-            holders = [ROOT / paths.manifest(name) for name in args.shapes.split(",")
-                       if row_id in _row_ids(ROOT / paths.manifest(name))]
-            if not holders:
-                raise SystemExit(f"pipeline_wall: --reruns names row {row_id!r}, in none of {args.shapes}")
-            path = holders[0]
-            original = path.read_bytes()
-            path.write_text(edited_manifest(original.decode(), row_id, field, value))
-        try:
-            part = run_snakemake(args, extra, out / log_name)
-        finally:
-            if done:
-                path.write_bytes(original)
-        done.append({"what": what, "wall_s": part["wall_s"], "exit_status": part["exit_status"],
-                     "jobs": jobs_run(out / log_name)})
-    return done
+    holders = [ROOT / paths.manifest(name) for name in args.shapes.split(",")
+               if row_id in _row_ids(ROOT / paths.manifest(name))]  # the selected manifest that holds the row
+    if not holders:
+        raise SystemExit(f"pipeline_wall: --reruns names row {row_id!r}, in none of {args.shapes}")
+    unchanged = _rerun(args, extra, out, "nothing changed", "snakemake-rerun.log")
+    original = holders[0].read_bytes()
+    holders[0].write_text(edited_manifest(original.decode(), row_id, field, value))
+    try:
+        edited = _rerun(args, extra, out, f"{row_id} {field}={value}", "snakemake-rerun-edited.log")
+    finally:
+        holders[0].write_bytes(original)
+    return [unchanged, edited]
 
 
 def job_times(results):

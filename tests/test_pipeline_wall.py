@@ -1,4 +1,6 @@
 """benchmarks.pipeline_wall's rerun helpers: one field of one manifest row edited, the jobs a Snakemake log started."""
+import types
+
 import pytest
 import yaml
 
@@ -28,3 +30,25 @@ def test_the_jobs_a_log_started_are_counted_by_rule(tmp_path):
     assert pw.jobs_run(log) == {"timing": 2, "report": 1}
     log.write_text("Nothing to be done (all requested files are present and up to date).\n")
     assert pw.jobs_run(log) == {}
+
+
+def test_reruns_run_unchanged_then_edited_and_restore_the_manifest(tmp_path, monkeypatch):
+    (tmp_path / "shapes").mkdir()
+    manifest = tmp_path / "shapes" / "mine.yaml"
+    manifest.write_text(MANIFEST)
+    seen = []
+
+    def run(args, extra, log_path):
+        seen.append(yaml.safe_load(manifest.read_text())[1]["seq_len"])
+        log_path.write_text("rule timing:\n" * (len(seen) - 1))
+        return {"wall_s": 1.5, "exit_status": 0}
+
+    monkeypatch.setattr(pw, "ROOT", tmp_path)
+    monkeypatch.setattr(pw, "run_snakemake", run)
+    args = types.SimpleNamespace(shapes="mine")
+    done = pw.reruns(args, [], tmp_path, "a-02:seq_len=48")
+    assert seen == [32, 48] and manifest.read_text() == MANIFEST
+    assert [(r["what"], r["jobs"]) for r in done] == [("nothing changed", {}), ("a-02 seq_len=48", {"timing": 1})]
+    with pytest.raises(SystemExit, match="'a-09'"):
+        pw.reruns(args, [], tmp_path, "a-09:seq_len=48")
+    assert len(seen) == 2  # a row the manifests lack is refused before any run
