@@ -2,6 +2,7 @@
 beside the optimized model as routed without it.
 
 Usage (sm_90 GPU): python -m benchmarks.hopper_forward [OUT.json] [--rows 1,5,6,...] [--reps 100]
+    [--variants duo=True overlap=True] [--unmasked] [--kernel-only]
 
 Per official row, on the pipeline's weights and first-trial inputs (the official call's all-True mask): the
 reference in fp32 (TF32 off); then `hopper_forward` in each of VARIANTS (`overlap`: a head's q, k, v projections
@@ -9,8 +10,9 @@ issued back to back before one wait, or each waited for alone; `producer`: a loa
 `pair`: two 4-warp programs a sequence, on causal rows of 65 to 128 tokens only, on one `pair_scratch` allocated
 outside the timed calls; both; `duo`: the two halves as two warpgroups of one program, where the kernel serves
 it): its output against the reference at the official and strict tolerances, and its median GPU time per call
-(a CUDA graph of 10 launches replayed `reps` times, each replay between its own pair of CUDA events, divided by 10).
-Then the model called as the official harness calls it, with route `hopper` forced and as routed with the
+(a CUDA graph of 10 launches replayed `reps` times, each replay between its own pair of CUDA events, divided by 10);
+with `--unmasked` also its time without a mask (the `model(x)` call) and the mask's cost, the ratio less 1.
+Then (unless `--kernel-only`) the model called as the official harness calls it, with route `hopper` forced and as routed with the
 hopper_forward switch off: the median of `reps` calls, each between its own pair of CUDA events (the timing job's
 timer), the two alternating over 3 rounds.
 OUT.json is written after every row.
@@ -36,7 +38,7 @@ VARIANTS = {"overlap=True": {"overlap": True}, "overlap=False": {"overlap": Fals
             "duo=True": {"duo": True}}
 
 
-def row_result(shape_row, reps):
+def row_result(shape_row, reps, variants=VARIANTS, unmasked=False, kernel_only=False):
     cfg, ref, model, x, mask = setup(shape_row, torch.device("cuda"), disable=("hopper_forward",))
     want = reference_output(ref, x, mask)
     del ref
@@ -47,7 +49,7 @@ def row_result(shape_row, reps):
     desc = hf.weight_descriptor(packed["stream"], out["launch"]["HD"])
     y = torch.empty_like(x)
     with torch.inference_mode():
-        for name, variant in VARIANTS.items():
+        for name, variant in variants.items():
             if variant.get("pair") or variant.get("duo"):
                 why = hf.why_unsupported(cfg.seq_len, cfg.d_model, cfg.num_heads, cfg.ffn_dim, causal=cfg.causal,
                                          pair=bool(variant.get("pair")), duo=bool(variant.get("duo")))
@@ -58,12 +60,17 @@ def row_result(shape_row, reps):
                 variant = {**variant, "scratch": hf.pair_scratch(cfg.batch_size, cfg.num_layers, cfg.num_heads,
                                                                  out["launch"]["HD"], x.device)}
 
-            def fn(variant=variant):
+            def fn(variant=variant, mask=mask):
                 hf.hopper_forward(x, packed, num_heads=cfg.num_heads, causal=cfg.causal, mask=mask, out=y,
                                   desc=desc, eps=LAYER_NORM_EPS, **variant)
 
             fn()
             out[name] = {"accuracy": accuracy(want, y), "gpu_ms": graph_ms(fn, reps)}
+            if unmasked:
+                out[name]["unmasked_gpu_ms"] = graph_ms(lambda variant=variant: fn(variant, None), reps)
+                out[name]["mask_cost"] = out[name]["gpu_ms"] / out[name]["unmasked_gpu_ms"] - 1
+        if kernel_only:
+            return out
         hopper = UserOptimizedTransformer(cfg, route="hopper")
         hopper.load_state_dict(model.state_dict(), strict=True)
         hopper = hopper.to(x.device).eval()
@@ -108,6 +115,9 @@ def main():
     p = parser(__doc__, "hopper-forward.json")
     p.add_argument("--rows", default=ROWS, help="official rows, in the order run")
     p.add_argument("--reps", type=int, default=100)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), help="VARIANTS' names")
+    p.add_argument("--unmasked", action="store_true", help="each variant also without a mask: the mask's cost")
+    p.add_argument("--kernel-only", action="store_true", help="the kernel alone, not the model as routed")
     p.add_argument("--sweep", default=None, help="BATCHES/LAYERS, e.g. 1,132,1320/1,4: the kernel alone at row "
                                                  "1's width instead of the rows")
     a = p.parse_args()
@@ -117,10 +127,14 @@ def main():
         write_json(a.out, {"device": device_name("cuda"), "torch": torch.__version__,
                            "sweep": sweep(batches, layers, a.reps)})
         return 0
+    names = a.variants
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; known: {list(VARIANTS)}")
     results = []
     for n in row_numbers(a.rows):
         try:
-            rec = row_result(official(n), a.reps)
+            rec = row_result(official(n), a.reps, {v: VARIANTS[v] for v in names}, a.unmasked, a.kernel_only)
         except Exception as e:  # one row's failure is a result too; the next rows still run
             rec = {"row": f"official-{n:02d}", "error": f"{type(e).__name__}: {str(e)[:300]}"}
         results.append(rec)

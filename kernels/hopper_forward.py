@@ -619,6 +619,7 @@ if gluon is not None:
         QB: gl.constexpr = 6 * D
         INB: gl.constexpr = 6 * D + NUM_HEADS * HD
         L_V: gl.constexpr = gl.BlockedLayout([V_PAD // (32 * NUM_WARPS)], [32], [NUM_WARPS], [0])
+        L_M: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])  # a sequence's mask, a byte a thread
         L_COL: gl.constexpr = gl.SliceLayout(0, L_D)
         H_COL: gl.constexpr = gl.SliceLayout(0, L_H)
 
@@ -655,13 +656,24 @@ if gluon is not None:
             x = gl.load(X + b64 * stride_xb + gl.expand_dims(rows, 1) * stride_xs + gl.expand_dims(cols, 0),
                         mask=tile_in, other=0.0).to(gl.float32)
             row_ok = row_in
-            key_ok = key_in
             if HAS_MASK:
                 row_ok = row_ok & (gl.load(Mask + b64 * stride_mb + rows, mask=row_in, other=0) != 0)
-                key_ok = key_ok & (gl.load(Mask + b64 * stride_mb + keys, mask=key_in, other=0) != 0)
-            visible = gl.expand_dims(key_ok, 0) & gl.expand_dims(q_rows >= 0, 1)
-            if IS_CAUSAL:
-                visible = visible & (gl.expand_dims(keys, 0) <= gl.expand_dims(q_rows, 1))
+            if HD >= 64:  # the registers bind (the positions' convert spills): the keys' mask loaded as it is used
+                key_ok = key_in
+                if HAS_MASK:
+                    key_ok = key_ok & (gl.load(Mask + b64 * stride_mb + keys, mask=key_in, other=0) != 0)
+                visible = gl.expand_dims(key_ok, 0) & gl.expand_dims(q_rows >= 0, 1)
+                if IS_CAUSAL:
+                    visible = visible & (gl.expand_dims(keys, 0) <= gl.expand_dims(q_rows, 1))
+            else:  # a key's position, or 2 * KEYS where hidden: one compare an element against the last key
+                # a row sees; the mask read a byte a thread and moved into the scores' layout
+                kpos = gl.where(key_in, keys, 2 * KEYS)
+                if HAS_MASK:
+                    m_keys = gl.arange(0, KEYS, layout=L_M)
+                    m_ok = gl.load(Mask + b64 * stride_mb + m_keys, mask=m_keys < seq_len, other=0) != 0
+                    kpos = gl.convert_layout(gl.where(m_ok, m_keys, 2 * KEYS), gl.SliceLayout(0, L_S))
+                last = q_rows if IS_CAUSAL else q_rows * 0 + KEYS
+                visible = gl.expand_dims(kpos, 0) <= gl.expand_dims(last, 1)
             if PAIR:
                 flag = Flags + b
                 seen = pid * 0  # heads of this sequence the second program knows published
