@@ -620,6 +620,9 @@ if gluon is not None:
         INB: gl.constexpr = 6 * D + NUM_HEADS * HD
         L_V: gl.constexpr = gl.BlockedLayout([V_PAD // (32 * NUM_WARPS)], [32], [NUM_WARPS], [0])
         L_M: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])  # a sequence's mask, a byte a thread
+        # the keys' mask as positions where measured faster: heads below 64 wide, and the duo's 64-wide ones
+        # (despite their spill); elsewhere from 64 on the layout change spills
+        MASK_POSITIONS: gl.constexpr = HD < 64 or (HD == 64 and DUO)
         L_COL: gl.constexpr = gl.SliceLayout(0, L_D)
         H_COL: gl.constexpr = gl.SliceLayout(0, L_H)
 
@@ -658,7 +661,7 @@ if gluon is not None:
             row_ok = row_in
             if HAS_MASK:
                 row_ok = row_ok & (gl.load(Mask + b64 * stride_mb + rows, mask=row_in, other=0) != 0)
-            if HD >= 64:  # the registers bind (the positions' convert spills): the keys' mask loaded as it is used
+            if not MASK_POSITIONS:  # the keys' mask loaded into the scores' layout, a boolean a score
                 key_ok = key_in
                 if HAS_MASK:
                     key_ok = key_ok & (gl.load(Mask + b64 * stride_mb + keys, mask=key_in, other=0) != 0)
