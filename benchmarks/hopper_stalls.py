@@ -1,6 +1,6 @@
 """Where the Hopper forward's warps wait: Nsight Compute's warp-state sampling of one launch per official row.
 
-Usage (sm_90 GPU with `ncu`): python -m benchmarks.hopper_stalls OUT_DIR [--rows 1,9] [--batch B] [--producer]
+Usage (sm_90 GPU with `ncu`): python -m benchmarks.hopper_stalls OUT_DIR [--rows 1,9] [--batch B] [--producer] [--duo]
 Then, offline, again from the CSVs it left: python -m benchmarks.hopper_stalls OUT_DIR --summarize
 
 Per row: `ncu --clock-control none` (the clocks as the timing jobs see them) profiles the third launch of
@@ -9,7 +9,8 @@ does not depend on their values) and calls `hopper_forward`; the launch's SASS-l
 per instruction) and its details page (duration, issue and stall summaries) are exported as CSV. The summary
 (`OUT_DIR/summary.json`) gives per row the kernel's duration, the samples by stall reason, the samples by opcode, and
 the instructions that hold the most samples. `--batch` replaces the row's batch size (e.g. 132: one sequence per SM);
-`--producer`: the kernel with a loader warp (`hopper_forward(..., producer=True)`).
+`--producer`: the kernel with a loader warp (`hopper_forward(..., producer=True)`); `--duo`: a sequence's halves as two
+warpgroups beside the loader warp (`duo=True`).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def ncu_path() -> str:
     return found if isinstance(found, str) else found[-1]
 
 
-def launch(row: int, batch: int | None, producer: bool = False) -> None:
+def launch(row: int, batch: int | None, producer: bool = False, duo: bool = False) -> None:
     """The profiled process: the row's kernel launched SKIP + 1 times."""
     import torch
 
@@ -54,11 +55,11 @@ def launch(row: int, batch: int | None, producer: bool = False) -> None:
     out = torch.empty_like(x)
     for _ in range(SKIP + 1):
         hf.hopper_forward(x, packed, num_heads=H, causal=True, mask=mask, out=out, eps=LAYER_NORM_EPS,
-                          producer=producer)
+                          producer=producer, duo=duo)
     torch.cuda.synchronize()
 
 
-def profile(out_dir: Path, row: int, batch: int | None, producer: bool = False) -> None:
+def profile(out_dir: Path, row: int, batch: int | None, producer: bool = False, duo: bool = False) -> None:
     ncu = ncu_path()
     rep = out_dir / f"row{row:02d}"
     inner = [sys.executable, "-m", "benchmarks.hopper_stalls", str(out_dir), "--launch", str(row)]
@@ -66,6 +67,8 @@ def profile(out_dir: Path, row: int, batch: int | None, producer: bool = False) 
         inner += ["--batch", str(batch)]
     if producer:
         inner += ["--producer"]
+    if duo:
+        inner += ["--duo"]
     cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:{KERNEL}", "--launch-skip", str(SKIP),
            "--launch-count", "1", "--section", "SpeedOfLight", "--section", "LaunchStats", "--section",
            "WarpStateStats", "--section", "SourceCounters", "--section", "SchedulerStats", "-f", "-o", str(rep)] + inner
@@ -131,16 +134,17 @@ def main() -> int:
     p.add_argument("--rows", default="1,9")
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--producer", action="store_true", help="the kernel with a loader warp")
+    p.add_argument("--duo", action="store_true", help="the kernel with the warpgroup duo")
     p.add_argument("--launch", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--summarize", action="store_true", help="only summarize the CSVs already in OUT_DIR")
     a = p.parse_args()
     if a.launch is not None:
-        launch(a.launch, a.batch, a.producer)
+        launch(a.launch, a.batch, a.producer, a.duo)
         return 0
     a.out.mkdir(parents=True, exist_ok=True)
     if not a.summarize:
         for n in (int(v) for v in a.rows.split(",")):
-            profile(a.out, n, a.batch, a.producer)
+            profile(a.out, n, a.batch, a.producer, a.duo)
     print(json.dumps(summarize(a.out), indent=1)[:6000])
     return 0
 
