@@ -251,6 +251,32 @@ COMPILE = textwrap.dedent('''
 ''')
 
 
+MASK_INSTRUCTIONS = textwrap.dedent('''
+    from benchmarks.hopper_sass import compile_hopper, sass_opcodes
+
+    for d, H, F in ((128, 4, 128), (32, 4, 32), (128, 2, 128)):  # the duo at official rows 1, 5, 6; 7; 10
+        counts = [sum(sass_opcodes(compile_hopper(128, d, H, F, True, masked, duo=True)[0]).values())
+                  for masked in (True, False)]
+        print("instructions", d, H, F, *counts)
+''')
+
+
+@pytest.mark.skipif(hf.gluon is None, reason="this Triton has no Gluon")
+def test_the_official_calls_mask_adds_no_instructions_to_the_duo():
+    """The official call passes a mask: the duo's build with one has at most 1 % more SASS instructions than without
+    (the keys' mask as positions, one compare a score: docs/decisions.md#hopper-mask-positions; loaded as booleans
+    it had 6-11 % more)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "workflow"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", MASK_INSTRUCTIONS], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("instructions")]
+    assert len(rows) == 3
+    for d, H, F, masked, unmasked in rows:
+        assert int(masked) <= 1.01 * int(unmasked), (d, H, F, masked, unmasked)
+
+
 class _FakeCompiled:
     """What PreparedLaunch takes from Triton's compiled kernel: `run` (records each launch), its handles."""
     function, packed_metadata = "function", "metadata"
