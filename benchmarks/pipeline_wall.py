@@ -38,6 +38,7 @@ from pathlib import Path
 import yaml
 
 from shapewise.inputs import paths
+from shapewise.inputs.manifest import load_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ROOT / "results" / "pipeline-wall.json"
@@ -79,18 +80,11 @@ def jobs_run(log_path):
     return dict(collections.Counter(JOB_LINE.findall(Path(log_path).read_text(errors="replace"))))
 
 
-def _rows(data):
-    return data["shapes"] if isinstance(data, dict) else data
-
-
-def _row_ids(path):
-    return {row.get("id") for row in _rows(yaml.safe_load(Path(path).read_text()))}
-
-
 def edited_manifest(text, row_id, field, value):
-    """The manifest YAML `text` with `field` of row `row_id` set to `value` (parsed as YAML), re-dumped."""
+    """The manifest YAML `text` (a list of rows) with `field` of row `row_id` set to `value` (parsed as YAML),
+    re-dumped: the other rows as written, not normalized."""
     data = yaml.safe_load(text)
-    matches = [row for row in _rows(data) if row.get("id") == row_id]
+    matches = [row for row in data if row.get("id") == row_id]
     if len(matches) != 1:
         raise SystemExit(f"pipeline_wall: --reruns names row {row_id!r}, which the manifest has "
                          f"{len(matches)} times")
@@ -111,8 +105,8 @@ def reruns(args, extra, out, edit):
     field, _, value = assignment.partition("=")
     if not (row_id and field and value):
         raise SystemExit(f"pipeline_wall: --reruns takes ROW:FIELD=VALUE, got {edit!r}")
-    holders = [ROOT / paths.manifest(name) for name in args.shapes.split(",")
-               if row_id in _row_ids(ROOT / paths.manifest(name))]  # the selected manifest that holds the row
+    holders = [ROOT / paths.manifest(name) for name in args.shapes.split(",")  # the selected manifest with the row
+               if row_id in {row["id"] for row in load_manifest(ROOT / paths.manifest(name))}]
     if not holders:
         raise SystemExit(f"pipeline_wall: --reruns names row {row_id!r}, in none of {args.shapes}")
     unchanged = _rerun(args, extra, out, "nothing changed", "snakemake-rerun.log")
