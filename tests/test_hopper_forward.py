@@ -251,6 +251,17 @@ COMPILE = textwrap.dedent('''
 ''')
 
 
+def _built_offline(script):
+    """`script`'s stdout, run in a process of its own outside the interpreter (Triton builds for sm_90 there), the
+    checkout's package importable; the process must succeed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "workflow"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
 MASK_INSTRUCTIONS = textwrap.dedent('''
     from benchmarks.hopper_sass import compile_hopper, sass_opcodes
 
@@ -266,12 +277,8 @@ def test_the_official_calls_mask_adds_no_instructions_to_the_duo():
     """The official call passes a mask: the duo's build with one has at most 1 % more SASS instructions than without
     (the keys' mask as positions, one compare a score: docs/decisions.md#hopper-mask-positions; loaded as booleans
     it had 6-11 % more)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "workflow"), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", MASK_INSTRUCTIONS], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("instructions")]
+    rows = [line.split()[1:] for line in _built_offline(MASK_INSTRUCTIONS).splitlines()
+            if line.startswith("instructions")]
     assert len(rows) == 3
     for d, H, F, masked, unmasked in rows:
         assert int(masked) <= 1.01 * int(unmasked), (d, H, F, masked, unmasked)
@@ -444,12 +451,8 @@ def test_a_prepared_launch_hands_the_c_launcher_addresses_and_a_descriptor_encod
 
 @pytest.mark.skipif(hf.gluon is None, reason="this Triton has no Gluon")
 def test_the_kernel_builds_for_sm90_with_wgmma_and_tma():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "workflow"), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("compiled") == 12 and done.stdout.count("pair") == 4 and done.stdout.count("duo") == 2
+    stdout = _built_offline(COMPILE)
+    assert stdout.count("compiled") == 12 and stdout.count("pair") == 4 and stdout.count("duo") == 2
 
 
 # ----------------------------------------------------------------------------------------------
