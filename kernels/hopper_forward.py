@@ -670,11 +670,12 @@ if gluon is not None:
                     visible = visible & (gl.expand_dims(keys, 0) <= gl.expand_dims(q_rows, 1))
             else:  # a key's position, or 2 * KEYS where hidden: one compare an element against the last key
                 # a row sees; the mask read a byte a thread and moved into the scores' layout
-                kpos = gl.where(key_in, keys, 2 * KEYS)
                 if HAS_MASK:
                     m_keys = gl.arange(0, KEYS, layout=L_M)
                     m_ok = gl.load(Mask + b64 * stride_mb + m_keys, mask=m_keys < seq_len, other=0) != 0
                     kpos = gl.convert_layout(gl.where(m_ok, m_keys, 2 * KEYS), gl.SliceLayout(0, L_S))
+                else:
+                    kpos = gl.where(key_in, keys, 2 * KEYS)
                 last = q_rows if IS_CAUSAL else q_rows * 0 + KEYS
                 visible = gl.expand_dims(kpos, 0) <= gl.expand_dims(last, 1)
             if PAIR:
