@@ -35,8 +35,7 @@ ROWS = "1,5,6,2,9,10,12,11,7,3,4"
 # the kernel's variants timed alone: hopper_forward's keyword arguments (the route runs its defaults)
 VARIANTS = {"overlap=True": {"overlap": True}, "overlap=False": {"overlap": False}, "producer=True": {"producer": True},
             "pair=True": {"pair": True}, "pair=True,producer=True": {"pair": True, "producer": True},
-            "duo=True": {"duo": True}, "duo=True,grouped_hand_back=True": {"duo": True, "grouped_hand_back": True},
-            "producer=True,grouped_hand_back=True": {"producer": True, "grouped_hand_back": True}}
+            "duo=True": {"duo": True}}
 
 
 def row_result(shape_row, reps, variants=VARIANTS, unmasked=False, kernel_only=False):

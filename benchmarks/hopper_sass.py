@@ -33,7 +33,7 @@ TMA_LOAD = "ttng.async_tma_copy_global_to_local"
 SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
-def compile_hopper(S, d, H, F, causal=True, masked=True, pair=False, producer=False, duo=False, grouped=False):
+def compile_hopper(S, d, H, F, causal=True, masked=True, pair=False, producer=False, duo=False):
     """The kernel compiled for sm_90 at this shape (with `pair`: two programs a sequence; with `producer`: a loader
     warp fills the weight ring), and its launch_config."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -45,10 +45,7 @@ def compile_hopper(S, d, H, F, causal=True, masked=True, pair=False, producer=Fa
     consts = dict(S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=H, F_CHUNKS=cfg["F_CHUNKS"],
                   NUM_SLOTS=cfg["NUM_SLOTS"], RING_GROUPS=cfg["RING_GROUPS"], V_PAD=cfg["V_PAD"], IS_CAUSAL=causal,
                   HAS_MASK=masked, OVERLAP=True,
-                  PAIR=pair, PRODUCER=producer or duo, DUO=duo,
-                  HAND_BACK=hf.hand_back_group(H, cfg["F_CHUNKS"], cfg["NUM_SLOTS"], producer=producer or duo,
-                                               grouped=grouped),
-                  num_warps=cfg["num_warps"])
+                  PAIR=pair, PRODUCER=producer or duo, DUO=duo, num_warps=cfg["num_warps"])
     sig = {n: "constexpr" if n in consts else mangle_type(hf.weight_descriptor(stream, cfg["HD"]))
            if n == "w_desc" else "*i8" if n == "Mask" else "*fp16" if n == "KV" else "*i32" if n == "Flags"
            else "fp32" if n in ("qk_scale", "eps")
@@ -78,7 +75,6 @@ def main():
     p.add_argument("--producer", action="store_true", help="the kernel with `producer` on (a loader warp)")
     p.add_argument("--duo", action="store_true", help="the kernel with `duo` on (two warpgroups a sequence)")
     p.add_argument("--unmasked", action="store_true", help="the kernel without a mask (HAS_MASK off)")
-    p.add_argument("--grouped", action="store_true", help="`grouped_hand_back` on (with --producer or --duo)")
     args = p.parse_args()
     out = []
     for n in row_numbers(args.rows):
@@ -88,7 +84,7 @@ def main():
         if hf.why_unsupported(S, d, H, F, causal=causal, pair=args.pair, duo=args.duo):
             continue
         kernel, cfg = compile_hopper(S, d, H, F, causal=causal, masked=not args.unmasked, pair=args.pair,
-                                     producer=args.producer, duo=args.duo, grouped=args.grouped)
+                                     producer=args.producer, duo=args.duo)
         ops = sass_opcodes(kernel)
         rec = {"row": r["id"], "launch": cfg, "pair": args.pair, "producer": args.producer, "duo": args.duo,
                "masked": not args.unmasked,

@@ -88,9 +88,6 @@ DUO_MAX_HEAD_DIM = 64  # `duo`'s heads: a wider one's q, k, v accumulators besid
 # `producer`'s hand-back events in flight at most: a multiple of 4 above MAX_SLOTS (the loader waits for the event of
 # tile t - NUM_SLOTS while the math has handed back at most the tiles before t, each at most one event)
 EVENT_SLOTS = 2 * MAX_SLOTS
-# `grouped_hand_back`'s ring at least: a head pair's tiles (and the next pair's but one) are waited for while the
-# previous pair's out-projections and its own are held, 8 tiles (a chunk pair's FFN tiles hold fewer)
-GROUPED_MIN_SLOTS = 8
 # A layer's fp32 vectors, one row of `pack_weights`'s `vecs` in this order (the kernel's offsets follow it): read
 # from shared memory, where the next layer's are staged during each layer (an L2 load at each use stalled the math)
 VECTOR_ORDER = ("n1_w", "n1_b", "n2_w", "n2_b", "o_b", "out_b", "q_b", "in_b")
@@ -144,14 +141,6 @@ def gelu(t: torch.Tensor) -> torch.Tensor:
     poly = r * (ERF_A[0] + r * (ERF_A[1] + r * (ERF_A[2] + r * (ERF_A[3] + r * ERF_A[4]))))
     q = 0.5 * poly * torch.exp(-0.5 * t * t)  # 1 - Phi(|x|) = erfc(|x| / sqrt(2)) / 2
     return torch.where(t >= 0, t - t * q, t * q)
-
-
-def hand_back_group(num_heads: int, f_chunks: int, num_slots: int, *, producer: bool, grouped: bool) -> int:
-    """Heads (and FFN chunks) whose weight tiles one hand-back event frees: 2 with `grouped` where a loader warp
-    takes the events (`producer`, `duo`), the heads and the chunks are even and the ring holds GROUPED_MIN_SLOTS
-    tiles; else 1."""
-    pairs = num_heads % 2 == 0 and f_chunks % 2 == 0 and num_slots >= GROUPED_MIN_SLOTS
-    return 2 if grouped and producer and pairs else 1
 
 
 def stream_tiles(num_heads: int, ffn_dim: int, hd: int) -> int:
@@ -429,28 +418,25 @@ if gluon is not None:
         return seen
 
     @gluon.jit
-    def _event_of(i, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr, HAND_BACK: gl.constexpr):
+    def _event_of(i, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr):
         """The hand-back event that frees stream tile i, in the order the math hands back (`_hand_back`), a layer's
-        E_H + E_F + 2 events (E_H = NUM_HEADS / HAND_BACK, E_F = F_CHUNKS / HAND_BACK): the projections of the last
-        head of group j of HAND_BACK heads free the group's q, k, v and the out-projections before them (event j);
-        the head loop's end the last head's out-projection (E_H); the in-projection of the last chunk of FFN group j
-        frees the group's in-projections and the out-projections before them (E_H + 1 + j); the layer's end the last
-        chunk's out-projection (E_H + E_F + 1)."""
+        NUM_HEADS + F_CHUNKS + 2 events: head h's projections free its q, k, v and the previous head's
+        out-projection (event h); the head loop's end the last head's out-projection (NUM_HEADS); FFN chunk c's
+        in-projection frees its own and the previous chunk's out-projection (NUM_HEADS + 1 + c); the layer's end
+        the last chunk's out-projection (NUM_HEADS + F_CHUNKS + 1)."""
         TILES: gl.constexpr = 4 * NUM_HEADS + 2 * F_CHUNKS
-        E_H: gl.constexpr = NUM_HEADS // HAND_BACK
         layer = i // TILES
         pos = i - layer * TILES
         if pos < 4 * NUM_HEADS:
-            local = (pos // 4 + (pos % 4 == 3).to(gl.int32)) // HAND_BACK
+            local = pos // 4 + (pos % 4 == 3).to(gl.int32)
         else:
             pos -= 4 * NUM_HEADS
-            local = E_H + 1 + (pos // 2 + (pos % 2).to(gl.int32)) // HAND_BACK
-        return layer * (E_H + F_CHUNKS // HAND_BACK + 2) + local
+            local = NUM_HEADS + 1 + pos // 2 + (pos % 2).to(gl.int32)
+        return layer * (NUM_HEADS + F_CHUNKS + 2) + local
 
     @gluon.jit
     def _load_weights(w_desc, ring, bars, events, total, tiles_per_forward, HD: gl.constexpr,
-                      NUM_SLOTS: gl.constexpr, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr,
-                      HAND_BACK: gl.constexpr):
+                      NUM_SLOTS: gl.constexpr, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr):
         """PRODUCER's loader partition (one warp): every stream tile this program consumes, in order, into the
         ring by TMA, each once the math has handed back the tile its slot held (the event `_event_of` that tile,
         in the ring of `events`; the first NUM_SLOTS tiles go straight in). Every sequence reads the whole stream:
@@ -460,7 +446,7 @@ if gluon is not None:
         for t in range(total):
             slot = t % NUM_SLOTS
             if t >= NUM_SLOTS:
-                e = _event_of(t - NUM_SLOTS, NUM_HEADS, F_CHUNKS, HAND_BACK)
+                e = _event_of(t - NUM_SLOTS, NUM_HEADS, F_CHUNKS)
                 mbarrier.wait(events.index(e % _EVENT_SLOTS), (e // _EVENT_SLOTS) & 1)
             for p in gl.static_range(NB):  # the allocation of t's barrier (`_bar`)
                 if t % NB == p:
@@ -512,7 +498,7 @@ if gluon is not None:
         S_PAD: gl.constexpr, D: gl.constexpr, HD: gl.constexpr, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr,
         NUM_SLOTS: gl.constexpr, RING_GROUPS: gl.constexpr, V_PAD: gl.constexpr, IS_CAUSAL: gl.constexpr,
         HAS_MASK: gl.constexpr, OVERLAP: gl.constexpr, PAIR: gl.constexpr, PRODUCER: gl.constexpr,
-        DUO: gl.constexpr, HAND_BACK: gl.constexpr, num_warps: gl.constexpr,
+        DUO: gl.constexpr, num_warps: gl.constexpr,
     ):
         # keys a program scores: its own rows', or with PAIR (DUO) the whole (two-halves) sequence's
         if PAIR or DUO:
@@ -562,14 +548,14 @@ if gluon is not None:
                                     stride_xb, stride_xs, stride_yb, stride_ys, stride_mb, KV, Flags, ring, bars,
                                     events, k_s, v_s, vec_s, kv_bars, pid, programs, half, total,
                                     tiles_per_forward, S_PAD, D, HD, NUM_HEADS, F_CHUNKS, NUM_SLOTS, V_PAD, S_PAD,
-                                    IS_CAUSAL, HAS_MASK, OVERLAP, PAIR, PRODUCER, DUO, HAND_BACK, 0, num_warps)),
+                                    IS_CAUSAL, HAS_MASK, OVERLAP, PAIR, PRODUCER, DUO, 0, num_warps)),
                 (_forward_program, (X, Y, Mask, w_desc, VEC, NFw, NFb, batch, seq_len, num_layers, qk_scale, eps,
                                     stride_xb, stride_xs, stride_yb, stride_ys, stride_mb, KV, Flags, ring, bars,
                                     events, k_s, v_s, vec_s, kv_bars, pid, programs, half, total,
                                     tiles_per_forward, S_PAD, D, HD, NUM_HEADS, F_CHUNKS, NUM_SLOTS, V_PAD, KEYS,
-                                    IS_CAUSAL, HAS_MASK, OVERLAP, PAIR, PRODUCER, DUO, HAND_BACK, 1, num_warps)),
+                                    IS_CAUSAL, HAS_MASK, OVERLAP, PAIR, PRODUCER, DUO, 1, num_warps)),
                 (_load_weights, (w_desc, ring, bars, events, total, tiles_per_forward, HD, NUM_SLOTS, NUM_HEADS,
-                                 F_CHUNKS, HAND_BACK)),
+                                 F_CHUNKS)),
             ], [num_warps, 1], [_DUO_REGISTERS, _LOADER_REGISTERS])
         elif PRODUCER:
             gl.warp_specialize([
@@ -577,9 +563,9 @@ if gluon is not None:
                                     stride_xb, stride_xs, stride_yb, stride_ys, stride_mb, KV, Flags, ring, bars,
                                     events, k_s, v_s, vec_s, kv_bars, pid, programs, half, total, tiles_per_forward,
                                     S_PAD, D, HD, NUM_HEADS, F_CHUNKS, NUM_SLOTS, V_PAD, KEYS, IS_CAUSAL, HAS_MASK,
-                                    OVERLAP, PAIR, PRODUCER, DUO, HAND_BACK, 0, num_warps)),
+                                    OVERLAP, PAIR, PRODUCER, DUO, 0, num_warps)),
                 (_load_weights, (w_desc, ring, bars, events, total, tiles_per_forward, HD, NUM_SLOTS, NUM_HEADS,
-                                 F_CHUNKS, HAND_BACK)),
+                                 F_CHUNKS)),
             ], [1], [_LOADER_REGISTERS])
         else:
             for i in gl.static_range(NUM_SLOTS):  # the ring's first fill
@@ -591,7 +577,7 @@ if gluon is not None:
                              stride_xb, stride_xs, stride_yb, stride_ys, stride_mb, KV, Flags, ring, bars, events,
                              k_s, v_s, vec_s, kv_bars, pid, programs, half, total, tiles_per_forward, S_PAD, D, HD,
                              NUM_HEADS, F_CHUNKS, NUM_SLOTS, V_PAD, KEYS, IS_CAUSAL, HAS_MASK, OVERLAP, PAIR,
-                             PRODUCER, DUO, HAND_BACK, 0, num_warps)
+                             PRODUCER, DUO, 0, num_warps)
         for i in gl.static_range(NUM_SLOTS):
             mbarrier.invalidate(_bar(bars, i, i % 4, NUM_SLOTS))
         if PRODUCER:
@@ -605,8 +591,7 @@ if gluon is not None:
                          D: gl.constexpr, HD: gl.constexpr, NUM_HEADS: gl.constexpr, F_CHUNKS: gl.constexpr,
                          NUM_SLOTS: gl.constexpr, V_PAD: gl.constexpr, KEYS: gl.constexpr, IS_CAUSAL: gl.constexpr,
                          HAS_MASK: gl.constexpr, OVERLAP: gl.constexpr, PAIR: gl.constexpr,
-                         PRODUCER: gl.constexpr, DUO: gl.constexpr, HAND_BACK: gl.constexpr, HALF: gl.constexpr,
-                         NUM_WARPS: gl.constexpr):
+                         PRODUCER: gl.constexpr, DUO: gl.constexpr, HALF: gl.constexpr, NUM_WARPS: gl.constexpr):
         """A program's sequences (pid, pid + programs, ...) through every layer and the final LayerNorm, in
         NUM_WARPS warps (with PRODUCER the default partition: the loader partition fills the ring). With DUO one
         half of each sequence, rows HALF * S_PAD on, scoring KEYS keys (the first half its own 64: the causal mask
@@ -698,8 +683,7 @@ if gluon is not None:
                 seen = pid * 0  # heads of this sequence the second program knows published
             for layer in range(num_layers):
                 layers_run = g // TILES  # by this program before this layer, every sequence counted
-                # this layer's first hand-back event (`_event_of`)
-                ev0 = layers_run * ((NUM_HEADS + F_CHUNKS) // HAND_BACK + 2)
+                ev0 = layers_run * (NUM_HEADS + F_CHUNKS + 2)  # this layer's first hand-back event (`_event_of`)
                 hc0 = layers_run * NUM_HEADS  # heads run before this layer (DUO's k, v buffers)
                 # the vectors of the layer after this one (the next sequence's first after the last), loaded now
                 # and staged in the other buffer at the layer's end; the buffer: the parity of layers run so far
@@ -759,12 +743,8 @@ if gluon is not None:
                         g += 3
                         # q's tile read too: the slots of q, k, v and the previous head's out-projection are
                         # free; the hand-back's barrier also orders every warp's k and v stores before the scores
-                        if HAND_BACK == 1:
-                            _hand_back(w_desc, ring, bars, events, ev0 + head, g, 3, 4, lo, first, total,
-                                       tiles_per_forward, HD, NUM_SLOTS, PRODUCER)
-                        elif head % 2 == 1:  # a head pair's tiles (PRODUCER)
-                            _hand_back(w_desc, ring, bars, events, ev0 + head // 2, g, 3, 8, lo, first, total,
-                                       tiles_per_forward, HD, NUM_SLOTS, PRODUCER)
+                        _hand_back(w_desc, ring, bars, events, ev0 + head, g, 3, 4, lo, first, total,
+                                   tiles_per_forward, HD, NUM_SLOTS, PRODUCER)
                     else:
                         q = _tile_mma(h, ring, bars, g, 0, zeros_h, True, False, NUM_SLOTS, OVERLAP)
                         k = _tile_mma(h, ring, bars, g + 1, 1, zeros_h, True, False, NUM_SLOTS, OVERLAP)
@@ -773,12 +753,8 @@ if gluon is not None:
                         g += 3
                         # every warp is past the previous head's probs @ v and out-projection: k_s, v_s and the
                         # consumed tiles' slots (q, k, v; the previous head's out-projection) are free
-                        if HAND_BACK == 1:
-                            _hand_back(w_desc, ring, bars, events, ev0 + head, g, 3, 4, lo, first, total,
-                                       tiles_per_forward, HD, NUM_SLOTS, PRODUCER)
-                        elif head % 2 == 1:  # a head pair's tiles (PRODUCER)
-                            _hand_back(w_desc, ring, bars, events, ev0 + head // 2, g, 3, 8, lo, first, total,
-                                       tiles_per_forward, HD, NUM_SLOTS, PRODUCER)
+                        _hand_back(w_desc, ring, bars, events, ev0 + head, g, 3, 4, lo, first, total,
+                                   tiles_per_forward, HD, NUM_SLOTS, PRODUCER)
                         if PAIR:
                             if (half == 0) & (head > 0):  # every warp's stores of the previous head's tiles done
                                 _release(flag, layer * NUM_HEADS + head)
@@ -823,8 +799,8 @@ if gluon is not None:
                     x = _tile_mma(gl.convert_layout(o, A_D), ring, bars, g, 3, x, False, True, NUM_SLOTS, False)
                     g += 1
                 # the out-projection's tile
-                _hand_back(w_desc, ring, bars, events, ev0 + NUM_HEADS // HAND_BACK, g, 0, 1, 0, first, total,
-                           tiles_per_forward, HD, NUM_SLOTS, PRODUCER)
+                _hand_back(w_desc, ring, bars, events, ev0 + NUM_HEADS, g, 0, 1, 0, first, total, tiles_per_forward,
+                           HD, NUM_SLOTS, PRODUCER)
                 if PAIR:
                     if half == 0:  # the hand-back's barrier follows every warp's stores of the last head's tiles
                         _release(flag, (layer + 1) * NUM_HEADS)
@@ -835,11 +811,7 @@ if gluon is not None:
                 g += 1
                 for c in gl.static_range(F_CHUNKS):
                     t, x = warpgroup_mma_wait(num_outstanding=0, deps=(t, x))
-                    if HAND_BACK == 2:  # a chunk pair's tiles (PRODUCER)
-                        if c % 2 == 1:
-                            _hand_back(w_desc, ring, bars, events, ev0 + NUM_HEADS // 2 + 1 + c // 2, g,
-                                       (2 * c + 1) % 4, 4, 0, first, total, tiles_per_forward, HD, NUM_SLOTS, PRODUCER)
-                    elif c == 0:  # the in-projection; then the previous chunk's out-projection too
+                    if c == 0:  # the in-projection; then the previous chunk's out-projection too
                         _hand_back(w_desc, ring, bars, events, ev0 + NUM_HEADS + 1, g, 1, 1, 0, first, total,
                                    tiles_per_forward, HD, NUM_SLOTS, PRODUCER)
                     else:
@@ -855,8 +827,8 @@ if gluon is not None:
                         g += 1
                 x = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
                 # the out-projection's tile
-                _hand_back(w_desc, ring, bars, events, ev0 + (NUM_HEADS + F_CHUNKS) // HAND_BACK + 1, g,
-                           (2 * F_CHUNKS) % 4, 1, 0, first, total, tiles_per_forward, HD, NUM_SLOTS, PRODUCER)
+                _hand_back(w_desc, ring, bars, events, ev0 + NUM_HEADS + F_CHUNKS + 1, g, (2 * F_CHUNKS) % 4, 1, 0,
+                           first, total, tiles_per_forward, HD, NUM_SLOTS, PRODUCER)
                 x = x + gl.expand_dims(_vec(vecs, OUTB, D, L_COL), 0)
                 x = gl.where(gl.expand_dims(row_ok, 1), x, 0.0)
                 # every warp is past this layer's last read of the other buffer (the hand-back's barrier above)
@@ -922,7 +894,7 @@ def pair_scratch_bytes(batch: int, num_layers: int, num_heads: int, hd: int) -> 
 
 
 def _arguments(x, w, *, num_heads, causal, eps, mask, out, desc, programs, overlap, pair, producer, scratch,
-               duo=False, grouped_hand_back=False):
+               duo=False):
     """(programs, the kernel's arguments by parameter name) for `hopper_forward`'s call, checked: every name of
     `_hopper_forward_fwd`'s signature, constexprs and num_warps included."""
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.stride(-1) != 1:
@@ -979,14 +951,12 @@ def _arguments(x, w, *, num_heads, causal, eps, mask, out, desc, programs, overl
         NUM_SLOTS=cfg["NUM_SLOTS"], RING_GROUPS=cfg["RING_GROUPS"], V_PAD=cfg["V_PAD"], IS_CAUSAL=bool(causal),
         HAS_MASK=mask is not None,
         OVERLAP=bool(overlap), PAIR=bool(pair), PRODUCER=bool(producer or duo), DUO=bool(duo),
-        HAND_BACK=hand_back_group(num_heads, cfg["F_CHUNKS"], cfg["NUM_SLOTS"], producer=bool(producer or duo),
-                                  grouped=bool(grouped_hand_back)),
         num_warps=cfg["num_warps"],
     )
 
 
 def hopper_forward(x, w, *, num_heads, causal, eps, mask=None, out=None, desc=None, programs=None, overlap=True,
-                   pair=False, producer=False, scratch=None, duo=False, grouped_hand_back=False):
+                   pair=False, producer=False, scratch=None, duo=False):
     """The whole forward over `x [B, S, d]` with `pack_weights`'s weights `w`: [B, S, d] in x's dtype (or into
     `out`), invalid rows 0. `eps`: the LayerNorms' epsilon (the model's, model/reference.py). `desc`: the stream's
     `weight_descriptor` (built here when None); `programs`: persistent programs (default one per SM); `overlap`: a
@@ -996,11 +966,10 @@ def hopper_forward(x, w, *, num_heads, causal, eps, mask=None, out=None, desc=No
     `scratch` its `pair_scratch` (allocated here when None; reused, one launch at a time); `producer`: a loader
     warp fills the weight ring (the module's docstring; docs/decisions.md#hopper-producer); `duo`: a sequence's two
     halves in two warpgroups of one program, with a loader warp (causal, PAIR_MIN_SEQ_LEN <= S <= 128, heads up to
-    DUO_MAX_HEAD_DIM wide; the module's docstring; docs/decisions.md#hopper-duo); `grouped_hand_back`: with a
-    loader warp, one hand-back event per two heads and per two FFN chunks (`hand_back_group`)."""
+    DUO_MAX_HEAD_DIM wide; the module's docstring; docs/decisions.md#hopper-duo)."""
     programs, args = _arguments(x, w, num_heads=num_heads, causal=causal, eps=eps, mask=mask, out=out, desc=desc,
                                 programs=programs, overlap=overlap, pair=pair, producer=producer, scratch=scratch,
-                                duo=duo, grouped_hand_back=grouped_hand_back)
+                                duo=duo)
     _hopper_forward_fwd[(programs,)](**args)
     return args["Y"]
 
@@ -1024,7 +993,7 @@ class PreparedLaunch:
                  "run", "function", "metadata", "kernel", "c_launch", "direct", "direct_at")
 
     def __init__(self, x, w, *, num_heads, causal, eps, mask=None, desc=None, programs=None, overlap=True,
-                 pair=False, producer=False, scratch=None, direct=True, duo=False, grouped_hand_back=False):
+                 pair=False, producer=False, scratch=None, direct=True, duo=False):
         if not _aligned(x, mask):
             raise ValueError("PreparedLaunch: x and the mask must be contiguous and 16-byte aligned (the layout the "
                              "kernel is specialized on); hopper_forward serves any layout")
@@ -1032,7 +1001,7 @@ class PreparedLaunch:
         self.programs, args = _arguments(x, w, num_heads=num_heads, causal=causal, eps=eps, mask=mask, out=out,
                                          desc=desc,
                                          programs=programs, overlap=overlap, pair=pair, producer=producer,
-                                         scratch=scratch, duo=duo, grouped_hand_back=grouped_hand_back)
+                                         scratch=scratch, duo=duo)
         with torch.cuda.device(x.device):  # the module loads into this device's context
             kernel = _hopper_forward_fwd.warmup(grid=(self.programs,), **args)
             if kernel is None:  # a jit_cache_hook of Triton's knobs declined the compile
