@@ -5,61 +5,27 @@ Usage (sm_90 GPU): python -m benchmarks.launch_gap [OUT.json] [--rows 5,1,9,12,7
 
 Per official row, on the pipeline's weights and first-trial inputs, the kernel as its route launches it (the route's
 flags: duo, loader warp) through one `PreparedLaunch`, timed five ways, each `rounds` times in turn (µs a call):
-- `eager_batch`: 50 prepared launches back to back between one CUDA event pair (median of 5 batches);
+- `eager_batch`: 50 prepared launches back to back between one CUDA event pair, the median of 5 batches
+  (`benchmarks.host_path`'s GPU time a call);
 - `graph1_batch`: a CUDA graph of one launch, replayed 50 times likewise;
-- `graph10`: a graph of 10 launches replayed, divided by 10 (`benchmarks.hopper_forward`'s kernel time);
+- `graph10`: a graph of 10 launches, each replay between its own event pair, the median / 10
+  (`benchmarks.hopper_forward`'s kernel time, `graph_ms`);
 - `eager_official`, `graph1_official`: 100 calls, an event pair around each and no synchronization between them
-  (the official harness's timer), the median.
+  (the timing job's timer, as the official harness times), the median.
 """
 from __future__ import annotations
 
-import statistics
-
 import torch
 
-from benchmarks.common import CUDA, device_name, official, parser, require_cuda, row_numbers, setup, write_json
+from benchmarks.common import (CUDA, device_name, graph_ms, median_ms, official, parser, require_cuda, row_numbers,
+                               setup, write_json)
+from benchmarks.host_path import per_call_us
 from shapewise.kernels import hopper_forward as hf
 from shapewise.model.reference import LAYER_NORM_EPS
 from shapewise.model.weights import layer_weights, per_layer
 
 WAYS = ("eager_batch", "graph1_batch", "graph10", "eager_official", "graph1_official")
-
-
-def batch_us(fn, calls=50, batches=5):
-    """µs a call of `fn` called `calls` times back to back between one event pair, the median of `batches`."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(batches):
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls * 1e3)
-    return statistics.median(times)
-
-
-def official_us(fn, calls=100):
-    """The median µs of `calls` calls of `fn`, each between its own event pair, nothing synchronized between them."""
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
-    torch.cuda.synchronize()
-    for start, end in pairs:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) * 1e3 for start, end in pairs)
-
-
-def captured(fn, launches, stream):
-    """A CUDA graph of `launches` calls of `fn`, captured on `stream`."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for _ in range(launches):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    return graph
+BATCH, BATCHES, OFFICIAL_CALLS, REPLAYS = 50, 5, 100, 100
 
 
 def row_result(shape_row, rounds):
@@ -80,13 +46,14 @@ def row_result(shape_row, rounds):
 
         for _ in range(20):
             eager()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        one, ten = captured(eager, 1, side), captured(eager, 10, side)
-        torch.cuda.synchronize()
-        ways = {"eager_batch": lambda: batch_us(eager), "graph1_batch": lambda: batch_us(one.replay),
-                "graph10": lambda: batch_us(ten.replay, calls=10) / 10,
-                "eager_official": lambda: official_us(eager), "graph1_official": lambda: official_us(one.replay)}
+        one = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(one):
+            eager()
+        ways = {"eager_batch": lambda: per_call_us(eager, BATCH, BATCHES)[1],
+                "graph1_batch": lambda: per_call_us(one.replay, BATCH, BATCHES)[1],
+                "graph10": lambda: graph_ms(eager, REPLAYS) * 1e3,
+                "eager_official": lambda: median_ms(eager, CUDA, OFFICIAL_CALLS) * 1e3,
+                "graph1_official": lambda: median_ms(one.replay, CUDA, OFFICIAL_CALLS) * 1e3}
         out = {"row": shape_row["id"], "route": str(route), **{way: [] for way in WAYS}}
         for _ in range(rounds):
             for way in WAYS:
