@@ -138,6 +138,34 @@ def test_ablation_records_switches_the_route_does_not_use_and_configured_time_sk
     assert by["reduced_precision"]["route_detail"]["precision"] == "fp32"
 
 
+@pytest.mark.parametrize("fits", [True, False], ids=["full", "chunked"])
+def test_the_expected_output_is_computed_once_and_compares_as_the_check(monkeypatch, fits):
+    """The ablation's variants run one input: `Expected` computes the reference once (full, or chunked on sampled
+    batch elements and query blocks) and compares each output as `check` does, element counts included."""
+    from shapewise.jobs import check as checks
+    from shapewise.model import TransformerConfig
+
+    from model_helpers import build_pair, make_inputs
+
+    cfg = TransformerConfig(batch_size=3, seq_len=40, d_model=32, num_heads=2, ffn_dim=32, num_layers=1, causal=True)
+    ref, _ = build_pair(cfg)
+    x, mask = make_inputs(cfg, "holes")
+    settings = {"batch_samples": 2, "query_block": 16, "query_samples": 2}
+    calls = []
+    for name in ("full_reference", "chunked_reference_forward"):
+        real = getattr(checks, name)
+        monkeypatch.setattr(checks, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    expected = checks.Expected(ref, x, mask, fits, settings)
+    want = checks.full_reference(ref, x, mask)
+    calls.clear()
+    for out in (want + 1e-4, want.masked_fill(torch.rand_like(want) < 0.1, 1.0)):
+        got, checked = expected.compare(out)
+        assert (got, checked) == checks.check(ref, out, x, mask, fits, settings)
+        assert checked["method"] == ("full" if fits else "chunked")
+        assert checked["elements_compared"] == (out.numel() if fits else 2 * (16 + 8) * 32)  # first, last block
+    assert len(calls) == 2  # the two `check` calls' references; `compare` computed none
+
+
 def test_roofline_peak_is_the_fastest_rate_the_row_may_use():
     """float32 rows may run fp16 operands (routing policy): their floor takes the fastest of TF32/fp16/bf16;
     fp16 rows take the fp16 rate, bf16 rows the faster of fp16 and bf16; a CPU float32 row the plain fp32 rate."""

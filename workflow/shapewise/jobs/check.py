@@ -48,18 +48,38 @@ def full_reference(reference, x, mask):
 @torch.inference_mode()
 def check(reference, optimized_out, x, mask, reference_fits, settings):
     """Compare; returns (comparisons per preset, description of the check)."""
-    if reference_fits:
-        ref_out = full_reference(reference, x, mask)
-        comparisons = compare_all_presets(ref_out, optimized_out)
-        del ref_out
-        return comparisons, {
-            "method": "full",
-            "reference": "BaselineTransformer in float32, TF32 off, on the whole input",
-            "batch_indices": "all",
-            "query_ranges": [[0, x.shape[1]]],
-            "elements_compared": optimized_out.numel(),
-            "elements_total": optimized_out.numel(),
-        }
+    return Expected(reference, x, mask, reference_fits, settings).compare(optimized_out)
+
+
+class Expected:
+    """The reference's output for one input, computed once (full, or chunked on sampled batch elements and query
+    blocks: `check`'s two methods), against which any number of optimized outputs of that input are compared."""
+
+    @torch.inference_mode()
+    def __init__(self, reference, x, mask, reference_fits, settings):
+        if reference_fits:
+            self.out, self.index, self.positions = full_reference(reference, x, mask), None, None
+            self.checked = {
+                "method": "full",
+                "reference": "BaselineTransformer in float32, TF32 off, on the whole input",
+                "batch_indices": "all",
+                "query_ranges": [[0, x.shape[1]]],
+            }
+            return
+        self.out, self.index, self.positions, self.checked = _chunked(reference, x, mask, settings)
+
+    @torch.inference_mode()
+    def compare(self, optimized_out):
+        """(comparisons per preset, description of the check) of one optimized output of the input."""
+        got = optimized_out
+        if self.index is not None:
+            got = got.index_select(0, self.index).index_select(1, self.positions)
+        return compare_all_presets(self.out, got), {**self.checked, "elements_compared": got.numel(),
+                                                    "elements_total": optimized_out.numel()}
+
+
+def _chunked(reference, x, mask, settings):
+    """The chunked reference's compared elements: (output, batch index, query positions, description)."""
     B, S, _ = x.shape
     batch = spread(settings["batch_samples"], B)
     ranges = query_ranges(S, settings["query_block"], settings["query_samples"])
@@ -72,17 +92,11 @@ def check(reference, optimized_out, x, mask, reference_fits, settings):
                                             compute_dtype=torch.float32)
     finally:
         set_precision(reference=False)
-    opt_sub = optimized_out.index_select(0, index)
     positions = torch.cat([torch.arange(a, b, device=x.device) for a, b in ranges])
-    ref_sel = ref_out.index_select(1, positions)
-    opt_sel = opt_sub.index_select(1, positions)
-    comparisons = compare_all_presets(ref_sel, opt_sel)
-    return comparisons, {
+    return ref_out.index_select(1, positions), index, positions, {
         "method": "chunked",
         "reference": ("shapewise.model.chunked.chunked_reference_forward in float32 (TF32 off), "
                       f"query_block {settings['query_block']}, on the sampled batch elements"),
         "batch_indices": batch,
         "query_ranges": [list(r) for r in ranges],
-        "elements_compared": opt_sel.numel(),
-        "elements_total": optimized_out.numel(),
     }
