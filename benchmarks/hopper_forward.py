@@ -9,8 +9,7 @@ reference in fp32 (TF32 off); then `hopper_forward` in each of VARIANTS (`overla
 issued back to back before one wait, or each waited for alone; `producer`: a loader warp fills the weight ring;
 `pair`: two 4-warp programs a sequence, on causal rows of 65 to 128 tokens only, on one `pair_scratch` allocated
 outside the timed calls; both; `duo`: the two halves as two warpgroups of one program, where the kernel serves
-it; `twin`: a layer's heads and FFN chunks split over two warpgroups of one program, where the kernel serves it):
-its output against the reference at the official and strict tolerances, and its median GPU time per call
+it): its output against the reference at the official and strict tolerances, and its median GPU time per call
 (a CUDA graph of 10 launches replayed `reps` times, each replay between its own pair of CUDA events, divided by 10);
 with `--unmasked` also its time without a mask (the `model(x)` call) and the mask's cost, the ratio less 1.
 Then (unless `--kernel-only`) the model called as the official harness calls it, with route `hopper` forced and as routed with the
@@ -36,7 +35,7 @@ ROWS = "1,5,6,2,9,10,12,11,7,3,4"
 # the kernel's variants timed alone: hopper_forward's keyword arguments (the route runs its defaults)
 VARIANTS = {"overlap=True": {"overlap": True}, "overlap=False": {"overlap": False}, "producer=True": {"producer": True},
             "pair=True": {"pair": True}, "pair=True,producer=True": {"pair": True, "producer": True},
-            "duo=True": {"duo": True}, "twin=True": {"twin": True}}
+            "duo=True": {"duo": True}}
 
 
 def row_result(shape_row, reps, variants=VARIANTS, unmasked=False, kernel_only=False):
@@ -51,10 +50,9 @@ def row_result(shape_row, reps, variants=VARIANTS, unmasked=False, kernel_only=F
     y = torch.empty_like(x)
     with torch.inference_mode():
         for name, variant in variants.items():
-            if variant.get("pair") or variant.get("duo") or variant.get("twin"):
+            if variant.get("pair") or variant.get("duo"):
                 why = hf.why_unsupported(cfg.seq_len, cfg.d_model, cfg.num_heads, cfg.ffn_dim, causal=cfg.causal,
-                                         pair=bool(variant.get("pair")), duo=bool(variant.get("duo")),
-                                         twin=bool(variant.get("twin")))
+                                         pair=bool(variant.get("pair")), duo=bool(variant.get("duo")))
                 if why:
                     out[name] = {"skipped": why}
                     continue

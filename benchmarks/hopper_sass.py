@@ -1,11 +1,11 @@
 """The Hopper forward kernel built for sm_90 offline (no GPU): registers, spills, shared memory, SASS instructions.
 
-Usage: python -m benchmarks.hopper_sass [OUT.json] [--rows 1,12,7] [--pair] [--producer] [--duo] [--twin] [--unmasked]
+Usage: python -m benchmarks.hopper_sass [OUT.json] [--rows 1,12,7] [--pair] [--producer] [--duo] [--unmasked]
 
 Per official row it serves, `_hopper_forward_fwd` compiled as the route launches it (fp32 input, the row's causal
-flag, a mask (none with `--unmasked`: the `model(x)` call), `overlap` on; `--pair`, `--producer`, `--duo`,
-`--twin`: those variants, `pair`, `duo` and `twin` (a sequence's two halves in two programs or in two warpgroups of
-one; a layer's heads and chunks split over two warpgroups) on the rows they serve) through the ptxas that ships with Triton: ptxas's registers and spills
+flag, a mask (none with `--unmasked`: the `model(x)` call), `overlap` on; `--pair`, `--producer`, `--duo`: those
+variants, `pair` and `duo` (a sequence's two halves in two programs, or in two warpgroups of one) on the rows they
+serve) through the ptxas that ships with Triton: ptxas's registers and spills
 (`benchmarks.attention_registers.usage`), the SASS instructions of the whole kernel by opcode (cuobjdump; its layer
 loop is not unrolled, so the count is about one layer's and one sequence's prologue and epilogue), and the TMA loads
 in its Triton IR (one per ring slot to start, then one per weight tile of a layer; with a loader warp, one per
@@ -33,19 +33,19 @@ TMA_LOAD = "ttng.async_tma_copy_global_to_local"
 SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
-def compile_hopper(S, d, H, F, causal=True, masked=True, pair=False, producer=False, duo=False, twin=False):
+def compile_hopper(S, d, H, F, causal=True, masked=True, pair=False, producer=False, duo=False):
     """The kernel compiled for sm_90 at this shape (with `pair`: two programs a sequence; with `producer`: a loader
     warp fills the weight ring), and its launch_config."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    cfg = hf.launch_config(S, d, H, F, pair=pair, duo=duo, twin=twin)
+    cfg = hf.launch_config(S, d, H, F, pair=pair, duo=duo)
     stream = torch.zeros(hf.stream_tiles(H, F, cfg["HD"]) * cfg["HD"], d, dtype=torch.float16)
     fn = hf._hopper_forward_fwd
     consts = dict(S_PAD=cfg["S_PAD"], D=d, HD=cfg["HD"], NUM_HEADS=H, F_CHUNKS=cfg["F_CHUNKS"],
                   NUM_SLOTS=cfg["NUM_SLOTS"], RING_GROUPS=cfg["RING_GROUPS"], V_PAD=cfg["V_PAD"], IS_CAUSAL=causal,
                   HAS_MASK=masked, OVERLAP=True,
-                  PAIR=pair, PRODUCER=producer or duo or twin, DUO=duo, TWIN=twin, num_warps=cfg["num_warps"])
+                  PAIR=pair, PRODUCER=producer or duo, DUO=duo, num_warps=cfg["num_warps"])
     sig = {n: "constexpr" if n in consts else mangle_type(hf.weight_descriptor(stream, cfg["HD"]))
            if n == "w_desc" else "*i8" if n == "Mask" else "*fp16" if n == "KV" else "*i32" if n == "Flags"
            else "fp32" if n in ("qk_scale", "eps")
@@ -74,7 +74,6 @@ def main():
     p.add_argument("--pair", action="store_true", help="the kernel with `pair` on, on the rows it serves")
     p.add_argument("--producer", action="store_true", help="the kernel with `producer` on (a loader warp)")
     p.add_argument("--duo", action="store_true", help="the kernel with `duo` on (two warpgroups a sequence)")
-    p.add_argument("--twin", action="store_true", help="the kernel with `twin` on (heads split over two warpgroups)")
     p.add_argument("--unmasked", action="store_true", help="the kernel without a mask (HAS_MASK off)")
     args = p.parse_args()
     out = []
@@ -82,13 +81,12 @@ def main():
         r = official(n)
         S, d, H, F = r["seq_len"], r["d_model"], r["num_heads"], r["ffn_dim"]
         causal = r.get("causal", True)
-        if hf.why_unsupported(S, d, H, F, causal=causal, pair=args.pair, duo=args.duo, twin=args.twin):
+        if hf.why_unsupported(S, d, H, F, causal=causal, pair=args.pair, duo=args.duo):
             continue
         kernel, cfg = compile_hopper(S, d, H, F, causal=causal, masked=not args.unmasked, pair=args.pair,
-                                     producer=args.producer, duo=args.duo, twin=args.twin)
+                                     producer=args.producer, duo=args.duo)
         ops = sass_opcodes(kernel)
         rec = {"row": r["id"], "launch": cfg, "pair": args.pair, "producer": args.producer, "duo": args.duo,
-               "twin": args.twin,
                "masked": not args.unmasked,
                **usage(kernel, cfg["num_warps"]),
                "sass_instructions": sum(ops.values()), "sass_by_opcode": dict(ops.most_common(20)),

@@ -57,8 +57,6 @@ OPTIMIZATIONS = (
     # the math warps)
     "hopper_duo",  # where the policy says so: the Hopper forward with a causal sequence's halves as two warpgroups of
     # one program (off: the pair and loader warp the policy gives without it)
-    "hopper_twin",  # where the policy says so: the Hopper forward with a layer's heads and FFN chunks split over two
-    # warpgroups of one program (off: the loader warp the policy gives without it)
     "hopper_attention",  # where the policy says so, on sm_90: the triton route's attention as kernels.attention_hopper
     # (off: the attention the policy gives without it, SDPA at these lengths)
 )
@@ -292,7 +290,6 @@ class UserOptimizedTransformer(BaselineTransformer):
                              allow_fused="fused_layer" not in self.disabled,
                              allow_hopper="hopper_forward" not in self.disabled,
                              allow_duo="hopper_duo" not in self.disabled,
-                             allow_twin="hopper_twin" not in self.disabled,
                              capability=capability)
         if not ROUTE_SPECS[route.name].kernels:
             return route

@@ -34,8 +34,6 @@ class Route:
     producer: bool = False  # hopper route: a loader warp fills the weight ring (policy `hopper.producer_max_head_dim`)
     duo: bool = False  # hopper route: a causal sequence's halves as two warpgroups of one program, with a loader warp
     # (policy `hopper.duo_max_head_dim`; in place of `pair` and `producer`)
-    twin: bool = False  # hopper route: a layer's heads and FFN chunks split over two warpgroups of one program, with a
-    # loader warp (policy `hopper.twin_max_seq_len`; in place of `pair` and `producer`)
     prepared_launch: bool = False  # hopper route: eager through its signature's PreparedLaunch (eager_min_batch)
     direct_launch: bool = False  # prepared launch: Triton's C launcher called with an argument list built once
     # (policy `hopper.direct_launch`; off: through the compiled kernel's `run`)
@@ -50,7 +48,6 @@ class Route:
         pair = " pair" if self.pair else ""
         pair += " producer" if self.producer else ""
         pair += " duo" if self.duo else ""
-        pair += " twin" if self.twin else ""
         pdl = " pdl" if self.pdl else ""
         eager = " eager" if self.eager else ""
         eager += " prepared-launch" if self.prepared_launch else ""

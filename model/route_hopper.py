@@ -53,8 +53,7 @@ class HopperForward:
         if pair and self.scratch is None:  # before any capture: a graph replays the launch on this scratch
             self.scratch = self.pair_scratch(x.shape[0], cfg.num_layers, cfg.num_heads, self.hd, x.device)
         keywords = dict(num_heads=cfg.num_heads, causal=cfg.causal, eps=LAYER_NORM_EPS, mask=mask, desc=self.desc,
-                        pair=pair, producer=self.route.producer, duo=self.route.duo, twin=self.route.twin,
-                        scratch=self.scratch)
+                        pair=pair, producer=self.route.producer, duo=self.route.duo, scratch=self.scratch)
         if self.route.prepared_launch and self.launch is None and self.prepared_launch.serves(x, mask):
             self.launch = self.prepared_launch(x, self.weights, direct=self.route.direct_launch, **keywords)
             return self.launch(x, mask)
@@ -90,8 +89,7 @@ def settle(route, x, disabled):
 
 def switches(route) -> set:
     return ({"hopper_forward"} | ({"hopper_pair"} if route.pair else set())
-            | ({"hopper_producer"} if route.producer else set()) | ({"hopper_duo"} if route.duo else set())
-            | ({"hopper_twin"} if route.twin else set()))
+            | ({"hopper_producer"} if route.producer else set()) | ({"hopper_duo"} if route.duo else set()))
 
 
 def working_set(config, dtype, route) -> int:

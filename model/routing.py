@@ -14,8 +14,7 @@ Routes (ROUTE_SPECS: each route's module, which runs it, and what it needs):
   in a CUDA graph, or launched eagerly where `eager_min_batch` covers the batch (one prepared launch a call: no
   output copy); two programs a causal sequence where `pair_max_batch` covers the batch and `pair_max_head_dim`
   the head width; a causal sequence's halves as two warpgroups of one program where `duo_max_head_dim` covers the
-  head width (in place of the pair); elsewhere a layer's heads and FFN chunks split over two warpgroups of one
-  program where `twin_max_seq_len` covers the sequence (in place of the pair).
+  head width (in place of the pair).
 
 Operand precision (`Route.precision`; accumulation is fp32 always, and the kernel routes keep an fp32 residual
 stream and fp32 LayerNorm statistics): `reference` and `sdpa` run PyTorch in the input dtype. The kernel routes
@@ -152,7 +151,7 @@ def _hopper_pays(shape: TransformerConfig) -> bool:
 
 
 def _hopper_route(precision: str, reason: str, shape: TransformerConfig, forced: bool = False,
-                  allow_duo: bool = True, allow_twin: bool = True) -> Route:
+                  allow_duo: bool = True) -> Route:
     """Route `hopper`, captured in a CUDA graph up to the policy's `graph.max_tokens_x_d_model`, launched eagerly
     beyond (its one launch is then a small part of the forward, and the graph's copy of its output out of the
     graph's buffer a large one: row 6, 308 µs of 5.55 ms); through the signature's prepared launch
@@ -166,9 +165,7 @@ def _hopper_route(precision: str, reason: str, shape: TransformerConfig, forced:
     absent: never) covers the head width: a wider head's math warps need the registers the loader takes. A causal
     sequence's halves run as two warpgroups of one program, with its loader warp, in place of both, where
     `hopper.duo_max_head_dim` (null or absent: never) covers the head width, `allow_duo` holds and the kernel's
-    `duo` serves the shape; elsewhere a layer's heads and FFN chunks split over two warpgroups of one program, with
-    its loader warp, in place of both, where `hopper.twin_max_seq_len` (null or absent: never) covers the sequence,
-    `allow_twin` holds and the kernel's `twin` serves the shape."""
+    `duo` serves the shape."""
     from shapewise.kernels.hopper_forward import why_unsupported  # deferred: routing imports no torch
 
     route = Route("hopper", precision, reason, forced=forced)
@@ -179,19 +176,12 @@ def _hopper_route(precision: str, reason: str, shape: TransformerConfig, forced:
                                 duo=True) is None):
         route = replace(route, duo=True, reason=route.reason + (
             f"; a sequence's halves as two warpgroups and a loader warp (head_dim {shape.head_dim} <= {widest_duo})"))
-    longest_twin = hopper.get("twin_max_seq_len")
-    if (allow_twin and not route.duo and longest_twin is not None and shape.seq_len <= longest_twin
-            and why_unsupported(shape.seq_len, shape.d_model, shape.num_heads, shape.ffn_dim, causal=shape.causal,
-                                twin=True) is None):
-        route = replace(route, twin=True, reason=route.reason + (
-            f"; a layer's heads and FFN chunks split over two warpgroups and a loader warp (seq_len "
-            f"{shape.seq_len} <= {longest_twin})"))
     widest_producer = hopper.get("producer_max_head_dim")
-    if not (route.duo or route.twin) and widest_producer is not None and shape.head_dim <= widest_producer:
+    if not route.duo and widest_producer is not None and shape.head_dim <= widest_producer:
         route = replace(route, producer=True, reason=route.reason + (
             f"; a loader warp fills the weight ring (head_dim {shape.head_dim} <= {widest_producer})"))
     most_pair, widest = hopper.get("pair_max_batch"), hopper.get("pair_max_head_dim")
-    if (not (route.duo or route.twin) and most_pair is not None and shape.batch_size <= most_pair
+    if (not route.duo and most_pair is not None and shape.batch_size <= most_pair
             and (widest is None or shape.head_dim <= widest)
             and why_unsupported(shape.seq_len, shape.d_model, shape.num_heads, shape.ffn_dim, causal=shape.causal,
                                 pair=True) is None):
@@ -274,7 +264,7 @@ def why_unavailable(name: str, shape: TransformerConfig, dtype, device, interpre
 
 def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none", forced: str | None = None,
                  interpret: bool | None = None, allow_fused: bool = True, allow_hopper: bool = True,
-                 allow_duo: bool = True, allow_twin: bool = True, capability=None) -> Route:
+                 allow_duo: bool = True, capability=None) -> Route:
     """Pick the route for one input signature. Pure: reads only its arguments and the policy data.
 
     `forced` (a route name, or None/"auto") is honoured or refused with RouteUnavailable, never replaced.
@@ -296,7 +286,7 @@ def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none
             return _fused_route("fused", _precision_for(forced, dt, shape), "forced by the caller", shape, forced=True)
         if forced == "hopper":
             return _hopper_route(_precision_for(forced, dt, shape), "forced by the caller", shape, forced=True,
-                                 allow_duo=allow_duo, allow_twin=allow_twin)
+                                 allow_duo=allow_duo)
         return _with_split_layer(Route(forced, _precision_for(forced, dt, shape), "forced by the caller", forced=True),
                                  shape)
 
@@ -311,7 +301,7 @@ def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none
             and not why_unavailable("hopper", shape, dtype, device, interpret, capability)):
         return _hopper_route("fp16", f"one sequence's residual stream in registers: the whole forward in one Gluon "
                                      f"kernel (seq_len {shape.seq_len} <= {POLICY['hopper']['max_seq_len']})", shape,
-                             allow_duo=allow_duo, allow_twin=allow_twin)
+                             allow_duo=allow_duo)
     if allow_fused and _fused_pays(shape) and not why_unavailable("fused", shape, dtype, device, interpret):
         return _fused_route("fused", _precision_for("fused", dt, shape),
                             f"short, narrow, launch-bound shape: one kernel per layer (tokens*d = {size})", shape)

@@ -83,28 +83,6 @@ def test_duo_limits_are_named_in_one_place():
     assert duo["NUM_SLOTS"] % duo["RING_GROUPS"] == 0 and duo["NUM_SLOTS"] <= one["NUM_SLOTS"]
 
 
-def test_twin_limits_are_named_in_one_place():
-    """The warpgroup twin: up to 64 tokens, causal or not, even counts of heads and FFN chunks, alone; every head's
-    output and every chunk's activations beside both partitions' k, v and vectors in the ring's shared memory, the
-    ring holding either phase's tiles."""
-    assert hf.why_unsupported(32, 128, 4, 128, twin=True) is None  # official row 12
-    assert hf.why_unsupported(64, 64, 2, 128, causal=False, twin=True) is None
-    assert "seq_len <= 64" in hf.why_unsupported(65, 128, 4, 128, twin=True)
-    assert "even counts" in hf.why_unsupported(32, 128, 1, 128, twin=True)  # one head
-    assert "even counts" in hf.why_unsupported(32, 128, 4, 96, twin=True)  # three FFN chunks
-    assert "runs alone" in hf.why_unsupported(32, 128, 4, 128, twin=True, duo=True)
-    assert "fewer than 32 tiles" in hf.why_unsupported(32, 128, 8, 128, twin=True)  # 8 heads of 16: a ring of 16
-    for args in ((32, 128, 4, 128), (64, 128, 2, 128), (17, 32, 4, 32), (33, 64, 2, 256)):
-        twin, one = hf.launch_config(*args, twin=True), hf.launch_config(*args)
-        assert twin["TWIN"] and not one["TWIN"] and twin["S_PAD"] == one["S_PAD"] == 64 and twin["num_warps"] == 4
-        heads, chunks, d = args[2], twin["F_CHUNKS"], args[1]
-        assert twin["NUM_SLOTS"] >= hf.twin_min_slots(heads, chunks) == max(4, 4 * heads, 2 * chunks)
-        exchange = (heads + chunks) * 2 * 64 * twin["HD"]
-        ring = twin["NUM_SLOTS"] * twin["HD"] * d * 2
-        assert ring + 2 * (4 * 64 * twin["HD"] + 8 * twin["V_PAD"]) + exchange <= hf.SMEM_BYTES
-        assert twin["NUM_SLOTS"] % twin["RING_GROUPS"] == 0 and twin["NUM_SLOTS"] <= one["NUM_SLOTS"]
-
-
 def test_pair_limits_are_named_in_one_place():
     assert "causal" in hf.why_unsupported(128, 128, 4, 128, causal=False, pair=True)
     for s in (64, 1, 129):
@@ -574,33 +552,6 @@ def test_duo_matches_fp64_and_the_pair(shape, mask_kind):
         assert torch.equal(got, pair)
 
 
-# the twin on an H200: up to 64 tokens, even heads and chunks: official row 12 (64 sequences of 32), one and 64
-# tokens, heads of 16 (8 padded), 32 and 64, an FFN as wide as d_model and twice as wide
-TWIN_GPU_SHAPES = [(64, 32, 128, 4, 128, 4), (3, 64, 128, 2, 128, 2), (4, 1, 32, 4, 32, 2), (5, 47, 64, 4, 64, 3),
-                   (2, 20, 64, 2, 128, 2)]
-
-
-@pytest.mark.gpu
-@needs_hopper
-@pytest.mark.parametrize("mask_kind", ["all_true", "holes", "one_empty", "none"])
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("shape", TWIN_GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_twin_matches_fp64_and_the_loader_warp(shape, causal, mask_kind):
-    """A layer's heads and FFN chunks split over two warpgroups against fp64, one program per sequence and one for
-    all (the exchanges' barriers across sequences): bit for bit the loader-warp kernel's output (every residual
-    addition the same, in the same order)."""
-    cfg, ref, x, mask, want = _case(shape, causal, mask_kind)
-    packed = {k: v.cuda() for k, v in _packed(ref, cfg, torch.float16).items()}
-    xc, mc = x.cuda(), None if mask is None else mask.cuda()
-    loader = hf.hopper_forward(xc, packed, num_heads=cfg.num_heads, causal=causal, mask=mc, producer=True, eps=EPS)
-    for programs in (None, 1):
-        out = torch.full_like(xc, float("nan"))  # poisoned: every element must be written
-        got = hf.hopper_forward(xc, packed, num_heads=cfg.num_heads, causal=causal, mask=mc, out=out, twin=True,
-                                programs=programs, eps=EPS)
-        check_official(want.float(), got.cpu(), f"twin {shape} causal={causal} {mask_kind} {programs}")
-        assert torch.equal(got, loader)
-
-
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("programs", [2, 8, None])
@@ -781,15 +732,14 @@ def test_route_launches_eagerly_beyond_the_graph_bound():
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
-@pytest.mark.parametrize("pair, duo, twin", [(False, False, False), (True, False, False), (False, True, False),
-                                             (False, False, True)])
-def test_a_prepared_launch_equals_the_jit_launch(mask_kind, pair, duo, twin):
+@pytest.mark.parametrize("pair, duo", [(False, False), (True, False), (False, True)])
+def test_a_prepared_launch_equals_the_jit_launch(mask_kind, pair, duo):
     """Call after call with new inputs, and captured in a CUDA graph: the bits of hopper_forward's output."""
-    cfg, ref, x, mask, want = _case((5, 60 if twin else 100, 64, 2, 64, 2), True, mask_kind)
+    cfg, ref, x, mask, want = _case((5, 100, 64, 2, 64, 2), True, mask_kind)
     packed = {k: v.cuda() for k, v in _packed(ref, cfg, torch.float16).items()}
     scratch = hf.pair_scratch(5, 2, 2, 32, "cuda") if pair else None
     mc = None if mask is None else mask.cuda()
-    keywords = dict(num_heads=2, causal=True, eps=EPS, pair=pair, duo=duo, twin=twin, scratch=scratch)
+    keywords = dict(num_heads=2, causal=True, eps=EPS, pair=pair, duo=duo, scratch=scratch)
     launch = hf.PreparedLaunch(x.cuda(), packed, mask=mc, **keywords)
     assert launch.direct is not None  # this Triton's C launcher reached (kernels.hopper_forward._c_launcher)
     for trial in range(3):
@@ -797,7 +747,7 @@ def test_a_prepared_launch_equals_the_jit_launch(mask_kind, pair, duo, twin):
         got = launch(xc, mc)
         assert torch.equal(got, hf.hopper_forward(xc, packed, mask=mc, **keywords)), trial
         if trial == 0:
-            check_official(want.float(), got.cpu(), f"prepared launch, {mask_kind}, {pair=}, {duo=}, {twin=}")
+            check_official(want.float(), got.cpu(), f"prepared launch, {mask_kind}, pair={pair}, duo={duo}")
     xc = x.cuda()
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

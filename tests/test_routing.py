@@ -378,13 +378,12 @@ def test_split_layer_has_a_token_floor(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 def _hopper_policy(monkeypatch, max_seq_len=128, min_batch=None, max_heads=None, pair_max_batch=None,
                    pair_max_head_dim=None, eager_min_batch=None, direct_launch=False, producer_max_head_dim=None,
-                   duo_max_head_dim=None, twin_max_seq_len=None):
+                   duo_max_head_dim=None):
     monkeypatch.setitem(routing.POLICY, "hopper", {"max_seq_len": max_seq_len, "min_batch": min_batch,
                                                    "max_heads": max_heads, "pair_max_batch": pair_max_batch,
                                                    "pair_max_head_dim": pair_max_head_dim,
                                                    "producer_max_head_dim": producer_max_head_dim,
                                                    "duo_max_head_dim": duo_max_head_dim,
-                                                   "twin_max_seq_len": twin_max_seq_len,
                                                    "eager_min_batch": eager_min_batch,
                                                    "direct_launch": direct_launch})
 
@@ -538,36 +537,6 @@ def test_hopper_duo_where_the_policy_and_the_kernel_say_so_in_place_of_pair_and_
         r = select_route(shape, torch.float32, "cuda", capability=(9, 0))
         assert r.name == "hopper" and not r.duo and r.producer, r
     assert route_hopper.switches(duo) == {"hopper_forward", "hopper_duo"}
-
-
-def test_hopper_twin_where_the_policy_and_the_kernel_say_so_in_place_of_pair_and_loader(monkeypatch):
-    from shapewise.model import route_hopper
-    from shapewise.model.optimized import switches_used
-
-    row12 = dataclasses.replace(SHAPES[2], seq_len=32)  # official row 12: 64 sequences of 32 tokens, 4 heads
-    _hopper_policy(monkeypatch, pair_max_batch=64, producer_max_head_dim=64, duo_max_head_dim=64)  # twin: never
-    without = select_route(row12, torch.float32, "cuda", capability=(9, 0))
-    assert without.producer and not without.twin and not without.duo
-    assert "hopper_twin" not in switches_used(without, torch.float32, "cuda")
-    _hopper_policy(monkeypatch, pair_max_batch=64, producer_max_head_dim=64, duo_max_head_dim=64, twin_max_seq_len=16)
-    assert not select_route(row12, torch.float32, "cuda", capability=(9, 0)).twin  # 32 tokens
-    _hopper_policy(monkeypatch, pair_max_batch=64, producer_max_head_dim=64, duo_max_head_dim=64, twin_max_seq_len=64)
-    twin = select_route(row12, torch.float32, "cuda", capability=(9, 0))
-    assert twin.name == "hopper" and twin.twin and not (twin.pair or twin.producer or twin.duo), twin
-    assert " twin (auto: " in str(twin) and "heads and FFN chunks" in twin.reason and twin.as_dict()["twin"] is True
-    used = switches_used(twin, torch.float32, "cuda")
-    assert "hopper_twin" in used and not {"hopper_pair", "hopper_producer", "hopper_duo"} & set(used)
-    assert select_route(row12, torch.float32, "cuda", forced="hopper", capability=(9, 0)).twin
-    # its switch off: what the policy gives without it, forced or not
-    for how in (None, "hopper"):
-        off = select_route(row12, torch.float32, "cuda", forced=how, capability=(9, 0), allow_twin=False)
-        assert off.producer and not off.twin, off
-    # the duo where it serves (65 to 128 tokens); the kernel's twin limits: one head, 65 tokens
-    assert select_route(SHAPES[2], torch.float32, "cuda", capability=(9, 0)).duo
-    for shape in (dataclasses.replace(row12, num_heads=1), dataclasses.replace(row12, seq_len=65, causal=False)):
-        r = select_route(shape, torch.float32, "cuda", capability=(9, 0))
-        assert r.name == "hopper" and not r.twin, r
-    assert route_hopper.switches(twin) == {"hopper_forward", "hopper_twin"}
 
 
 def test_hopper_attention_where_the_policy_says_so_on_sm90(monkeypatch):
