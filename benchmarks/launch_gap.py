@@ -36,10 +36,8 @@ def row_result(shape_row, rounds):
         w = per_layer(model, torch.float32)
         packed = hf.pack_weights([layer_weights(w, i) for i in range(cfg.num_layers)], (w["final_w"], w["final_b"]),
                                  cfg.num_heads)
-        hd = hf.launch_config(cfg.seq_len, cfg.d_model, cfg.num_heads, cfg.ffn_dim)["HD"]
         launch = hf.PreparedLaunch(x, packed, num_heads=cfg.num_heads, causal=cfg.causal, eps=LAYER_NORM_EPS,
-                                   mask=mask, desc=hf.weight_descriptor(packed["stream"], hd), duo=route.duo,
-                                   producer=route.producer)
+                                   mask=mask, duo=route.duo, producer=route.producer)
 
         def eager():
             return launch(x, mask)

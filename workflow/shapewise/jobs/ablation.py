@@ -68,7 +68,7 @@ def main(args):
     result["call"] = call_of(mask)
     set_precision(reference=False)
     used = base_route = None  # the switches the all-on route uses and its route, known after its first call
-    expected = None  # the reference's output, computed at the first variant that runs
+    expected = None  # the reference's output, computed at the first variant that runs and held beside the others
     for name, disable in variants():
         variant = {"variant": name, "disable": list(disable)}
         if disable:

@@ -45,7 +45,6 @@ def full_reference(reference, x, mask):
         set_precision(reference=False)
 
 
-@torch.inference_mode()
 def check(reference, optimized_out, x, mask, reference_fits, settings):
     """Compare; returns (comparisons per preset, description of the check)."""
     return Expected(reference, x, mask, reference_fits, settings).compare(optimized_out)
