@@ -327,8 +327,11 @@ def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none
 def _hopper_attention_pays(shape: TransformerConfig, precision: str, capability, hopper_from) -> bool:
     """The policy's `attention.hopper_from_seq_len` (null: never) covers seq_len, below SDPA's
     `sdpa_from_seq_len` (which keeps the longer ones), on sm_90, with fp16 operands and a head dim the kernel
-    serves. It reads the key mask itself: nothing about the call's mask is decided on the host."""
+    serves, up to `attention.hopper_max_head_dim` (null or absent: any). It reads the key mask itself: nothing
+    about the call's mask is decided on the host."""
+    widest = POLICY["attention"].get("hopper_max_head_dim")
     if (hopper_from is None or shape.seq_len < hopper_from or attention_without_hopper(shape.seq_len) == "sdpa"
+            or (widest is not None and shape.head_dim > widest)
             or capability is None or capability[0] != 9 or precision != "fp16"):
         return False
     from shapewise.kernels.attention_hopper import why_unsupported  # deferred: routing imports no torch

@@ -570,6 +570,11 @@ def test_hopper_attention_where_the_policy_says_so_on_sm90(monkeypatch):
                         capability=(9, 0)).attention == "hopper"  # ... and 32 ...
     wide = dataclasses.replace(long_eager, num_heads=64)  # ... 16 is not
     assert select_route(wide, torch.float32, "cuda", capability=(9, 0)).attention == "triton"
+    monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": 16384, "hopper_from_seq_len": 512,
+                                                      "hopper_max_head_dim": 32})
+    assert select_route(row13, torch.float32, "cuda", capability=(9, 0)).attention == "hopper"  # head_dim 32
+    assert select_route(long_eager, torch.float32, "cuda", capability=(9, 0)).attention == "triton"  # 64: beyond
+    monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": 16384, "hopper_from_seq_len": 512})
     # the switch, and operands other than fp16 (the fp16 screen's bf16), give back the policy's attention without it
     x = torch.empty(1, long_eager.seq_len, 0)
     off = route_triton.settle(r, x, {"hopper_attention"})
