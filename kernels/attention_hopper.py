@@ -31,7 +31,6 @@ import math
 import torch
 
 from .attention import attention_reference
-from .mask import prefix_lengths, prefix_lengths_reference
 
 try:  # Gluon ships with Triton >= 3.5; without it (or without a Hopper GPU) `why_unsupported` says so
     from triton.experimental import gluon
@@ -42,7 +41,7 @@ try:  # Gluon ships with Triton >= 3.5; without it (or without a Hopper GPU) `wh
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-HEAD_DIMS = (32, 64, 128)  # head widths served: multiples of wgmma's k step (16), rows of 64, 128, 256 bytes
+HEAD_DIMS = (64, 128)  # head widths served: a multiple of wgmma's k step (16) whose row is a 128-byte swizzle
 SMEM_BYTES = 227 * 1024  # shared memory one CTA may take on the H200 (sm_90)
 REGISTERS_PER_SM = 65536
 PRODUCER_REGISTERS = 24  # the TMA warp's registers per thread after `setmaxnreg` (the least a warp may keep)
@@ -56,7 +55,6 @@ CONSUMER_REGISTERS = {2: 240, 3: 160}
 # consumers get 240 registers each; three get 160, where 128 keys a slot spill (ptxas for sm_90a), so three
 # consumers run 64 keys a slot, with twice the barriers per score.
 DEFAULT_CONFIGS = {
-    32: dict(BLOCK_M=64, BLOCK_N=128, STAGES=3, CONSUMERS=2, PINGPONG=True, EXP2_POLY=0),
     64: dict(BLOCK_M=64, BLOCK_N=128, STAGES=3, CONSUMERS=2, PINGPONG=True, EXP2_POLY=0),
     128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, CONSUMERS=2, PINGPONG=True, EXP2_POLY=0),
 }
@@ -90,38 +88,23 @@ def kv_blocks(q0: int, seq_len: int, block_m: int, block_n: int, causal: bool) -
     return -(-seq_len // block_n), seq_len // block_n
 
 
-def attention_by_blocks(q, k, v, *, causal, config=None, dtype=torch.float64, key_mask=None):
+def attention_by_blocks(q, k, v, *, causal, config=None, dtype=torch.float64):
     """The kernel's computation in torch (`dtype`), block by block in its order: per CTA and consumer the key
     blocks `kv_blocks` counts, masks only past the unmasked ones, exp2 of scaled scores less the running max, P
     rounded to fp16, P_{j-1} V_{j-1} added before O is rescaled by block j's alpha; the last EXP2_POLY columns of
-    every block by `exp2_poly` in fp32. With `key_mask` (bool [B, S]) each sequence as the kernel takes it: a
-    prefix mask as its length (at least 1), any other read on every block, a row without a visible key 0.
-    [B, S, H, D] in `dtype`."""
-    if key_mask is None:
-        return _by_blocks(q, k, v, causal, check_config(q.shape[-1], config), dtype, q.shape[1], None, False)
-    lengths = prefix_lengths_reference(key_mask).tolist()
-    return torch.cat([_by_blocks(q[b:b + 1], k[b:b + 1], v[b:b + 1], causal, check_config(q.shape[-1], config),
-                                 dtype, max(n, 1) if n >= 0 else q.shape[1], key_mask[b], n < 0)
-                      for b, n in enumerate(lengths)])
-
-
-def _by_blocks(q, k, v, causal, cfg, dtype, kv_len, key_mask, general):
-    """`attention_by_blocks` of sequences whose keys end at kv_len; key_mask: their key mask [S] (or None), read
-    on the masked blocks, which are every block where `general`."""
+    every block by `exp2_poly` in fp32. [B, S, H, D] in `dtype`."""
     B, S, H, D = q.shape
+    cfg = check_config(D, config)
     bm, bn, consumers, poly = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["CONSUMERS"], cfg["EXP2_POLY"]
     scale = D**-0.5 * math.log2(math.e)
     pad = -(-S // (consumers * bm)) * consumers * bm + bn  # zero rows past S, as TMA reads them
     qh, kh, vh = (torch.nn.functional.pad(t.to(dtype).transpose(1, 2), (0, 0, 0, pad - S)) for t in (q, k, v))
     out = torch.zeros(B, H, pad, D, dtype=dtype, device=q.device)
     cols = torch.arange(bn, device=q.device)
-    visible = None if key_mask is None else torch.nn.functional.pad(key_mask, (0, pad - S))
     for m0 in range(0, S, consumers * bm):
         for c in range(consumers):
             q0 = m0 + c * bm
-            n, full = kv_blocks(q0, kv_len, bm, bn, causal)
-            if general:
-                full = 0
+            n, full = kv_blocks(q0, S, bm, bn, causal)
             last = q0 + torch.arange(bm, device=q.device)  # each row's last visible key where causal
             m_i = torch.full((B, H, bm), float("-inf"), dtype=dtype, device=q.device)
             l_i = torch.zeros_like(m_i)
@@ -130,24 +113,21 @@ def _by_blocks(q, k, v, causal, cfg, dtype, kv_len, key_mask, general):
             for j in range(n):
                 s = qh[:, :, q0:q0 + bm] @ kh[:, :, j * bn:(j + 1) * bn].transpose(-1, -2)
                 if j >= full:
-                    keep = (j * bn + cols < kv_len)[None, :]
+                    keep = (j * bn + cols < S)[None, :]
                     if causal:
                         keep = keep & (j * bn + cols[None, :] <= last[:, None])
-                    if visible is not None:
-                        keep = keep & visible[j * bn:(j + 1) * bn][None, :]
                     s = s.masked_fill(~keep, float("-inf"))
                 m_new = torch.maximum(m_i, s.amax(-1) * scale)
-                m_use = torch.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: probabilities 0
-                p = torch.exp2(s * scale - m_use[..., None])
+                p = torch.exp2(s * scale - m_new[..., None])
                 if poly:
-                    p[..., bn - poly:] = exp2_poly(s[..., bn - poly:] * scale - m_use[..., None]).to(dtype)
-                alpha = torch.exp2(m_i - m_use)
+                    p[..., bn - poly:] = exp2_poly(s[..., bn - poly:] * scale - m_new[..., None]).to(dtype)
+                alpha = torch.exp2(m_i - m_new)
                 l_i = l_i * alpha + p.sum(-1)
                 if j > 0:
                     acc = (acc + p16 @ vh[:, :, (j - 1) * bn:j * bn]) * alpha[..., None]
                 p16, m_i = p.half().to(dtype), m_new
             acc = acc + p16 @ vh[:, :, (n - 1) * bn:n * bn]
-            out[:, :, q0:q0 + bm] = acc / torch.where(l_i == 0, 1.0, l_i)[..., None]
+            out[:, :, q0:q0 + bm] = acc / l_i[..., None]
     return out[:, :, :S].transpose(1, 2).contiguous()
 
 
@@ -257,7 +237,7 @@ if gluon is not None:
         into ring slot j % STAGES once the consumers that read the slot's previous block have handed it back."""
         q_desc, k_desc, v_desc = descs
         q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty, turns = bufs
-        b, col, m0, seq_len, qk_scale, mask_row, general = shape
+        b, col, m0, seq_len, qk_scale = shape
         for c in gl.static_range(CONSUMERS):
             mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [b, m0 + c * BLOCK_M, col], q_ready.index(c), q_bufs.index(c))
@@ -339,48 +319,37 @@ if gluon is not None:
         return y
 
     @gluon.jit
-    def _softmax_step(s, m_i, l_i, j, q0, seq_len, qk_scale, mask_row, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_MASK: gl.constexpr,
-                      EXP2_POLY: gl.constexpr, L_S: gl.constexpr):
+    def _softmax_step(s, m_i, l_i, j, q0, seq_len, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_POLY: gl.constexpr, L_S: gl.constexpr):
         """Online softmax of score block j (raw q k^T, fp32): (probabilities fp32, alpha, new max, new sum), the max
         in the log2 domain of scaled scores. The scale (> 0) is applied to the row max and, in one multiply-add
-        with the max's subtraction, to the exponent. With HAS_MASK a masked block also hides the keys whose byte of
-        `mask_row` (the sequence's key mask) is 0, and a row that has seen no key yet keeps a max of -inf, its
-        probabilities and sum 0."""
+        with the max's subtraction, to the exponent."""
         if MASKED:  # block-local columns against per-row limits: the column offsets stay immediates
-            col = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, L_S))
-            cols = gl.expand_dims(col, 0)
+            cols = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, L_S)), 0)
             k0 = j * BLOCK_N
             keep = cols < seq_len - k0
             if IS_CAUSAL:
                 last = q0 - k0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L_S))  # each row's last key
                 keep = keep & (cols <= gl.expand_dims(last, 1))
-            if HAS_MASK:
-                valid = gl.load(mask_row + k0 + col, mask=col < seq_len - k0, other=0)
-                keep = keep & gl.expand_dims(valid != 0, 0)
             s = gl.where(keep, s, float("-inf"))
-        # unmasked, every row sees key 0 in block 0, the first one taken: after it the max is finite, and a row that
-        # sees no key of a later block gets probabilities exp2(-inf) = 0 there
+        # every row sees key 0 in block 0, the first one taken: after it the max is finite, and a row that sees no
+        # key of a later block gets probabilities exp2(-inf) = 0 there
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        m_use = m_new
-        if HAS_MASK and MASKED:  # a row with no key so far: exponents against 0, so exp2(-inf) = 0, never NaN
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        x = s * qk_scale - gl.expand_dims(m_use, 1)
+        x = s * qk_scale - gl.expand_dims(m_new, 1)
         if EXP2_POLY == 0:
             p = gl.exp2(x)
         else:  # the halves' split and join are register renamings: the layout back to L_S must be one too
             p = gl.convert_layout(_exp2_columns(x, EXP2_POLY), L_S, assert_trivial=True)
-        alpha = gl.exp2(m_i - m_use)
+        alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         return p, alpha, m_new, l_i
 
     @gluon.jit
     def _consumer_block(j, q, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, p16, m_i, l_i, acc,
-                        q0, seq_len, qk_scale, mask_row, n_turns, C: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        q0, seq_len, qk_scale, n_turns, C: gl.constexpr, HEAD_DIM: gl.constexpr,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                         PINGPONG: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                        HAS_MASK: gl.constexpr, EXP2_POLY: gl.constexpr, L_S: gl.constexpr, L_O: gl.constexpr,
-                        A_P: gl.constexpr):
+                        EXP2_POLY: gl.constexpr, L_S: gl.constexpr, L_O: gl.constexpr, A_P: gl.constexpr):
         """Key block j (>= 1): S_j = Q K_j^T issued, then O += P_{j-1} V_{j-1}; the softmax of S_j while that PV
         runs; then O rescaled by the new max. Returns the state with P_j (fp16, A operand) not yet applied."""
         slot = j % STAGES
@@ -395,8 +364,8 @@ if gluon is not None:
         _pass_turn(turns, turn_on, C, CONSUMERS, PINGPONG)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
         mbarrier.arrive(k_empty.index(C * STAGES + slot))
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j, q0, seq_len, qk_scale, mask_row, BLOCK_M, BLOCK_N,
-                                           MASKED, IS_CAUSAL, HAS_MASK, EXP2_POLY, L_S)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j, q0, seq_len, qk_scale, BLOCK_M, BLOCK_N, MASKED,
+                                           IS_CAUSAL, EXP2_POLY, L_S)
         p_next = gl.convert_layout(p.to(gl.float16), A_P)  # before the wait: the fp32 probabilities die here
         acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
         mbarrier.arrive(v_empty.index(C * STAGES + prev))
@@ -406,13 +375,12 @@ if gluon is not None:
     @gluon.jit
     def _consumer(o_desc, bufs, shape, C: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr, HAS_MASK: gl.constexpr, EXP2_POLY: gl.constexpr):
+                  IS_CAUSAL: gl.constexpr, EXP2_POLY: gl.constexpr):
         """Consumer warpgroup C: query rows [m0 + C BLOCK_M, + BLOCK_M) against every key block they see. `bufs`:
-        the shared buffers and mbarriers; `shape`: (batch, column of the head, first row of the CTA, the keys'
-        end, qk_scale, the sequence's key mask, whether that mask is read on every block); the rest: the launch's
-        constants."""
+        the shared buffers and mbarriers; `shape`: (batch, column of the head, first row of the CTA, S, qk_scale);
+        the rest: the launch's constants."""
         q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty, turns = bufs
-        b, col, m0, seq_len, qk_scale, mask_row, general = shape
+        b, col, m0, seq_len, qk_scale = shape
         L_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
         L_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -420,8 +388,6 @@ if gluon is not None:
         A_P: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_O, k_width=2)
         q0 = m0 + C * BLOCK_M
         n, full = _kv_blocks(q0, seq_len, BLOCK_M, BLOCK_N, IS_CAUSAL)
-        if HAS_MASK:
-            full = gl.where(general, 0, full)  # a mask that is no prefix: every block reads it
         # turns: the blocks every consumer takes (the first consumer's rows are the first: it sees the fewest)
         n_turns, _ = _kv_blocks(m0, seq_len, BLOCK_M, BLOCK_N, IS_CAUSAL)
         q_tile = q_bufs.index(C)
@@ -439,24 +405,24 @@ if gluon is not None:
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, L_S))
         l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, L_S))
         if full > 0:
-            p, _alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, q0, seq_len, qk_scale, mask_row, BLOCK_M, BLOCK_N,
-                                                False, IS_CAUSAL, HAS_MASK, EXP2_POLY, L_S)
+            p, _alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, q0, seq_len, qk_scale, BLOCK_M, BLOCK_N, False,
+                                                IS_CAUSAL, EXP2_POLY, L_S)
         else:
-            p, _alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, q0, seq_len, qk_scale, mask_row, BLOCK_M, BLOCK_N,
-                                                True, IS_CAUSAL, HAS_MASK, EXP2_POLY, L_S)
+            p, _alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, q0, seq_len, qk_scale, BLOCK_M, BLOCK_N, True,
+                                                IS_CAUSAL, EXP2_POLY, L_S)
         p16 = gl.convert_layout(p.to(gl.float16), A_P)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, L_O)
 
         for j in range(1, full):  # whole blocks below the diagonal: no mask
             p16, m_i, l_i, acc = _consumer_block(
                 j, q, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, p16, m_i, l_i, acc, q0, seq_len,
-                qk_scale, mask_row, n_turns, C, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, False,
-                IS_CAUSAL, HAS_MASK, EXP2_POLY, L_S, L_O, A_P)
+                qk_scale, n_turns, C, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, False, IS_CAUSAL,
+                EXP2_POLY, L_S, L_O, A_P)
         for j in range(gl.maximum(full, 1), n):  # the diagonal's blocks and the sequence's ragged end
             p16, m_i, l_i, acc = _consumer_block(
                 j, q, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns, p16, m_i, l_i, acc, q0, seq_len,
-                qk_scale, mask_row, n_turns, C, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, True,
-                IS_CAUSAL, HAS_MASK, EXP2_POLY, L_S, L_O, A_P)
+                qk_scale, n_turns, C, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PINGPONG, True, IS_CAUSAL,
+                EXP2_POLY, L_S, L_O, A_P)
 
         # the last block's P V, then O / l in fp16 out through this consumer's Q buffer (every QK^T is done)
         last = (n - 1) % STAGES
@@ -464,8 +430,6 @@ if gluon is not None:
         acc = warpgroup_mma(p16, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
         acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
         mbarrier.arrive(v_empty.index(C * STAGES + last))
-        if HAS_MASK:  # a row that saw no key (an invalid query): 0, not 0 / 0
-            l_i = gl.where(l_i == 0.0, 1.0, l_i)
         o = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, L_O)), 1)
         q.store(o.to(gl.float16))
         fence_async_shared()  # the stores above before the TMA store reads the buffer (async proxy)
@@ -475,11 +439,10 @@ if gluon is not None:
     @gluon.jit
     def _attention_hopper_fwd(
         q_desc, k_desc, v_desc, o_desc,  # rank-3 TMA descriptors over [B, S, H * D], blocks [1, rows, D]
-        Lengths, Mask,  # with HAS_MASK: int32 [B], each key mask's prefix length or -1; int8 [B, S] key mask
         seq_len, num_heads, qk_scale,  # qk_scale = head_dim**-0.5 * log2(e)
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_MASK: gl.constexpr,
-        EXP2_POLY: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, IS_CAUSAL: gl.constexpr, EXP2_POLY: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
         pid_bh = gl.program_id(0)
         pid_m = gl.program_id(1)
@@ -488,14 +451,6 @@ if gluon is not None:
         b = pid_bh // num_heads
         col = (pid_bh % num_heads) * HEAD_DIM
         m0 = pid_m * (CONSUMERS * BLOCK_M)
-        kv_len = seq_len  # the keys' end: a prefix mask's length (at least 1: a row's max stays finite)
-        general = False  # a key mask that is no prefix, read on every block
-        mask_row = Mask
-        if HAS_MASK:
-            length = gl.load(Lengths + b)
-            general = length < 0
-            kv_len = gl.where(general, seq_len, gl.maximum(length, 1))
-            mask_row = Mask + b.to(gl.int64) * seq_len
 
         q_bufs = gl.allocate_shared_memory(gl.float16, [CONSUMERS, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
         k_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -519,22 +474,22 @@ if gluon is not None:
 
         # the first consumer is the default partition (num_warps = 4); the others and the producer are workers
         bufs = (q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty, turns)
-        shape = (b, col, m0, kv_len, qk_scale, mask_row, general)
+        shape = (b, col, m0, seq_len, qk_scale)
         descs = (q_desc, k_desc, v_desc)
         if CONSUMERS == 2:
             gl.warp_specialize([(_consumer, (o_desc, bufs, shape, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CONSUMERS,
-                                             PINGPONG, IS_CAUSAL, HAS_MASK, EXP2_POLY)),
+                                             PINGPONG, IS_CAUSAL, EXP2_POLY)),
                                 (_consumer, (o_desc, bufs, shape, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CONSUMERS,
-                                             PINGPONG, IS_CAUSAL, HAS_MASK, EXP2_POLY)),
+                                             PINGPONG, IS_CAUSAL, EXP2_POLY)),
                                 (_producer, (descs, bufs, shape, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, IS_CAUSAL))],
                                [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([(_consumer, (o_desc, bufs, shape, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CONSUMERS,
-                                             PINGPONG, IS_CAUSAL, HAS_MASK, EXP2_POLY)),
+                                             PINGPONG, IS_CAUSAL, EXP2_POLY)),
                                 (_consumer, (o_desc, bufs, shape, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CONSUMERS,
-                                             PINGPONG, IS_CAUSAL, HAS_MASK, EXP2_POLY)),
+                                             PINGPONG, IS_CAUSAL, EXP2_POLY)),
                                 (_consumer, (o_desc, bufs, shape, 2, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CONSUMERS,
-                                             PINGPONG, IS_CAUSAL, HAS_MASK, EXP2_POLY)),
+                                             PINGPONG, IS_CAUSAL, EXP2_POLY)),
                                 (_producer, (descs, bufs, shape, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, IS_CAUSAL))],
                                [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
@@ -543,8 +498,7 @@ if gluon is not None:
 # Launcher and public function
 # ----------------------------------------------------------------------------------------------
 def block_layout(rows: int, head_dim: int):
-    """The shared layout of a [1, rows, head_dim] fp16 TMA block: rows of head_dim * 2 bytes, the widest swizzle
-    that row takes (64 bytes at head_dim 32, else 128)."""
+    """The shared layout of a [1, rows, head_dim] fp16 TMA block: rows of head_dim * 2 bytes, 128-byte swizzle."""
     return gl.NVMMASharedLayout.get_default_for([1, rows, head_dim], gl.float16)
 
 
@@ -564,16 +518,11 @@ def _tma_ready(t: torch.Tensor) -> bool:
             and all((s * esz) % 16 == 0 for s in (t.stride(0), t.stride(1))))
 
 
-def hopper_attention(q, k, v, *, causal: bool, config: dict | None = None, out=None, key_mask=None,
-                     mask_prefix_lengths=None):
+def hopper_attention(q, k, v, *, causal: bool, config: dict | None = None, out=None):
     """Attention over [B, S, H, D] fp16 views (unit stride along D, heads D apart, e.g. a packed QKV's
     `unbind(2)`; any other view is copied to a contiguous tensor first): [B, S, H, D] fp16 contiguous (or into
     `out`). causal: keys j > i masked. config: launch override of DEFAULT_CONFIGS (BLOCK_M, BLOCK_N, STAGES,
-    CONSUMERS, PINGPONG, EXP2_POLY).
-    key_mask: bool [B, S], keys where False hidden; mask_prefix_lengths: its summary (int32 [B],
-    `kernels.mask.prefix_lengths`, computed here when not given; the kernel trusts it): a sequence whose mask is a
-    prefix reads only its keys below the length and no mask byte but on the blocks it masks anyway, any other
-    reads the mask on every block. A query that sees no valid key (an invalid token's row) gets 0."""
+    CONSUMERS, PINGPONG, EXP2_POLY)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"hopper_attention: {name} must be a [B, S, H, D] tensor, got "
@@ -592,21 +541,6 @@ def hopper_attention(q, k, v, *, causal: bool, config: dict | None = None, out=N
     if S == 0 or B * H == 0:
         return torch.empty((B, S, H, D), dtype=q.dtype, device=q.device) if out is None else out
     cfg = check_config(D, config)
-    if key_mask is not None:
-        if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (B, S) or key_mask.device != q.device:
-            raise ValueError(f"hopper_attention: key_mask must be a bool [B, S] = {[B, S]} tensor on {q.device}, got "
-                             f"{key_mask.dtype} {tuple(key_mask.shape)} on {key_mask.device}")
-        if mask_prefix_lengths is None:
-            mask_prefix_lengths = prefix_lengths(key_mask)
-        elif (mask_prefix_lengths.dtype != torch.int32 or tuple(mask_prefix_lengths.shape) != (B,)
-              or mask_prefix_lengths.device != q.device):
-            raise ValueError(f"hopper_attention: mask_prefix_lengths must be int32 [{B}] on {q.device}, got "
-                             f"{mask_prefix_lengths.dtype} {tuple(mask_prefix_lengths.shape)}")
-        lengths, mask = mask_prefix_lengths.contiguous(), key_mask.contiguous().view(torch.int8)
-    elif mask_prefix_lengths is not None:
-        raise ValueError("hopper_attention: mask_prefix_lengths describes a key_mask; none was given")
-    else:
-        lengths = mask = torch.empty(1, dtype=torch.int32, device=q.device)  # not read
     q, k, v = (t if _tma_ready(t) else t.contiguous() for t in (q, k, v))
     if out is None:
         out = torch.empty((B, S, H, D), dtype=q.dtype, device=q.device)
@@ -617,10 +551,10 @@ def hopper_attention(q, k, v, *, causal: bool, config: dict | None = None, out=N
     if grid[1] > 65535:
         raise ValueError(f"hopper_attention: {grid[1]} query blocks exceed the grid's 65535 (S={S})")
     _attention_hopper_fwd[grid](
-        descriptor(q, rows_m), descriptor(k, rows_n), descriptor(v, rows_n), descriptor(out, rows_m), lengths, mask,
+        descriptor(q, rows_m), descriptor(k, rows_n), descriptor(v, rows_n), descriptor(out, rows_m),
         S, H, D**-0.5 * math.log2(math.e),
         HEAD_DIM=D, BLOCK_M=rows_m, BLOCK_N=rows_n, STAGES=cfg["STAGES"], CONSUMERS=cfg["CONSUMERS"],
-        PINGPONG=cfg["PINGPONG"], IS_CAUSAL=bool(causal), HAS_MASK=key_mask is not None, EXP2_POLY=cfg["EXP2_POLY"],
+        PINGPONG=cfg["PINGPONG"], IS_CAUSAL=bool(causal), EXP2_POLY=cfg["EXP2_POLY"],
         CONSUMER_REGS=CONSUMER_REGISTERS[cfg["CONSUMERS"]], PRODUCER_REGS=PRODUCER_REGISTERS, **kernel_options(cfg),
     )
     return out

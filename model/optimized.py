@@ -57,8 +57,8 @@ OPTIMIZATIONS = (
     # the math warps)
     "hopper_duo",  # where the policy says so: the Hopper forward with a causal sequence's halves as two warpgroups of
     # one program (off: the pair and loader warp the policy gives without it)
-    "hopper_attention",  # where the policy says so, on sm_90: the triton and graph routes' attention as
-    # kernels.attention_hopper (off: our Triton kernel, below SDPA's lengths)
+    "hopper_attention",  # where the policy says so, on sm_90: the triton route's attention as kernels.attention_hopper
+    # (off: the attention the policy gives without it, SDPA at these lengths)
 )
 MAX_MEMORY_PLANS = 64  # memory plans a model keeps (one per input signature, cap and memory fraction)
 _grad_enabled = torch.is_grad_enabled  # read on every call: a module attribute's lookup costs it ~0.05 µs more

@@ -55,12 +55,13 @@ class KernelForward:
         H, D, N = cfg.num_heads, cfg.head_dim, B * S
         prefix = None if mask is None else self.prefix_lengths(mask)
         sdpa_mask = mask  # the mask SDPA attention gets, where it runs
-        ours = self.ours and (route.attention == "triton" or (route.attention == "sdpa" and mask is not None))
-        if route.attention == "sdpa" and mask is not None:
-            # Eager, compute-bound route (seq_len >= the policy's sdpa_from_seq_len): one host read of the summary
-            # per call is noise here. Under a causal prefix mask a valid query sees only valid keys, so its output is
-            # that of the unmasked model and invalid rows are zeroed at every layer's end: SDPA runs unmasked. Any
-            # other mask needs our kernel: SDPA would materialize a [B, 1, S, S] boolean mask at these lengths.
+        ours = self.ours and (route.attention == "triton" or mask is not None)
+        if route.attention != "triton" and mask is not None:
+            # Eager, compute-bound route (seq_len >= the policy's sdpa_from_seq_len or hopper_from_seq_len): one host
+            # read of the summary per call is noise here. Under a causal prefix mask a valid query sees only valid
+            # keys, so its output is that of the unmasked model and invalid rows are zeroed at every layer's end: SDPA
+            # (or the Hopper attention) runs unmasked. Any other mask needs our kernel: SDPA would materialize a
+            # [B, 1, S, S] boolean mask at these lengths, and the Hopper attention takes none.
             if cfg.causal and bool((prefix >= 0).all()):
                 sdpa_mask, ours = None, False
             elif self.ours:
@@ -90,8 +91,8 @@ class KernelForward:
             if ours:
                 return self.flash_attention(q, k, v, causal=cfg.causal, key_mask=mask, precision=route.precision,
                                             mask_prefix_lengths=prefix, pdl=pdl)
-            if route.attention == "hopper":  # the kernel reads the mask
-                return self.hopper_attention(q, k, v, causal=cfg.causal, key_mask=mask, mask_prefix_lengths=prefix)
+            if route.attention == "hopper" and sdpa_mask is None:  # unmasked, or a causal prefix mask (above)
+                return self.hopper_attention(q, k, v, causal=cfg.causal)
             return sdpa_attention(q, k, v, cfg.causal, sdpa_mask)
 
         with cublas_fp32(route.precision == "tf32"):
@@ -121,10 +122,6 @@ class SplitLayerForward:
 
         self.flash_attention, self.ln_qkv, self.layer_tail = (attention.flash_attention, fused_layer.ln_qkv,
                                                               layer_tail.layer_tail)
-        if route.attention == "hopper":
-            from shapewise.kernels.attention_hopper import hopper_attention  # deferred: Gluon, where the route asks
-
-            self.hopper_attention = hopper_attention
         self.route = route
         w = model._weights.table(model, route.precision, per_layer)
         self.layers = [layer_weights(w, i) for i in range(model.config.num_layers)]
@@ -143,11 +140,8 @@ class SplitLayerForward:
             else:
                 qkv = self.ln_qkv(res, wi, eps=LAYER_NORM_EPS, pdl=pdl and i > 0)
             q, k, v = qkv.view(B, S, 3, cfg.num_heads, cfg.head_dim).unbind(2)
-            if self.route.attention == "hopper":  # layer 0's projection summarized the mask, if any
-                o = self.hopper_attention(q, k, v, causal=cfg.causal, key_mask=mask, mask_prefix_lengths=prefix)
-            else:
-                o = self.flash_attention(q, k, v, causal=cfg.causal, key_mask=mask, precision=self.route.precision,
-                                         mask_prefix_lengths=prefix, pdl=pdl)
+            o = self.flash_attention(q, k, v, causal=cfg.causal, key_mask=mask, precision=self.route.precision,
+                                     mask_prefix_lengths=prefix, pdl=pdl)
             last = i == cfg.num_layers - 1
             res = self.layer_tail(o.view(B, S, d), res, wi, eps=LAYER_NORM_EPS, mask=mask,
                                   final=self.final if last else None, out_dtype=x.dtype, pdl=pdl)
@@ -173,7 +167,7 @@ def settle(route, x, disabled):
 
 def switches(route) -> set:
     if route.split_layer:  # each switch of SPLIT_NEEDS turns it off
-        return set(SPLIT_NEEDS) | ({"hopper_attention"} if route.attention == "hopper" else set())
+        return set(SPLIT_NEEDS)
     return ({"fused_layernorm", "packed_qkv"} | ({"flash_attention"} if route.attention == "triton" else set())
             | ({"hopper_attention"} if route.attention == "hopper" else set()))
 

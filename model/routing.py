@@ -204,13 +204,13 @@ def _hopper_route(precision: str, reason: str, shape: TransformerConfig, forced:
 def _with_split_layer(route: Route, shape: TransformerConfig) -> Route:
     """The triton/graph `route` with the split layer where the policy's `split_layer.max_d_model` (null: never)
     covers d_model, batch_size*seq_len is at least `split_layer.min_tokens` (null or absent: any), the operands
-    are fp16/bf16 and the attention is one of our kernels (Triton or Gluon); else `route` itself."""
+    are fp16/bf16 and the attention is our kernel; else `route` itself."""
     from shapewise.kernels.layer_tail import why_unsupported as tail_unsupported  # deferred: routing imports no torch
 
     split = POLICY["split_layer"]
     most, fewest = split["max_d_model"], split.get("min_tokens") or 1
     if (route.name not in ("triton", "graph") or most is None or shape.d_model > most or shape.tokens < fewest
-            or route.attention not in ("triton", "hopper") or route.precision not in ("fp16", "bf16")
+            or route.attention != "triton" or route.precision not in ("fp16", "bf16")
             or tail_unsupported(shape.d_model)):
         return route
     return replace(route, split_layer=True,
@@ -307,32 +307,27 @@ def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none
                             f"short, narrow, launch-bound shape: one kernel per layer (tokens*d = {size})", shape)
     graph = POLICY["graph"]
     if shape.tokens * shape.d_model <= graph["max_tokens_x_d_model"]:
-        route = Route("graph", _precision_for("graph", dt, shape),
-                      f"launch-bound (tokens*d = {shape.tokens * shape.d_model} <= {graph['max_tokens_x_d_model']})")
-    else:
-        route = Route("triton", _precision_for("triton", dt, shape),
-                      f"compute/memory-bound (tokens*d = {shape.tokens * shape.d_model})")
+        return _with_split_layer(Route(
+            "graph", _precision_for("graph", dt, shape),
+            f"launch-bound (tokens*d = {shape.tokens * shape.d_model} <= {graph['max_tokens_x_d_model']})"), shape)
+    route = Route("triton", _precision_for("triton", dt, shape),
+                  f"compute/memory-bound (tokens*d = {shape.tokens * shape.d_model})")
+    how = "" if mask_kind == "none" else " (causal prefix masks; other masks: our kernel, decided per call)"
     hopper_from = POLICY["attention"].get("hopper_from_seq_len")
     if _hopper_attention_pays(shape, route.precision, capability, hopper_from):
         route = replace(route, attention="hopper",
-                        reason=route.reason + f"; Hopper attention (Gluon) from seq_len {hopper_from}")
-    elif route.name == "triton" and attention_without_hopper(shape.seq_len) == "sdpa":
-        # eager only: under a mask the route reads the mask's summary on the host, which a graph cannot
-        how = "" if mask_kind == "none" else " (causal prefix masks; other masks: our kernel, decided per call)"
+                        reason=route.reason + f"; Hopper attention (Gluon) from seq_len {hopper_from}{how}")
+    elif attention_without_hopper(shape.seq_len) == "sdpa":
         route = replace(route, attention="sdpa", reason=route.reason + (
             f"; SDPA attention from seq_len {POLICY['attention']['sdpa_from_seq_len']}{how}"))
     return _with_split_layer(route, shape)
 
 
 def _hopper_attention_pays(shape: TransformerConfig, precision: str, capability, hopper_from) -> bool:
-    """The policy's `attention.hopper_from_seq_len` (null: never) covers seq_len, below SDPA's
-    `sdpa_from_seq_len` (which keeps the longer ones), on sm_90, with fp16 operands and a head dim the kernel
-    serves, up to `attention.hopper_max_head_dim` (null or absent: any). It reads the key mask itself: nothing
-    about the call's mask is decided on the host."""
-    widest = POLICY["attention"].get("hopper_max_head_dim")
-    if (hopper_from is None or shape.seq_len < hopper_from or attention_without_hopper(shape.seq_len) == "sdpa"
-            or (widest is not None and shape.head_dim > widest)
-            or capability is None or capability[0] != 9 or precision != "fp16"):
+    """The policy's `attention.hopper_from_seq_len` (null: never) covers seq_len, on sm_90, with fp16 operands and a
+    head dim the kernel serves."""
+    if (hopper_from is None or shape.seq_len < hopper_from or capability is None or capability[0] != 9
+            or precision != "fp16"):
         return False
     from shapewise.kernels.attention_hopper import why_unsupported  # deferred: routing imports no torch
 

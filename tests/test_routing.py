@@ -544,43 +544,26 @@ def test_hopper_attention_where_the_policy_says_so_on_sm90(monkeypatch):
     from shapewise.model.optimized import switches_used
 
     row14 = SHAPES[4]  # 100 000 tokens, 16 heads of 64
-    row13 = TransformerConfig(batch_size=64, seq_len=1024, d_model=128, num_heads=4, ffn_dim=128, num_layers=4)
-    long_eager = dataclasses.replace(row14, seq_len=8192)  # the eager triton route, below SDPA's lengths
     monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": 16384, "hopper_from_seq_len": None})
-    assert select_route(long_eager, torch.float32, "cuda", capability=(9, 0)).attention == "triton"  # null: never
-    assert select_route(row13, torch.float32, "cuda", capability=(9, 0)).attention == "triton"
-    monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": 16384, "hopper_from_seq_len": 512})
-    r = select_route(long_eager, torch.float32, "cuda", "general", capability=(9, 0))
+    assert select_route(row14, torch.float32, "cuda", capability=(9, 0)).attention == "sdpa"  # null: never
+    monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": 16384, "hopper_from_seq_len": 32768})
+    r = select_route(row14, torch.float32, "cuda", "general", capability=(9, 0))
     assert r.name == "triton" and r.attention == "hopper" and "+hopper-attention" in str(r) and "Gluon" in r.reason
-    assert "decided per call" not in r.reason  # the kernel reads any mask: nothing decided on the host
     assert "hopper_attention" in switches_used(r, torch.float32, "cuda")
-    # the graph route and its split layer take it too (no host read of the mask there either)
-    g = select_route(row13, torch.float32, "cuda", "general", capability=(9, 0))
-    assert g.name == "graph" and g.split_layer and g.attention == "hopper", g
-    assert "hopper_attention" in switches_used(g, torch.float32, "cuda")
-    # SDPA keeps the lengths from its own threshold (row 14: cuDNN)
-    assert select_route(row14, torch.float32, "cuda", capability=(9, 0)).attention == "sdpa"
     for capability in (None, (8, 0), (10, 0)):  # built for sm_90 alone
-        assert select_route(long_eager, torch.float32, "cuda", capability=capability).attention == "triton"
-    assert select_route(dataclasses.replace(long_eager, seq_len=500), torch.float32, "cuda",
-                        capability=(9, 0)).attention == "triton"  # below hopper_from_seq_len
-    assert select_route(dataclasses.replace(long_eager, num_heads=8), torch.float32, "cuda",
+        assert select_route(row14, torch.float32, "cuda", capability=capability).attention == "sdpa"
+    assert select_route(dataclasses.replace(row14, seq_len=20000), torch.float32, "cuda",
+                        capability=(9, 0)).attention == "sdpa"  # below hopper_from_seq_len
+    assert select_route(dataclasses.replace(row14, num_heads=8), torch.float32, "cuda",
                         capability=(9, 0)).attention == "hopper"  # head_dim 128 is served ...
-    assert select_route(dataclasses.replace(long_eager, num_heads=32), torch.float32, "cuda",
-                        capability=(9, 0)).attention == "hopper"  # ... and 32 ...
-    wide = dataclasses.replace(long_eager, num_heads=64)  # ... 16 is not
-    assert select_route(wide, torch.float32, "cuda", capability=(9, 0)).attention == "triton"
-    monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": 16384, "hopper_from_seq_len": 512,
-                                                      "hopper_max_head_dim": 32})
-    assert select_route(row13, torch.float32, "cuda", capability=(9, 0)).attention == "hopper"  # head_dim 32
-    assert select_route(long_eager, torch.float32, "cuda", capability=(9, 0)).attention == "triton"  # 64: beyond
-    monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": 16384, "hopper_from_seq_len": 512})
+    wide = dataclasses.replace(row14, num_heads=32)  # ... head_dim 32 is not
+    assert select_route(wide, torch.float32, "cuda", capability=(9, 0)).attention == "sdpa"
     # the switch, and operands other than fp16 (the fp16 screen's bf16), give back the policy's attention without it
-    x = torch.empty(1, long_eager.seq_len, 0)
+    x = torch.empty(1, row14.seq_len, 0)
     off = route_triton.settle(r, x, {"hopper_attention"})
-    assert off.attention == "triton" and "hopper_attention disabled" in off.reason
+    assert off.attention == "sdpa" and "hopper_attention disabled" in off.reason
     bf16 = route_triton.settle(dataclasses.replace(r, precision="bf16"), x, set())
-    assert bf16.attention == "triton" and "bf16 operands" in bf16.reason
+    assert bf16.attention == "sdpa" and "bf16 operands" in bf16.reason
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (10, 0)])
