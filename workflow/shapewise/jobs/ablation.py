@@ -3,7 +3,8 @@
 For the "all on" model and for each name in model.optimized.OPTIMIZATIONS,
 UserOptimizedTransformer(cfg, disable=(name,)): one accuracy trial against
 the reference (official tolerance; chunked reference when the plain one does
-not fit; computed once, every variant runs the same input) and a median time
+not fit; computed once, before any variant's model exists, so that each variant's
+memory plan counts it; every variant runs the same input) and a median time
 with the shorter ablation protocol. A variant the
 model refuses (for example a forced route that needs the disabled switch) is
 recorded with its error; the job fails only when the "all on" model fails.
@@ -66,9 +67,12 @@ def main(args):
     reference, _ = build_models(row, config, device)
     x, mask, _ = make_case(row, config, device, FIRST_TRIAL_SEED)
     result["call"] = call_of(mask)
+    # the reference's output, computed before any variant's model exists and held beside each: every variant's
+    # memory plan (made at its first call, from the memory free then) counts it
+    expected = Expected(reference, x, mask, reference_fits, settings)
+    reference = None
     set_precision(reference=False)
     used = base_route = None  # the switches the all-on route uses and its route, known after its first call
-    expected = None  # the reference's output, computed at the first variant that runs and held beside the others
     for name, disable in variants():
         variant = {"variant": name, "disable": list(disable)}
         if disable:
@@ -92,8 +96,6 @@ def main(args):
             log(f"{row['id']} without {name}: {variant['error']}")
             result["variants"].append(variant)
             continue
-        if expected is None:
-            expected = Expected(reference, x, mask, reference_fits, settings)
         comparisons, checked = expected.compare(out)
         variant["route"], variant["route_detail"] = route_of(model)
         variant["median_ms"] = statistics.median(times)
