@@ -2,7 +2,8 @@
 
 Three parts, used by the optimized model (each forward's streaming decision) and by the pipeline's preflight:
 - the estimate: `working_set_bytes` (what one forward allocates on a route besides its input and output; each
-  route's module counts its own activations and weight copies), `io_bytes`, and `estimate_memory_bytes` (the whole forward, for the reference and the preflight);
+  route's module counts its own activations and weight copies), `io_bytes`, `estimate_memory_bytes` (the whole forward, for the reference and the preflight) and
+  `chunked_reference_bytes` (the reference's math where its whole forward does not fit);
 - the budget: `available_bytes` reads what this process may still allocate on a device: CUDA free memory plus
   what PyTorch's caching allocator holds unused, bounded by `torch.cuda.set_per_process_memory_fraction` and by
   the user's cap (`memory_budget_bytes=` of the model, or env `SHAPEWISE_MEMORY_BUDGET_GB`);
@@ -94,6 +95,20 @@ def estimate_memory_bytes(config, dtype: torch.dtype, which: str) -> int:
     route = Route(name, _precision_for(name, _dtype_name(dtype), cfg), "estimate")
     weights = parameter_count(cfg.d_model, cfg.ffn_dim, cfg.num_layers) * element_bytes(dtype)
     return int(weights + sum(io_bytes(cfg, dtype)) + working_set_bytes(cfg, dtype, route))
+
+
+def chunked_reference_bytes(config, batch_elements: int, query_block: int) -> int:
+    """Peak bytes `chunked.chunked_reference_forward` allocates on `batch_elements` sampled elements of the input,
+    besides the input itself, in float32: the sampled input and its output, its float32 weight copies, eight
+    `[b, S, d]` activations (h, n1, q, k, v, the attention's output, the out-projection's, the residual), the FFN's
+    two `[b, S, ffn]`, and two score blocks `[b, H, query_block, S]` (scores and probabilities) with the causal
+    block's boolean mask."""
+    cfg = TransformerConfig.from_any(config)
+    b, S = int(batch_elements), cfg.seq_len
+    block = min(int(query_block), S)
+    activations = b * S * (10 * cfg.d_model + 2 * cfg.ffn_dim) * 4
+    scores = 2 * b * cfg.num_heads * block * S * 4 + block * S
+    return int(parameter_count(cfg.d_model, cfg.ffn_dim, cfg.num_layers) * 4 + activations + scores)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -403,31 +403,81 @@ def test_cli_job_takes_its_slot_before_torch(tmp_path):
         held.release()
 
 
-def _preflight(path, **models):
-    path.write_text(json.dumps({"device": "cuda", "total_bytes": 150e9, "models": models}))
+def _preflight(path, job_bytes=None, **models):
+    content = {"device": "cuda", "total_bytes": 150e9, "models": models}
+    if job_bytes is not None:
+        content["job_bytes"] = job_bytes
+    path.write_text(json.dumps(content))
     return path
 
 
-@pytest.mark.parametrize("models, alone", [
-    ({"optimized": {"fits": True, "estimate_bytes": 1.3e9}, "reference": {"fits": True, "estimate_bytes": 19.7e9}},
-     None),
-    ({"optimized": {"fits": True, "estimate_bytes": 28.7e9}}, "optimized model may take 28.7 GB"),
-    ({"optimized": {"fits": True, "estimate_bytes": 1e9}, "reference": {"fits": False, "estimate_bytes": 1e14}},
-     "reference model does not fit in one pass"),
+@pytest.mark.parametrize("job_bytes, models, parts, why", [
+    # official row 6's accuracy on an H200: within one part of 25 GB
+    ({"accuracy": 21.0e9}, {"reference": {"fits": True, "estimate_bytes": 19.7e9}}, 1, None),
+    # official row 14's on an H200: the chunked reference beside input and output, 62 GB
+    ({"accuracy": 62.4e9, "profile": 28.4e9}, {"reference": {"fits": False, "estimate_bytes": 1e14}}, 3,
+     "its accuracy job may take 62.4 GB: 3 parts of 25.0 GB"),
+    ({"accuracy": 151e9}, {}, None, "its accuracy job may take 151.0 GB, above all of the GPU's parts"),
+    # a preflight without job estimates: its models', a model that does not fit taking the whole GPU
+    (None, {"optimized": {"fits": True, "estimate_bytes": 1.3e9}, "reference": {"fits": True,
+                                                                                "estimate_bytes": 19.7e9}}, 1, None),
+    (None, {"optimized": {"fits": True, "estimate_bytes": 28.7e9}}, 2, "optimized model may take 28.7 GB: 2 parts"),
+    (None, {"optimized": {"fits": True, "estimate_bytes": 1e9}, "reference": {"fits": False, "estimate_bytes": 1e14}},
+     None, "reference model does not fit in one pass"),
 ])
-def test_a_row_whose_memory_would_crowd_its_sharers_holds_the_gpu_alone(tmp_path, models, alone):
-    why = gpuslots.memory_alone(_preflight(tmp_path / "preflight.json", **models))
-    assert (why is None) if alone is None else (alone in why and "preflight.json" in why)
+def test_a_sharing_job_takes_the_parts_of_the_gpu_its_memory_needs(tmp_path, job_bytes, models, parts, why):
+    got_parts, got_why = gpuslots.memory_parts(_preflight(tmp_path / "preflight.json", job_bytes, **models),
+                                               "accuracy")
+    assert got_parts == parts
+    assert (got_why is None) if why is None else (why in got_why and "preflight.json" in got_why)
 
 
 def test_no_memory_verdict_without_a_cuda_preflight(tmp_path):
-    assert gpuslots.memory_alone(None) is None
-    assert gpuslots.memory_alone(tmp_path / "missing.json") is None
+    assert gpuslots.memory_parts(None, "accuracy") == (1, None)
+    assert gpuslots.memory_parts(tmp_path / "missing.json", "accuracy") == (1, None)
     (tmp_path / "cpu.json").write_text(json.dumps({"device": "cpu", "total_bytes": 1e9,
                                                    "models": {"reference": {"fits": False}}}))
-    assert gpuslots.memory_alone(tmp_path / "cpu.json") is None
+    assert gpuslots.memory_parts(tmp_path / "cpu.json", "accuracy") == (1, None)
     (tmp_path / "list.json").write_text("[1, 2]")
-    assert gpuslots.memory_alone(tmp_path / "list.json") is None
+    assert gpuslots.memory_parts(tmp_path / "list.json", "accuracy") == (1, None)
+
+
+def test_a_sharer_of_several_parts_takes_that_many_shares(tmp_path):
+    pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
+    n = gpuslots.SHARED_PER_GPU
+    wide = gpuslots.acquire(pool, tmp_path, mode=gpuslots.SHARED, parts=n - 2, why="its accuracy job")
+    record = wide.record()
+    assert record["share_slots"] == list(range(n - 2)) and record["parts_because"] == "its accuracy job"
+    assert gpuslots._try_shared(tmp_path, pool, parts=3) is None  # two shares left: nothing taken
+    small = [gpuslots.acquire(pool, tmp_path, mode=gpuslots.SHARED, poll_s=0.01) for _ in range(2)]
+    assert gpuslots._try_shared(tmp_path, pool) is None
+    wide.release()
+    again = gpuslots.acquire(pool, tmp_path, mode=gpuslots.SHARED, parts=n - 2, poll_s=0.01)
+    assert sorted(again.share_indices + [i for s in small for i in s.share_indices]) == list(range(n))
+    for slot in (again, *small):
+        slot.release()
+    with pytest.raises(gpuslots.GpuError, match="parts"):
+        gpuslots.acquire(pool, tmp_path, mode=gpuslots.SHARED, parts=n + 1)
+
+
+def test_a_profiling_sharer_never_runs_beside_a_sharer_of_several_parts(tmp_path):
+    pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
+    wide = gpuslots.acquire(pool, tmp_path, mode=gpuslots.SHARED, parts=2)
+    assert gpuslots._try_shared(tmp_path, pool, profiling=True) is None
+    plain = gpuslots.acquire(pool, tmp_path, mode=gpuslots.SHARED, poll_s=0.01)  # one that does not profile
+    wide.release()
+    profiling = gpuslots.acquire(pool, tmp_path, mode=gpuslots.SHARED, profiling=True, poll_s=0.01)
+    also = gpuslots.acquire(pool, tmp_path, mode=gpuslots.SHARED, profiling=True, poll_s=0.01)  # profilers share
+    # a sharer of several parts waits for the profilers, and keeps new ones out while it waits
+    gates = {}
+    assert gpuslots._try_shared(tmp_path, pool, parts=2, gates=gates) is None and gates
+    assert gpuslots._try_shared(tmp_path, pool, profiling=True) is None
+    for slot in (profiling, also):
+        slot.release()
+    got = gpuslots._try_shared(tmp_path, pool, parts=2, gates=gates)
+    assert got is not None and not gates
+    gpuslots._close(got[1], *got[2], got[4])
+    plain.release()
 
 
 def test_a_sharing_job_of_a_heavy_row_takes_its_gpu_alone_and_says_why(tmp_path):
@@ -450,6 +500,25 @@ def test_a_sharing_job_of_a_heavy_row_takes_its_gpu_alone_and_says_why(tmp_path)
         sharer.release()
 
 
+def test_a_sharing_job_of_a_wide_row_takes_several_parts_and_says_why(tmp_path):
+    pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
+    preflight = _preflight(tmp_path / "preflight.json", {"accuracy": 62.4e9})
+    sharers = [gpuslots.acquire(pool, _job_lock_dir(tmp_path), mode=gpuslots.SHARED) for _ in range(4)]
+    try:
+        proc = _job_on_one_fake_gpu(tmp_path, "accuracy", "--row", "{}", "--preflight", str(preflight),
+                                    "--chunked", "{}", "--out", str(tmp_path / "acc.json"))
+        try:
+            first, second = proc.stdout.readline(), proc.stdout.readline()
+            assert "takes 3 parts of its GPU" in first and "62.4 GB" in first, first
+            assert "waiting for a free GPU (shared, 3 parts)" in second, second
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+    finally:
+        for slot in sharers:
+            slot.release()
+
+
 def test_the_lock_records_why_a_job_of_a_sharing_step_holds_it_alone(tmp_path):
     pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
     slot = gpuslots.acquire(pool, tmp_path, mode=gpuslots.EXCLUSIVE, why="its row's memory")
@@ -467,10 +536,10 @@ def _snakemake(*args, env=None, cwd=ROOT, timeout=300):
 
 def test_dry_run_takes_the_gpu_count_from_the_pool():
     env = _env(**{gpuslots.FAKE_VAR: "2"})
-    done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", env=env)
+    done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "queue_at_gpu_lock=False", env=env)
     assert done.returncode == 0, done.stderr
     assert "GPU pool: 0,1; at most 2 GPU job(s) at once (gpu resource, from this machine's GPU pool)" in done.stderr
-    done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "--resources", "gpu=1", env=env)
+    done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "--resources", "gpu=1", env=env)  # wins
     assert "at most 1 GPU job(s) at once (gpu resource, from --resources)" in done.stderr
     # queue_at_gpu_lock: one more job per GPU, waiting at its lock; the shares follow
     done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "queue_at_gpu_lock=True", env=env)

@@ -18,6 +18,7 @@ from shapewise.inputs import paths
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / "workflow"
+CHUNKED = json.dumps({"batch_samples": 1, "query_block": 64, "query_samples": "all"})  # the chunked check's settings
 ROW = {"batch_size": 2, "causal": False, "d_model": 32, "dtype": "float32", "ffn_dim": 64, "id": "smoke-noncausal",
        "input_scale": 1.0, "mask": "none", "num_heads": 2, "num_layers": 1, "padding_ratio": 0.0, "pass_mask": True,
        "route": "auto", "seq_len": 7, "trials": 2}
@@ -50,7 +51,7 @@ def _env(run_name=None, **extra):
 def _preflight(tmp_path, name, env, row=None):
     out = tmp_path / f"{name}.json"
     done = subprocess.run([sys.executable, "-m", "shapewise", "job", "preflight", "--device", "auto", "--row",
-                           json.dumps(row or ROW), "--headroom", "0.85", "--out", out.name],
+                           json.dumps(row or ROW), "--headroom", "0.85", "--chunked", CHUNKED, "--out", out.name],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     return done, (json.loads(out.read_text()) if out.is_file() else None)
 
@@ -219,7 +220,7 @@ def test_a_state_with_cuda_or_threads_is_not_forked():
 def test_a_job_whose_device_is_not_the_servers_runs_fresh(tmp_path, monkeypatch):
     monkeypatch.setenv(gpuslots.POOL_VAR, "")
     argv = ["job", "preflight", "--device", "cpu", "--row", json.dumps(ROW), "--headroom", "0.85",
-            "--out", str(tmp_path / "p.json")]
+            "--chunked", CHUNKED, "--out", str(tmp_path / "p.json")]
     with pytest.raises(jobserver.RunFresh, match="runs on cpu, the job server serves cuda"):
         jobprocess.run_forked(argv, "cuda")
     assert not (tmp_path / "p.json").exists()

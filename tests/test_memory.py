@@ -260,12 +260,60 @@ def test_preflight_job_records_the_plan(tmp_path, monkeypatch):
 
     monkeypatch.delenv(memory.BUDGET_ENV, raising=False)
     out = tmp_path / "pre.json"
-    args = SimpleNamespace(device="cpu", row=row_json(_row()), headroom=0.85, out=str(out))
+    args = SimpleNamespace(device="cpu", row=row_json(_row()), headroom=0.85, out=str(out),
+                           chunked=json.dumps({"batch_samples": 2, "query_block": 64, "query_samples": "all"}))
     assert preflight.main(args) == 0
     result = json.loads(out.read_text())
     assert result["models"]["reference"]["fits"] and preflight.fits(result, "optimized")
     assert result["io_bytes"] == 2 * 5 * 9 * 32 * 4
     assert result["models"]["optimized"]["plan"]["routes"][0].startswith("sdpa/fp32")
+    # what each sharing job may take (its lock's parts come from it): the reference fits, so accuracy counts it whole
+    run = result["models"]["optimized"]["estimate_bytes"]
+    assert result["job_bytes"]["warmup"] == result["job_bytes"]["profile"] == run
+    assert result["job_bytes"]["accuracy"] >= result["models"]["reference"]["estimate_bytes"] + result["io_bytes"]
+
+
+def test_the_chunked_check_counts_its_score_blocks_not_the_whole_scores():
+    """Official row 14: two sampled elements' score blocks (2 x 13.1 GB) dominate; the input and output beside them
+    make the accuracy job's 62.5 GB, three of an H200's six parts."""
+    from shapewise.jobs.preflight import job_bytes
+    from shapewise.model.config import TransformerConfig
+
+    row14 = TransformerConfig(batch_size=32, seq_len=100_000, d_model=1024, num_heads=16, ffn_dim=1024,
+                              num_layers=2, causal=True)
+    block = 2 * 16 * 1024 * 100_000 * 4
+    got = memory.chunked_reference_bytes(row14, 2, 1024)
+    assert 2 * block < got < 2 * block + 12 * 2 * 100_000 * 1024 * 4 + 10**9  # and 12 [2, S, d]-sized tensors
+    assert memory.chunked_reference_bytes(row14, 1, 1024) < got / 1.9  # per sampled element
+    assert memory.chunked_reference_bytes(row14, 2, 10**6) == memory.chunked_reference_bytes(row14, 2, 100_000)
+    models = {"optimized": {"fits": True, "estimate_bytes": 28.4e9}, "reference": {"fits": False}}
+    jobs = job_bytes({"dtype": "float32"}, row14, models, {"batch_samples": 2, "query_block": 1024})
+    assert jobs["profile"] == 28.4e9 and 62e9 < jobs["accuracy"] < 63e9
+    assert job_bytes({"dtype": "float32"}, row14, {**models, "optimized": {"fits": False}}, {}) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_chunked_check_estimate_bounds_its_peak_on_the_gpu():
+    """What chunked_reference_forward allocates on the GPU stays under chunked_reference_bytes, and the estimate is
+    not loose by more than half."""
+    from shapewise.model import BaselineTransformer
+    from shapewise.model.chunked import chunked_reference_forward
+
+    cfg = TransformerConfig(batch_size=4, seq_len=4096, d_model=256, num_heads=8, ffn_dim=512, num_layers=2,
+                            causal=True)
+    torch.manual_seed(0)
+    model = BaselineTransformer(cfg).cuda()
+    x = torch.randn(2, cfg.seq_len, cfg.d_model, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = chunked_reference_forward(model, x, torch.ones(2, cfg.seq_len, dtype=torch.bool, device="cuda"),
+                                    query_block=512)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    estimate = memory.chunked_reference_bytes(cfg, 2, 512)
+    assert out.shape == x.shape and peak <= estimate < 2 * peak, (peak, estimate)
 
 
 def test_memory_cap_benchmark_runs_on_tiny_shapes(tmp_path):

@@ -49,7 +49,7 @@ def headroom_between_estimates(row):
 def test_reference_that_does_not_fit_uses_the_chunked_check(tmp_path):
     row = row_json(ROW)
     job(tmp_path, "preflight", "--device", "cpu", "--row", row, "--headroom", str(headroom_between_estimates(ROW)),
-        "--out", "pre.json")
+        "--chunked", CHUNKED, "--out", "pre.json")
     pre = json.loads((tmp_path / "pre.json").read_text())
     assert pre["models"]["optimized"]["fits"] and not pre["models"]["reference"]["fits"]
 
@@ -69,7 +69,8 @@ def test_reference_that_does_not_fit_uses_the_chunked_check(tmp_path):
 @pytest.mark.slow
 def test_optimized_that_does_not_fit_is_a_resource_skip_not_a_pass(tmp_path):
     row = row_json(ROW)
-    job(tmp_path, "preflight", "--device", "cpu", "--row", row, "--headroom", "1e-12", "--out", "pre.json")
+    job(tmp_path, "preflight", "--device", "cpu", "--row", row, "--headroom", "1e-12", "--chunked", CHUNKED,
+        "--out", "pre.json")
     job(tmp_path, "accuracy", "--device", "cpu", "--row", row, "--preflight", "pre.json", "--chunked",
         json.dumps({"batch_samples": 1, "query_block": 64, "query_samples": "all"}), "--out", "acc.json")
     acc = json.loads((tmp_path / "acc.json").read_text())
@@ -120,7 +121,8 @@ def test_ablation_records_switches_the_route_does_not_use_and_configured_time_sk
     `skip` mapping is a time skip with its reason; the others run and are checked."""
     row = normalize_row({"id": "abl-row", "batch_size": 2, "seq_len": 7, "d_model": 32, "num_heads": 2,
                          "ffn_dim": 32, "num_layers": 1, "trials": 1, "route": "triton"})
-    job(tmp_path, "preflight", "--device", "cpu", "--row", row_json(row), "--headroom", "0.85", "--out", "pre.json")
+    job(tmp_path, "preflight", "--device", "cpu", "--row", row_json(row), "--headroom", "0.85",
+        "--chunked", CHUNKED, "--out", "pre.json")
     protocol = {"cpu": {"warmup": 0, "rounds": 1, "calls": 1, "skip": {"packed_qkv": "too slow here"}}}
     job(tmp_path, "ablation", "--device", "cpu", "--row", row_json(row), "--preflight", "pre.json",
         "--protocol", json.dumps(protocol), "--chunked", json.dumps({"batch_samples": 1, "query_block": 64,

@@ -16,12 +16,13 @@ HOSTILE = normalize_row({"id": "hostile", "batch_size": 100_000, "seq_len": 100_
                          "num_heads": 64, "ffn_dim": 32768, "num_layers": 96})
 SMALL = normalize_row({"id": "small", "batch_size": 1, "seq_len": 8, "d_model": 16, "num_heads": 2, "ffn_dim": 32,
                        "num_layers": 1, "trials": 1})
+CHUNKED = json.dumps({"batch_samples": 1, "query_block": 64, "query_samples": "all"})  # the chunked check's settings
 
 
 def run_preflight(tmp_path, row):
     out = tmp_path / f"{row['id']}.json"
     assert main(["job", "preflight", "--device", "cpu", "--row", row_json(row), "--headroom", "0.85",
-                 "--out", str(out)]) == 0
+                 "--chunked", CHUNKED, "--out", str(out)]) == 0
     return json.loads(out.read_text())
 
 

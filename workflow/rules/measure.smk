@@ -62,6 +62,7 @@ rule preflight:
     params:
         **ROW_PARAMS,
         headroom=config["preflight"]["headroom"],
+        chunked=CHUNKED_CHECK,
     shell:
         job_shell("preflight")
 

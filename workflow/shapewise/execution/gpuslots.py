@@ -10,8 +10,10 @@ A job (shapewise.cli.run_job, before anything imports torch) takes a slot of one
 locked with flock, in the mode of its step (GPU_USE): exclusive for the steps that time (timing, ablation,
 microbench), shared for the others (preflight, warm-up, accuracy, profile, the environment fingerprint), at
 most SHARED_PER_GPU at once and never beside an exclusive holder; an exclusive job waiting for a GPU's sharers
-to finish keeps new ones out (see the lock layout above `Slot`). A job of a sharing step whose row needs more than
-a sharer's part of the GPU's memory holds it alone (`memory_alone`). The kernel releases the locks when the process
+to finish keeps new ones out (see the lock layout above `Slot`). A sharer takes as many of those SHARED_PER_GPU
+shares as its job's memory estimate needs parts of the GPU's memory (`memory_parts`: official row 14's accuracy
+three of an H200's six), and holds the GPU alone only where that is more than all of them; a job that profiles
+never shares its GPU with a job of several parts, whose kernels would stretch the profiled ones. The kernel releases the locks when the process
 ends, crashes or is killed, so a lock file left behind never blocks anything. When no slot can be had the job
 waits, with a log line. The job then runs with CUDA_VISIBLE_DEVICES set to its GPU (the user's own token for
 it when the user set CUDA_VISIBLE_DEVICES, else the GPU's UUID, which names it whatever CUDA_DEVICE_ORDER
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import re
 import socket
@@ -54,6 +57,8 @@ SOURCES = ("lock", "slurm", "user", "none")
 MODES = (EXCLUSIVE, SHARED)
 # The mode of each step's jobs (shapewise job STEP), as shapewise.inputs.steps gives it.
 GPU_USE = {name: step.gpu for name, step in steps.STEPS.items()}
+# The steps whose jobs profile: never beside a sharer of several parts.
+PROFILING = frozenset(name for name, step in steps.STEPS.items() if step.profiles)
 # At most this many jobs share one GPU (the measurement behind it: docs/decisions.md).
 SHARED_PER_GPU = 6
 # "exclusive" for a job that runs again holding its GPU alone (shapewise.execution.gpushare: a kernel choice to time).
@@ -198,7 +203,12 @@ def _log(message):
 #   gpu-<i>.gate          flock LOCK_EX by an exclusive holder, and by an exclusive job waiting for the GPU's sharers
 #                         to finish: a job that would share checks it on the way in (LOCK_SH, non-blocking) and
 #                         stays out, so sharers never starve a job that times
-#   gpu-<i>.share-<k>.lock  k < SHARED_PER_GPU: one per sharing job, the bound on how many share the GPU
+#   gpu-<i>.share-<k>.lock  k < SHARED_PER_GPU: one per part of the GPU a sharing job takes (`memory_parts`), the
+#                         bound on how many share the GPU and on the memory they take
+#   gpu-<i>.wide          flock LOCK_EX by a sharer of several parts, LOCK_SH by each profiling sharer of one part:
+#                         never both at once
+#   gpu-<i>.wide-gate     flock LOCK_EX by a sharer of several parts from the moment it waits until it holds `wide`:
+#                         a profiling sharer checks it on the way in (LOCK_SH, non-blocking) and stays out
 #   gpu-<i>.holders/<pid>.json  one note per holder, either mode, removed on release: who held the GPU when
 #                         (a note whose process is gone is ignored)
 # An exclusive lock is only ever taken with the gate held, and a job enters as a sharer only with the gate free,
@@ -233,6 +243,14 @@ def _gate_file(directory, gpu):
 
 def _share_file(directory, gpu, k):
     return Path(directory) / f"gpu-{gpu['index']}.share-{k}.lock"
+
+
+def _wide_file(directory, gpu):
+    return Path(directory) / f"gpu-{gpu['index']}.wide"
+
+
+def _wide_gate_file(directory, gpu):
+    return Path(directory) / f"gpu-{gpu['index']}.wide-gate"
 
 
 def _notes_dir(directory, gpu):
@@ -272,12 +290,14 @@ def holders(directory, gpu, exclude_pid=None):
 class Slot:
     """One GPU held by this process, shared or alone, through flocks on its lock files."""
 
-    def __init__(self, gpu, directory, mode, fd, gate=None, share=None, share_index=None, label="", waited_s=0.0,
-                 why=None):
+    def __init__(self, gpu, directory, mode, fd, gate=None, shares=(), share_indices=(), wide=None, label="",
+                 waited_s=0.0, why=None):
         self.gpu, self.directory, self.mode, self.fd = gpu, Path(directory), mode, fd
-        self.why = why  # why a job of a sharing step holds its GPU alone (None: its step's mode)
+        # why a job of a sharing step holds its GPU alone, or takes several parts of it (None: its step's mode)
+        self.why = why
         self.path = _lock_file(directory, gpu)
-        self.gate, self.share, self.share_index, self.label = gate, share, share_index, label
+        self.gate, self.shares, self.share_indices, self.wide = gate, list(shares), list(share_indices), wide
+        self.label = label
         self.waited_s = waited_s
         self.acquired = datetime.now().astimezone().isoformat(timespec="milliseconds")
         self.note = {"pid": os.getpid(), "start_ticks": _start_ticks(os.getpid()), "host": socket.gethostname(),
@@ -312,7 +332,7 @@ class Slot:
             raise GpuError(f"GPU {self.gpu['index']}: every share slot is held while this job holds the GPU alone")
         fcntl.flock(self.fd, fcntl.LOCK_SH)
         _close(self.gate)
-        self.gate, self.share, self.share_index, self.mode = None, share, k, SHARED
+        self.gate, self.shares, self.share_indices, self.mode = None, [share], [k], SHARED
         self.note = dict(self.note, mode=SHARED, shared_since=datetime.now().astimezone().isoformat(
             timespec="milliseconds"))
         self._write_note()
@@ -322,12 +342,14 @@ class Slot:
         that held the GPU when it was taken (none for an exclusive holder)."""
         out = {"mode": self.mode, "gpu": self.gpu["index"], "lock": str(self.path), "acquired": self.acquired,
                "waited_s": round(self.waited_s, 3), "others_at_start": self.others_at_start}
-        if self.share_index is not None:
-            out["share_slot"] = self.share_index
+        if self.share_indices:
+            out["share_slot"] = self.share_indices[0]
+        if len(self.share_indices) > 1:
+            out["share_slots"] = list(self.share_indices)
         if self.note.get("shared_since"):
             out["shared_since"] = self.note["shared_since"]
         if self.why:
-            out["alone_because"] = self.why
+            out["alone_because" if self.mode == EXCLUSIVE else "parts_because"] = self.why
         return out
 
     def others_now(self):
@@ -340,8 +362,9 @@ class Slot:
                 self._note_path().unlink()
             except OSError:
                 pass
-            _close(self.share, self.fd, self.gate)
-            self.fd = self.gate = self.share = None
+            _close(*self.shares, self.wide, self.fd, self.gate)
+            self.fd = self.gate = self.wide = None
+            self.shares = []
         if self in _HELD:
             _HELD.remove(self)
 
@@ -411,9 +434,44 @@ def _try_exclusive(directory, pool, pending):
     return None
 
 
-def _try_shared(directory, pool):
-    """One non-blocking round for a share of a GPU: the GPU with the most live sharers that has room (so whole
-    GPUs stay free for jobs that time), then the others in pool order."""
+def _take_wide(directory, gpu, parts, profiling, gates):
+    """The `wide` flock a sharer needs on `gpu` (see the lock layout), True where it needs none, or None when it
+    cannot have it now. A sharer of several parts takes the wide gate first and keeps it in `gates` (by GPU index)
+    while it waits, so no new profiling sharer comes in; a profiling sharer enters only while the gate is free."""
+    if parts > 1:
+        if gpu["index"] not in gates:
+            gate = _open(_wide_gate_file(directory, gpu))
+            if not _try_lock(gate, fcntl.LOCK_EX):
+                _close(gate)
+                return None
+            gates[gpu["index"]] = gate
+        how = fcntl.LOCK_EX
+    elif profiling:
+        gate = _open(_wide_gate_file(directory, gpu))
+        free = _try_lock(gate, fcntl.LOCK_SH)
+        _close(gate)  # checked on the way in only
+        if not free:
+            return None
+        how = fcntl.LOCK_SH
+    else:
+        return True
+    wide = _open(_wide_file(directory, gpu))
+    if _try_lock(wide, how):
+        return wide
+    _close(wide)
+    return None
+
+
+def _try_shared(directory, pool, parts=1, profiling=False, gates=None):
+    """One non-blocking round for `parts` shares of a GPU: the GPU with the most live sharers that has room (so
+    whole GPUs stay free for jobs that time), then the others in pool order. `profiling`: the job profiles (no
+    sharer of several parts beside it); `gates`: the wide gates this acquirer holds while it waits (_take_wide)."""
+    if gates is None:  # a single round: no gate is kept for a next one
+        gates = {}
+        got = _try_shared(directory, pool, parts, profiling, gates)
+        _close(*gates.values())
+        return got
+
     def sharers(gpu):
         return sum(1 for note in holders(directory, gpu) if note.get("mode") == SHARED)
 
@@ -422,46 +480,61 @@ def _try_shared(directory, pool):
         if not _try_lock(gate, fcntl.LOCK_SH):  # an exclusive holder or waiter
             _close(gate)
             continue
+        wide = _take_wide(directory, gpu, parts, profiling, gates)
+        if wide is None:
+            _close(gate)
+            continue
+        wide = None if wide is True else wide
         fd = _open(_lock_file(directory, gpu))
         if not _try_lock(fd, fcntl.LOCK_SH):
-            _close(fd, gate)
+            _close(fd, gate, wide)
             continue
+        taken = []
         for k in range(SHARED_PER_GPU):
             share = _open(_share_file(directory, gpu, k))
             if _try_lock(share, fcntl.LOCK_EX):
-                _close(gate)  # checked on the way in only
-                return gpu, fd, share, k
-            _close(share)
-        _close(fd, gate)  # SHARED_PER_GPU jobs share it already
+                taken.append((share, k))
+                if len(taken) == parts:
+                    _close(gate, *gates.values())  # checked on the way in only; the wide lock, if any, is held
+                    gates.clear()
+                    return gpu, fd, [t[0] for t in taken], [t[1] for t in taken], wide
+            else:
+                _close(share)
+        _close(*(t[0] for t in taken), fd, gate, wide)  # fewer than `parts` shares free
     return None
 
 
-def acquire(pool, directory=None, label="", poll_s=0.1, log_every_s=60.0, log=_log, mode=None, why=None):
+def acquire(pool, directory=None, label="", poll_s=0.1, log_every_s=60.0, log=_log, mode=None, why=None, parts=1,
+            profiling=False):
     """Lock a GPU of `pool` and return its Slot; wait while none can be had. `mode` EXCLUSIVE (the default): the
     first GPU of the pool that nobody holds, else the first that only sharers hold, once they are done; SHARED:
-    a GPU no exclusive job holds or waits for, with fewer than SHARED_PER_GPU sharers. The lock lives as long as
-    the returned Slot's files are open (at most as long as the process). `why`: the reason a job of a sharing step
-    takes it EXCLUSIVE, recorded with the lock."""
+    `parts` of the SHARED_PER_GPU shares of a GPU no exclusive job holds or waits for (`profiling`: nor a sharer of
+    several parts, and a job of several parts none that profiles). The lock lives as long as the returned Slot's
+    files are open (at most as long as the process). `why`: the reason a job of a sharing step takes it EXCLUSIVE,
+    or several parts of it, recorded with the lock."""
     mode = mode or EXCLUSIVE
     if mode not in MODES:
         raise GpuError(f"GPU lock mode {mode!r}: expected one of {MODES}")
     if not pool:
         raise GpuError("no GPU to take a slot from")
+    if not (isinstance(parts, int) and 1 <= parts <= SHARED_PER_GPU):
+        raise GpuError(f"GPU lock parts {parts!r}: expected a whole number from 1 to {SHARED_PER_GPU}")
     directory = Path(directory or lock_dir())
     directory.mkdir(parents=True, exist_ok=True)
-    waited_since, last_log, pending = None, None, [None, None]
+    waited_since, last_log, pending, gates = None, None, [None, None], {}
     t0 = time.monotonic()
     while True:
-        got = _try_exclusive(directory, pool, pending) if mode == EXCLUSIVE else _try_shared(directory, pool)
+        got = _try_exclusive(directory, pool, pending) if mode == EXCLUSIVE else \
+            _try_shared(directory, pool, parts, profiling, gates)
         if got is not None:
             if mode == EXCLUSIVE:
                 gpu, fd, gate = got
                 slot = Slot(gpu, directory, mode, fd, gate=gate, label=label, waited_s=time.monotonic() - t0,
                             why=why)
             else:
-                gpu, fd, share, k = got
-                slot = Slot(gpu, directory, mode, fd, share=share, share_index=k, label=label,
-                            waited_s=time.monotonic() - t0)
+                gpu, fd, shares, indices, wide = got
+                slot = Slot(gpu, directory, mode, fd, shares=shares, share_indices=indices, wide=wide, label=label,
+                            waited_s=time.monotonic() - t0, why=why)
             _HELD.append(slot)
             waited = "" if waited_since is None else f" after waiting {time.monotonic() - waited_since:.1f} s"
             how = "holding" if mode == EXCLUSIVE else "sharing"
@@ -471,7 +544,8 @@ def acquire(pool, directory=None, label="", poll_s=0.1, log_every_s=60.0, log=_l
         if waited_since is None:
             waited_since = now
         if last_log is None or now - last_log >= log_every_s:
-            log(f"waiting for a free GPU ({mode}): " + _describe_holders(directory, pool, pending))
+            what = mode if parts == 1 else f"{mode}, {parts} parts"
+            log(f"waiting for a free GPU ({what}): " + _describe_holders(directory, pool, pending))
             last_log = now
         time.sleep(poll_s)
 
@@ -487,31 +561,41 @@ def _describe_holders(directory, pool, pending):
     return f"all {len(pool)} of the pool are held ({'; '.join(parts)})"
 
 
-def memory_alone(preflight_path):
-    """Why a job that times nothing holds its GPU alone for the memory its row takes, or None: its row's preflight
-    (a result file) has a model that does not fit in one pass, or one whose estimated peak is above a sharer's part
-    of the GPU (its memory / SHARED_PER_GPU): its memory plan takes what the GPU has free, and a job beside it would
-    run out. None where the preflight is not a CUDA one or cannot be read (the job itself then says so)."""
+def memory_parts(preflight_path, step):
+    """(parts, why) for a job of the sharing step `step`: how many of its GPU's SHARED_PER_GPU parts (the GPU's
+    memory / SHARED_PER_GPU each) the job takes, from its row's preflight (a result file): its `job_bytes[step]`,
+    the job's estimated peak (shapewise.jobs.preflight.job_bytes). parts None: more than all of them, the job holds
+    its GPU alone. A preflight without that estimate (made before it existed) counts its models' estimates, and a
+    model that does not fit in one pass as all of the GPU. (1, None) where the preflight is not a CUDA one or cannot
+    be read (the job itself then says so); `why` says where more than one part comes from."""
     try:
         preflight = json.loads(Path(preflight_path).read_text())
     except (OSError, TypeError, ValueError):
-        return None
+        return 1, None
     if not isinstance(preflight, dict):
-        return None
+        return 1, None
     total = preflight.get("total_bytes")
     if preflight.get("device") != "cuda" or not isinstance(total, (int, float)) or total <= 0:
-        return None
+        return 1, None
     part = total / SHARED_PER_GPU
-    for name, model in sorted((preflight.get("models") or {}).items()):
-        if not isinstance(model, dict):
-            continue
-        if model.get("fits") is False:
-            return f"its row's {name} model does not fit in one pass (preflight {preflight_path})"
-        estimate = model.get("estimate_bytes")
-        if isinstance(estimate, (int, float)) and estimate > part:
-            return (f"its row's {name} model may take {estimate / 1e9:.1f} GB, above a sharer's part of the GPU "
-                    f"({total / 1e9:.1f} GB / {SHARED_PER_GPU}; preflight {preflight_path})")
-    return None
+    source = f"total {total / 1e9:.1f} GB / {SHARED_PER_GPU}; preflight {preflight_path}"
+    estimate = (preflight.get("job_bytes") or {}).get(step)
+    if isinstance(estimate, (int, float)) and not isinstance(estimate, bool):
+        what = f"its {step} job may take {estimate / 1e9:.1f} GB"
+    else:
+        estimate, what = 0, None
+        for name, model in sorted((preflight.get("models") or {}).items()):
+            if not isinstance(model, dict):
+                continue
+            if model.get("fits") is False:
+                return None, f"its row's {name} model does not fit in one pass (preflight {preflight_path})"
+            value = model.get("estimate_bytes")
+            if isinstance(value, (int, float)) and value > estimate:
+                estimate, what = value, f"its row's {name} model may take {value / 1e9:.1f} GB"
+    parts = max(1, math.ceil(estimate / part))
+    if parts > SHARED_PER_GPU:
+        return None, f"{what}, above all of the GPU's parts ({source})"
+    return parts, (None if parts == 1 else f"{what}: {parts} parts of {part / 1e9:.1f} GB ({source})")
 
 
 def _cuda_available():
@@ -535,12 +619,12 @@ def job_mode(step, environ=None):
 
 
 def enter_job(device, needs_gpu=True, environ=None, cuda_available=None, directory=None, label="",
-              on_slot=None, mode=None, why=None):
+              on_slot=None, mode=None, why=None, parts=1, profiling=False):
     """Give this job process its GPU before anything imports torch; return the device it runs on
     (`auto` resolved). Sets CUDA_VISIBLE_DEVICES, SHAPEWISE_PIPELINE_GPU_SLOT and ..._SLOT_SOURCE in
     `environ` (os.environ). `needs_gpu` False: a job that declares no GPU (gpu=0) takes no slot. `mode`: the
     lock's mode (EXCLUSIVE, the default, or SHARED; see job_mode); `why`: why a job of a sharing step takes it
-    EXCLUSIVE (recorded with the lock).
+    EXCLUSIVE, or `parts` shares of it (recorded with the lock); `profiling`: a sharer that profiles (acquire).
     `on_slot()` runs once those are set and before `auto` is resolved (which imports torch): the place to pin
     the job's CPU cores (shapewise.execution.cpus.pin_job)."""
     env = os.environ if environ is None else environ
@@ -553,13 +637,15 @@ def enter_job(device, needs_gpu=True, environ=None, cuda_available=None, directo
         elif POOL_VAR in env:  # a pipeline run on this machine published its pool
             pool = resolve_pool(env[POOL_VAR].split(","), env) if env[POOL_VAR] else []
             if pool:
-                slot, source = acquire(pool, directory, label, mode=mode, why=why), "lock"
+                slot, source = acquire(pool, directory, label, mode=mode, why=why, parts=parts,
+                                       profiling=profiling), "lock"
         elif env.get("CUDA_VISIBLE_DEVICES"):  # a job run by hand on the GPU(s) the user chose
             source = "user"
         else:  # a job run by hand: take a slot of every GPU here
             pool = resolve_pool("all", env)
             if pool:
-                slot, source = acquire(pool, directory, label, mode=mode, why=why), "lock"
+                slot, source = acquire(pool, directory, label, mode=mode, why=why, parts=parts,
+                                       profiling=profiling), "lock"
     if slot is not None:
         env["CUDA_VISIBLE_DEVICES"] = slot.gpu["token"]
         env[SLOT_VAR] = slot.gpu["index"]

@@ -62,7 +62,8 @@ class Step:
     `identity`: its job records the implementation and environment digests and the passed variables (every step
     but the fingerprints, which make those digests). `reported`: the report reads its results (a row's warm-up
     only compiles). `values`: options whose value differs from OPTIONS/JOB_WIDE for this step. `out`: the output
-    its --out names."""
+    its --out names. `profiles`: its job records kernel durations, so it never shares its GPU with a job that takes
+    several parts of it (shapewise.execution.gpuslots)."""
 
     name: str
     per: str
@@ -74,6 +75,7 @@ class Step:
     reported: bool = True
     values: dict = field(default_factory=dict)
     out: str = "{output}"
+    profiles: bool = False
 
     def value(self, option):
         if option in self.values:
@@ -102,17 +104,17 @@ STEPS = {step.name: step for step in (
     _step("fingerprint", RUN, SHARED, None, ("kind", "device", "dag-digest", "root"), identity=False,
           values={"device": "{DEVICE_ARG}"}),
     _step("microbench", RUN, EXCLUSIVE, None, ("settings", "threads")),
-    _step("preflight", SHAPE, SHARED, 4, ("row", "headroom")),
+    _step("preflight", SHAPE, SHARED, 4, ("row", "headroom", "chunked")),
     _step("warmup", SHAPE, SHARED, 3, ("row", "preflight", "protocol", "threads"), reported=False),
     _step("accuracy", SHAPE, SHARED, 2, ("row", "preflight", "chunked", "threads")),
     _step("timing", SHAPE, EXCLUSIVE, 1, ("row", "preflight", "microbench", "protocol", "threads")),
     _step("profile", SHAPE, SHARED, 2, ("row", "preflight", "capture", "threads", "csv", "trace"),
-          out="{output.table}"),
+          out="{output.table}", profiles=True),
     _step("ablation", SHAPE, EXCLUSIVE, 1, ("row", "preflight", "protocol", "chunked", "threads")),
     _step("candidate-accuracy", CANDIDATE, SHARED, 2, (*_CANDIDATE_OPTIONS, "headroom", "chunked")),
     _step("candidate-timing", CANDIDATE, EXCLUSIVE, 1, (*_CANDIDATE_OPTIONS, "headroom", "protocol")),
     _step("candidate-profile", CANDIDATE, SHARED, 2, (*_CANDIDATE_OPTIONS, "capture", "csv", "trace"),
-          out="{output.table}"),
+          out="{output.table}", profiles=True),
 )}
 
 

@@ -14,6 +14,9 @@ weights, on the host and on the device) are checked against the available RAM an
 the headroom: a row whose weights alone cannot be held is a resource skip without building anything.
 
 A model that does not fit is a resource skip for that model in the later jobs, never a pass.
+
+`job_bytes`: the estimated peak of each of the row's jobs that may share their GPU (warm-up, accuracy, profile),
+from which shapewise.execution.gpuslots gives each job as many parts of the GPU as it needs.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from shapewise.jobs.inputs import DTYPES
 from shapewise.jobs.io import header, log, write_result
 from shapewise.jobs.models import build_optimized, model_config
 from shapewise.model.config import parameter_count
-from shapewise.model.memory import MemoryBudgetError, estimate_memory_bytes, io_bytes
+from shapewise.model.memory import MemoryBudgetError, chunked_reference_bytes, estimate_memory_bytes, io_bytes
 from shapewise.model.routing import RouteUnavailable
 
 
@@ -63,8 +66,29 @@ def main(args):
     models["optimized"] = optimized_fit(row, config, device, budget, args.headroom)
     result["io_bytes"] = models["optimized"]["io_bytes"]
     result["models"] = models
+    result["job_bytes"] = job_bytes(row, config, models, json.loads(args.chunked))
     write_result(args.out, result)
     return 0
+
+
+def job_bytes(row, config, models, chunked):
+    """{step: estimated peak device bytes} of the row's jobs that may share their GPU, {} where the optimized model
+    does not fit (its jobs are resource skips). Warm-up and profile run the optimized model: its plan's estimate,
+    input included. Accuracy runs it, then, beside the input and the optimized output, the reference: whole in
+    float32 (its estimate) or, where that does not fit, chunked on `chunked["batch_samples"]` elements
+    (shapewise.jobs.check); with both models' float32 weights."""
+    optimized = models["optimized"]
+    if not optimized["fits"]:
+        return {}
+    x_bytes, out_bytes = io_bytes(config, DTYPES[row["dtype"]])
+    weights = 2 * parameter_count(config.d_model, config.ffn_dim, config.num_layers) * 4
+    if models["reference"]["fits"]:
+        reference = models["reference"]["estimate_bytes"] + x_bytes + out_bytes
+    else:
+        samples = min(int(chunked["batch_samples"]), config.batch_size)
+        reference = x_bytes + out_bytes + chunked_reference_bytes(config, samples, chunked["query_block"])
+    run = int(optimized["estimate_bytes"])
+    return {"warmup": run, "profile": run, "accuracy": max(run, reference) + weights}
 
 
 def _gib(value):
