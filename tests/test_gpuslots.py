@@ -432,6 +432,15 @@ def test_a_sharing_job_takes_the_parts_of_the_gpu_its_memory_needs(tmp_path, job
     assert (got_why is None) if why is None else (why in got_why and "preflight.json" in got_why)
 
 
+def test_with_memory_parts_off_a_job_of_several_parts_holds_the_gpu_alone(tmp_path):
+    preflight = _preflight(tmp_path / "preflight.json", {"accuracy": 62.4e9, "warmup": 1e9})
+    off = {gpuslots.PARTS_VAR: "0"}
+    parts, why = gpuslots.memory_parts(preflight, "accuracy", off)
+    assert parts is None and "gpu_memory_parts is off" in why
+    assert gpuslots.memory_parts(preflight, "warmup", off) == (1, None)
+    assert gpuslots.memory_parts(preflight, "accuracy", {gpuslots.PARTS_VAR: "1"})[0] == 3
+
+
 def test_no_memory_verdict_without_a_cuda_preflight(tmp_path):
     assert gpuslots.memory_parts(None, "accuracy") == (1, None)
     assert gpuslots.memory_parts(tmp_path / "missing.json", "accuracy") == (1, None)
@@ -886,7 +895,7 @@ def test_a_run_begins_with_its_pool_identity_and_triton_cache_for_its_jobs(tmp_p
     marker = runs.begin(pool, ["snakemake", "--cores", "all"], environ=environ, directory=tmp_path)
     assert environ[gpuslots.POOL_VAR] == "0,1" and environ[gpuslots.RUN_SLURM_VAR] == "77"
     assert environ[jobserver.RUN_VAR] == jobserver.run_id() and jobserver.run_alive(environ[jobserver.RUN_VAR])
-    assert environ["TRITON_CACHE_DIR"] == str(paths.TRITON_CACHE)
+    assert environ["TRITON_CACHE_DIR"] == str(paths.TRITON_CACHE) and environ[gpuslots.PARTS_VAR] == "1"
     assert runs.read_marker(environ[jobserver.RUN_VAR], tmp_path) == marker
     assert [g["uuid"] for g in marker["gpus"]] == ["GPU-fake-0", "GPU-fake-1"]
     assert marker["command"] == ["snakemake", "--cores", "all"]

@@ -69,7 +69,7 @@ if workflow.is_main_process:
 
 onstart:
     try:
-        sw_runs.begin(GPU_POOL, sys.argv)
+        sw_runs.begin(GPU_POOL, sys.argv, memory_parts=config["gpu_memory_parts"])
     except sw_runs.RunConflict as exc:
         raise WorkflowError(str(exc)) from None
 

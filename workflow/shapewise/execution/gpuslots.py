@@ -63,6 +63,9 @@ PROFILING = frozenset(name for name, step in steps.STEPS.items() if step.profile
 SHARED_PER_GPU = 6
 # "exclusive" for a job that runs again holding its GPU alone (shapewise.execution.gpushare: a kernel choice to time).
 USE_VAR = "SHAPEWISE_PIPELINE_GPU_USE"
+# "0": a sharing job whose memory needs several parts of its GPU holds it alone instead (config gpu_memory_parts
+# false, set for the run's jobs by shapewise.execution.runs.begin).
+PARTS_VAR = "SHAPEWISE_PIPELINE_MEMORY_PARTS"
 
 # Per checkout (the .snakemake/ directory is git-ignored) and per host: a checkout on a shared file system
 # used from several nodes never makes one node's jobs wait for another node's GPU 0.
@@ -561,13 +564,14 @@ def _describe_holders(directory, pool, pending):
     return f"all {len(pool)} of the pool are held ({'; '.join(parts)})"
 
 
-def memory_parts(preflight_path, step):
+def memory_parts(preflight_path, step, environ=None):
     """(parts, why) for a job of the sharing step `step`: how many of its GPU's SHARED_PER_GPU parts (the GPU's
     memory / SHARED_PER_GPU each) the job takes, from its row's preflight (a result file): its `job_bytes[step]`,
     the job's estimated peak (shapewise.jobs.preflight.job_bytes). parts None: more than all of them, the job holds
     its GPU alone. A preflight without that estimate (made before it existed) counts its models' estimates, and a
     model that does not fit in one pass as all of the GPU. (1, None) where the preflight is not a CUDA one or cannot
-    be read (the job itself then says so); `why` says where more than one part comes from."""
+    be read (the job itself then says so); `why` says where more than one part comes from. With PARTS_VAR "0" in
+    `environ` (os.environ) a job of several parts holds its GPU alone."""
     try:
         preflight = json.loads(Path(preflight_path).read_text())
     except (OSError, TypeError, ValueError):
@@ -595,6 +599,8 @@ def memory_parts(preflight_path, step):
     parts = max(1, math.ceil(estimate / part))
     if parts > SHARED_PER_GPU:
         return None, f"{what}, above all of the GPU's parts ({source})"
+    if parts > 1 and (os.environ if environ is None else environ).get(PARTS_VAR) == "0":
+        return None, f"{what}, above one part of the GPU, and config gpu_memory_parts is off ({source})"
     return parts, (None if parts == 1 else f"{what}: {parts} parts of {part / 1e9:.1f} GB ({source})")
 
 
