@@ -4,10 +4,11 @@ Usage: python -m benchmarks.memory_parts RESULTS_DIR [OUT.json]
 
 Per result of a job that shared its GPU (its lock's `mode` shared): the step, the row, the shares it held
 (`share_slots`, else one), the estimate they came from (its row's preflight `job_bytes[step]`,
-shapewise.execution.gpuslots.memory_parts) and what its allocator held at its peak (`gpu.peak_reserved_bytes`,
-which leaves out the CUDA context), with the jobs whose peak went above their estimate. Then, per GPU, the moment
-the jobs holding it at once had the largest summed estimate, and the largest summed peak of jobs holding it at
-once (peaks need not coincide: an upper bound of what was allocated together), against the GPU's memory.
+shapewise.execution.gpuslots.memory_parts) and its allocator's peaks (`gpu.peak_allocated_bytes`, what its tensors
+took, the estimate's measure; `gpu.peak_reserved_bytes`, what it held with its cache; neither counts the CUDA
+context), with the jobs whose allocated peak went above their estimate. Then, per GPU, the moment the jobs holding
+it at once had the largest summed estimate, and the largest summed reserved peak of jobs holding it at once (peaks
+need not coincide: an upper bound of what was held together), against the GPU's memory.
 """
 from __future__ import annotations
 
@@ -47,11 +48,11 @@ def sharers(results_dir):
         row = (data.get("row") or {}).get("id")
         lock = data["gpu"]["lock"]
         estimate = ((preflights.get(row) or {}).get("job_bytes") or {}).get(data["step"])
-        peak = data["gpu"].get("peak_reserved_bytes")
+        peak = data["gpu"].get("peak_allocated_bytes")
         out.append({"job": str(path.relative_to(results_dir)), "step": data["step"], "row": row,
                     "gpu": data["gpu"].get("uuid"), "parts": len(lock.get("share_slots") or [0]),
                     "parts_because": lock.get("parts_because"), "estimate_bytes": estimate,
-                    "peak_reserved_bytes": peak,
+                    "peak_allocated_bytes": peak, "peak_reserved_bytes": data["gpu"].get("peak_reserved_bytes"),
                     "peak_over_estimate": None if not estimate or peak is None else round(peak / estimate, 3),
                     "start": gpuslots._parse_time(lock["acquired"]), "end": gpuslots._parse_time(data["finished"])})
     totals = {p.get("environment", {}).get("cuda_visible_devices"): p.get("total_bytes") for p in preflights.values()}

@@ -478,15 +478,45 @@ def test_a_profiling_sharer_never_runs_beside_a_sharer_of_several_parts(tmp_path
     profiling = gpuslots.acquire(pool, tmp_path, mode=gpuslots.SHARED, profiling=True, poll_s=0.01)
     also = gpuslots.acquire(pool, tmp_path, mode=gpuslots.SHARED, profiling=True, poll_s=0.01)  # profilers share
     # a sharer of several parts waits for the profilers, and keeps new ones out while it waits
-    gates = {}
-    assert gpuslots._try_shared(tmp_path, pool, parts=2, gates=gates) is None and gates
+    waiting = {}
+    assert gpuslots._try_shared(tmp_path, pool, parts=2, waiting=waiting) is None and "gate" in waiting
     assert gpuslots._try_shared(tmp_path, pool, profiling=True) is None
     for slot in (profiling, also):
         slot.release()
-    got = gpuslots._try_shared(tmp_path, pool, parts=2, gates=gates)
-    assert got is not None and not gates
+    got = gpuslots._try_shared(tmp_path, pool, parts=2, waiting=waiting)
+    assert got is not None and not waiting
     gpuslots._close(got[1], *got[2], got[4])
     plain.release()
+
+
+def test_a_sharer_of_several_parts_gathers_them_as_they_free_up(tmp_path):
+    """It keeps the shares it got from one round to the next, so one-part sharers coming and going never starve it;
+    and it lets them go while a job that times waits for the GPU."""
+    pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
+    n = gpuslots.SHARED_PER_GPU
+    small = [gpuslots.acquire(pool, tmp_path, mode=gpuslots.SHARED) for _ in range(n - 1)]
+    waiting = {}
+    assert gpuslots._try_shared(tmp_path, pool, parts=3, waiting=waiting) is None
+    assert len(waiting["shares"]) == 1
+    assert gpuslots._try_shared(tmp_path, pool) is None  # the free share is the gathering job's
+    small.pop().release()
+    assert gpuslots._try_shared(tmp_path, pool, parts=3, waiting=waiting) is None and len(waiting["shares"]) == 2
+    # a job that times comes: the gatherer lets its shares go (keeping its wide gate), and takes them again after
+    alone = []
+    import threading
+    t = threading.Thread(target=lambda: alone.append(gpuslots.acquire(pool, tmp_path, poll_s=0.01)))
+    t.start()
+    time.sleep(0.3)  # the exclusive job holds the gate, waiting for the sharers
+    assert gpuslots._try_shared(tmp_path, pool, parts=3, waiting=waiting) is None
+    assert not waiting.get("shares") and "gate" in waiting
+    for slot in small:
+        slot.release()
+    t.join(timeout=10)
+    assert alone and alone[0].mode == gpuslots.EXCLUSIVE
+    alone[0].release()
+    got = gpuslots._try_shared(tmp_path, pool, parts=3, waiting=waiting)
+    assert got is not None and got[3] == [0, 1, 2] and not waiting
+    gpuslots._close(got[1], *got[2], got[4])
 
 
 def test_a_sharing_job_of_a_heavy_row_takes_its_gpu_alone_and_says_why(tmp_path):
@@ -545,7 +575,7 @@ def _snakemake(*args, env=None, cwd=ROOT, timeout=300):
 
 def test_dry_run_takes_the_gpu_count_from_the_pool():
     env = _env(**{gpuslots.FAKE_VAR: "2"})
-    done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "queue_at_gpu_lock=False", env=env)
+    done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", env=env)
     assert done.returncode == 0, done.stderr
     assert "GPU pool: 0,1; at most 2 GPU job(s) at once (gpu resource, from this machine's GPU pool)" in done.stderr
     done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "--resources", "gpu=1", env=env)  # wins

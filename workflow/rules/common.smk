@@ -155,10 +155,11 @@ def row_priority(wildcards):
     return -math.log2(max(2.0, roofline.flops(**row)["total"])) if row is not None else 0
 
 
-# With heavy.shared_first, a heavy row's jobs that time nothing go first within their step (row_priority spans
-# less than this, so the steps keep their order): row 14's accuracy then shares the GPU with the other rows'
-# shared jobs early, instead of holding it alone between two timing jobs at the end.
-HEAVY_SHARED_FIRST = 500
+# With heavy.shared_first, a heavy row's jobs that time nothing start before any other row's job: row 14's
+# warm-up, accuracy and profile, the run's longest chain of shared jobs, then share the GPU with the other rows'
+# shared jobs from the start, instead of holding it alone at the end. Snakemake starts the ready jobs whose
+# priorities sum highest, so this is above the sum of all the jobs that could start in its place.
+HEAVY_SHARED_FIRST = 10**6
 
 
 def step_priority(step):

@@ -340,6 +340,10 @@ class Slot:
             timespec="milliseconds"))
         self._write_note()
 
+    def memory_fraction(self):
+        """The part of the GPU's memory this holder may use: all of it alone, its shares' parts when sharing."""
+        return 1.0 if self.mode == EXCLUSIVE else len(self.shares) / SHARED_PER_GPU
+
     def record(self):
         """What a result records of the lock: mode, GPU, when taken, how long the job waited, and the other jobs
         that held the GPU when it was taken (none for an exclusive holder)."""
@@ -437,17 +441,11 @@ def _try_exclusive(directory, pool, pending):
     return None
 
 
-def _take_wide(directory, gpu, parts, profiling, gates):
+def _take_wide(directory, gpu, parts, profiling, waiting):
     """The `wide` flock a sharer needs on `gpu` (see the lock layout), True where it needs none, or None when it
-    cannot have it now. A sharer of several parts takes the wide gate first and keeps it in `gates` (by GPU index)
-    while it waits, so no new profiling sharer comes in; a profiling sharer enters only while the gate is free."""
+    cannot have it now. A sharer of several parts takes the wide gate first and keeps it in `waiting` while it
+    waits, so no new profiling sharer comes in; a profiling sharer enters only while the gate is free."""
     if parts > 1:
-        if gpu["index"] not in gates:
-            gate = _open(_wide_gate_file(directory, gpu))
-            if not _try_lock(gate, fcntl.LOCK_EX):
-                _close(gate)
-                return None
-            gates[gpu["index"]] = gate
         how = fcntl.LOCK_EX
     elif profiling:
         gate = _open(_wide_gate_file(directory, gpu))
@@ -465,45 +463,74 @@ def _take_wide(directory, gpu, parts, profiling, gates):
     return None
 
 
-def _try_shared(directory, pool, parts=1, profiling=False, gates=None):
+def _drop(waiting, keep_gate=True):
+    """Let go of what a sharer of several parts gathered while it waited (its GPU lock and shares), and of its wide
+    gate unless `keep_gate`."""
+    _close(waiting.pop("lock", None), *(fd for fd, _ in waiting.pop("shares", [])))
+    if not keep_gate:
+        _close(waiting.pop("gate", None))
+        waiting.pop("gpu", None)
+
+
+def _try_shared(directory, pool, parts=1, profiling=False, waiting=None):
     """One non-blocking round for `parts` shares of a GPU: the GPU with the most live sharers that has room (so
     whole GPUs stay free for jobs that time), then the others in pool order. `profiling`: the job profiles (no
-    sharer of several parts beside it); `gates`: the wide gates this acquirer holds while it waits (_take_wide)."""
-    if gates is None:  # a single round: no gate is kept for a next one
-        gates = {}
-        got = _try_shared(directory, pool, parts, profiling, gates)
-        _close(*gates.values())
-        return got
+    sharer of several parts beside it). A sharer of several parts keeps, in `waiting`, from one round to the next,
+    the wide gate of one GPU and the shares it gathered there: only one such job gathers on a GPU at a time (the
+    gate), and one-part sharers never wait holding anything, so it gets its parts as they free up instead of
+    waiting for that many to be free at once; it lets its shares go while a job that times waits for the GPU."""
+    if waiting is None:  # a single round: nothing is kept for a next one
+        waiting = {}
+        try:
+            return _try_shared(directory, pool, parts, profiling, waiting)
+        finally:
+            _drop(waiting, keep_gate=False)
 
     def sharers(gpu):
         return sum(1 for note in holders(directory, gpu) if note.get("mode") == SHARED)
 
-    for gpu in sorted(pool, key=lambda g: -sharers(g)):
+    candidates = sorted(pool, key=lambda g: -sharers(g))
+    if parts > 1 and "gpu" in waiting:
+        candidates = [waiting["gpu"]]  # it gathers where it holds the wide gate
+    for gpu in candidates:
         gate = _open(_gate_file(directory, gpu))
-        if not _try_lock(gate, fcntl.LOCK_SH):  # an exclusive holder or waiter
+        if not _try_lock(gate, fcntl.LOCK_SH):  # an exclusive holder or waiter: let it have the GPU
             _close(gate)
+            _drop(waiting)
             continue
-        wide = _take_wide(directory, gpu, parts, profiling, gates)
-        if wide is None:
-            _close(gate)
-            continue
-        wide = None if wide is True else wide
-        fd = _open(_lock_file(directory, gpu))
-        if not _try_lock(fd, fcntl.LOCK_SH):
-            _close(fd, gate, wide)
-            continue
-        taken = []
+        if parts > 1 and "gpu" not in waiting:
+            wide_gate = _open(_wide_gate_file(directory, gpu))
+            if not _try_lock(wide_gate, fcntl.LOCK_EX):  # another sharer of several parts gathers here
+                _close(wide_gate, gate)
+                continue
+            waiting.update(gpu=gpu, gate=wide_gate)
+        if "lock" not in waiting:
+            fd = _open(_lock_file(directory, gpu))
+            if not _try_lock(fd, fcntl.LOCK_SH):
+                _close(fd, gate)
+                continue
+            waiting["lock"] = fd
+        shares = waiting.setdefault("shares", [])
+        held = {k for _, k in shares}
         for k in range(SHARED_PER_GPU):
+            if len(shares) == parts:
+                break
+            if k in held:
+                continue
             share = _open(_share_file(directory, gpu, k))
             if _try_lock(share, fcntl.LOCK_EX):
-                taken.append((share, k))
-                if len(taken) == parts:
-                    _close(gate, *gates.values())  # checked on the way in only; the wide lock, if any, is held
-                    gates.clear()
-                    return gpu, fd, [t[0] for t in taken], [t[1] for t in taken], wide
+                shares.append((share, k))
             else:
                 _close(share)
-        _close(*(t[0] for t in taken), fd, gate, wide)  # fewer than `parts` shares free
+        wide = _take_wide(directory, gpu, parts, profiling, waiting) if len(shares) == parts else None
+        if wide is not None:
+            _close(gate, waiting.pop("gate", None))  # checked on the way in only; the wide lock, if any, is held
+            fd, shares = waiting.pop("lock"), waiting.pop("shares")
+            waiting.pop("gpu", None)
+            return gpu, fd, [f for f, _ in shares], sorted(k for _, k in shares), None if wide is True else wide
+        _close(gate)
+        if parts == 1:
+            _drop(waiting)  # a one-part sharer never waits holding anything
     return None
 
 
@@ -524,11 +551,11 @@ def acquire(pool, directory=None, label="", poll_s=0.1, log_every_s=60.0, log=_l
         raise GpuError(f"GPU lock parts {parts!r}: expected a whole number from 1 to {SHARED_PER_GPU}")
     directory = Path(directory or lock_dir())
     directory.mkdir(parents=True, exist_ok=True)
-    waited_since, last_log, pending, gates = None, None, [None, None], {}
+    waited_since, last_log, pending, waiting = None, None, [None, None], {}
     t0 = time.monotonic()
     while True:
         got = _try_exclusive(directory, pool, pending) if mode == EXCLUSIVE else \
-            _try_shared(directory, pool, parts, profiling, gates)
+            _try_shared(directory, pool, parts, profiling, waiting)
         if got is not None:
             if mode == EXCLUSIVE:
                 gpu, fd, gate = got

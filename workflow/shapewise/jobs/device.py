@@ -21,6 +21,12 @@ def setup(device, threads=None):
         torch.set_num_threads(int(threads))
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("device cuda was chosen but torch sees no CUDA GPU (set SHAPEWISE_DEVICE=cpu?)")
+    slot = gpuslots.held()
+    fraction = getattr(slot, "memory_fraction", None)
+    if device == "cuda" and fraction is not None and fraction() < 1.0:
+        # a sharer keeps to its parts of the GPU's memory: at the cap its allocator frees what it cached and tries
+        # again, where it would otherwise grow its cache into what the other sharers need
+        torch.cuda.set_per_process_memory_fraction(fraction())
     return torch.device(device)
 
 

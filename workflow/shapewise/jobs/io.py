@@ -64,6 +64,7 @@ def write_result(path, result):
     if isinstance(result.get("gpu"), dict) and torch.cuda.is_initialized():
         # what this job's allocator held at its peak: the measure of the estimate its lock's parts came from
         result["gpu"]["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        result["gpu"]["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
     if t0 is not None:
         result["duration_s"] = round(time.perf_counter() - t0, 3)
     path = Path(path)
