@@ -606,6 +606,7 @@ sys.path.insert(0, {workflow!r})
 DEVICE_ARG = "auto"
 config.setdefault("gpus", "all")
 config.setdefault("queue_at_gpu_lock", False)
+config.setdefault("gpu_memory_parts", True)
 include: {gpus_smk!r}
 
 rule all:
@@ -665,6 +666,7 @@ sys.path.insert(0, {workflow!r})
 DEVICE_ARG = "auto"
 config.setdefault("gpus", "all")
 config.setdefault("queue_at_gpu_lock", False)
+config.setdefault("gpu_memory_parts", True)
 include: {gpus_smk!r}
 
 rule all:
