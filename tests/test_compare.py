@@ -180,6 +180,16 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert cli_main(["compare", "--optimized-floor", "0.6", str(old), str(worse)]) == 0
 
 
+def test_a_row_that_passed_and_no_longer_does_fails_the_comparison(tmp_path, capsys):
+    old = report(tmp_path / "old", [row("a", 1.0), row("b", 1.0)])
+    skipped = report(tmp_path / "skipped", [row("a", 1.0), dict(row("b", 1.0, status="resource-skip"),
+                                                                   optimized_median_ms="", speedup="")])
+    assert cli_main(["compare", str(old), str(skipped)]) == 1
+    assert "LOST: 1 row(s) passed in" in capsys.readouterr().out
+    assert run(tmp_path, [row("a", 1.0)], [row("a", 1.0, status="fail")])["lost"] == ["a"]
+    assert run(tmp_path, [row("a", 1.0, status="fail")], [row("a", 1.0)])["lost"] == []  # fixed: not lost
+
+
 def test_unreadable_input_exits_2_naming_the_file(tmp_path, capsys):
     good = report(tmp_path / "good", [row("a", 1.0)])
     assert cli_main(["compare", str(good), str(tmp_path / "nowhere")]) == 2

@@ -469,6 +469,22 @@ def test_a_sharer_of_several_parts_takes_that_many_shares(tmp_path):
         gpuslots.acquire(pool, tmp_path, mode=gpuslots.SHARED, parts=n + 1)
 
 
+def test_only_a_sharer_whose_parts_came_from_an_estimate_keeps_its_allocator_to_them(tmp_path):
+    from shapewise.jobs.device import memory_fraction
+
+    pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
+    capped = gpuslots.acquire(pool, tmp_path, mode=gpuslots.SHARED, parts=3, memory_cap=True)
+    assert memory_fraction(capped) == 0.5 and capped.record()["memory_fraction"] == 0.5
+    free = gpuslots.acquire(pool, tmp_path, mode=gpuslots.SHARED)  # a preflight's, a candidate's: no estimate
+    assert memory_fraction(free) is None and "memory_fraction" not in free.record()
+    assert memory_fraction(None) is None
+    capped.release()
+    free.release()
+    alone = gpuslots.acquire(pool, tmp_path, mode=gpuslots.EXCLUSIVE)
+    assert memory_fraction(alone) is None
+    alone.release()
+
+
 def test_a_profiling_sharer_never_runs_beside_a_sharer_of_several_parts(tmp_path):
     pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
     wide = gpuslots.acquire(pool, tmp_path, mode=gpuslots.SHARED, parts=2)

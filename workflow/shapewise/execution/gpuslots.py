@@ -294,13 +294,14 @@ class Slot:
     """One GPU held by this process, shared or alone, through flocks on its lock files."""
 
     def __init__(self, gpu, directory, mode, fd, gate=None, shares=(), share_indices=(), wide=None, label="",
-                 waited_s=0.0, why=None):
+                 waited_s=0.0, why=None, memory_cap=False):
         self.gpu, self.directory, self.mode, self.fd = gpu, Path(directory), mode, fd
         # why a job of a sharing step holds its GPU alone, or takes several parts of it (None: its step's mode)
         self.why = why
         self.path = _lock_file(directory, gpu)
         self.gate, self.shares, self.share_indices, self.wide = gate, list(shares), list(share_indices), wide
         self.label = label
+        self.memory_cap = memory_cap  # its shares came from its row's memory estimate: it keeps to them
         self.waited_s = waited_s
         self.acquired = datetime.now().astimezone().isoformat(timespec="milliseconds")
         self.note = {"pid": os.getpid(), "start_ticks": _start_ticks(os.getpid()), "host": socket.gethostname(),
@@ -341,8 +342,11 @@ class Slot:
         self._write_note()
 
     def memory_fraction(self):
-        """The part of the GPU's memory this holder may use: all of it alone, its shares' parts when sharing."""
-        return 1.0 if self.mode == EXCLUSIVE else len(self.shares) / SHARED_PER_GPU
+        """The part of the GPU's memory this holder's allocator may use (shapewise.jobs.device.setup), or None for
+        no cap: its shares' parts for a sharer whose shares came from its row's memory estimate (`memory_parts`);
+        none for a holder alone or a sharer without an estimate (the preflight, which measures the GPU for the jobs
+        after it, a candidate's job)."""
+        return len(self.shares) / SHARED_PER_GPU if self.mode == SHARED and self.memory_cap else None
 
     def record(self):
         """What a result records of the lock: mode, GPU, when taken, how long the job waited, and the other jobs
@@ -357,6 +361,8 @@ class Slot:
             out["shared_since"] = self.note["shared_since"]
         if self.why:
             out["alone_because" if self.mode == EXCLUSIVE else "parts_because"] = self.why
+        if self.memory_fraction() is not None:
+            out["memory_fraction"] = round(self.memory_fraction(), 6)
         return out
 
     def others_now(self):
@@ -535,13 +541,14 @@ def _try_shared(directory, pool, parts=1, profiling=False, waiting=None):
 
 
 def acquire(pool, directory=None, label="", poll_s=0.1, log_every_s=60.0, log=_log, mode=None, why=None, parts=1,
-            profiling=False):
+            profiling=False, memory_cap=False):
     """Lock a GPU of `pool` and return its Slot; wait while none can be had. `mode` EXCLUSIVE (the default): the
     first GPU of the pool that nobody holds, else the first that only sharers hold, once they are done; SHARED:
     `parts` of the SHARED_PER_GPU shares of a GPU no exclusive job holds or waits for (`profiling`: nor a sharer of
     several parts, and a job of several parts none that profiles). The lock lives as long as the returned Slot's
     files are open (at most as long as the process). `why`: the reason a job of a sharing step takes it EXCLUSIVE,
-    or several parts of it, recorded with the lock."""
+    or several parts of it, recorded with the lock; `memory_cap`: the shares came from a memory estimate
+    (Slot.memory_fraction)."""
     mode = mode or EXCLUSIVE
     if mode not in MODES:
         raise GpuError(f"GPU lock mode {mode!r}: expected one of {MODES}")
@@ -564,7 +571,7 @@ def acquire(pool, directory=None, label="", poll_s=0.1, log_every_s=60.0, log=_l
             else:
                 gpu, fd, shares, indices, wide = got
                 slot = Slot(gpu, directory, mode, fd, shares=shares, share_indices=indices, wide=wide, label=label,
-                            waited_s=time.monotonic() - t0, why=why)
+                            waited_s=time.monotonic() - t0, why=why, memory_cap=memory_cap)
             _HELD.append(slot)
             waited = "" if waited_since is None else f" after waiting {time.monotonic() - waited_since:.1f} s"
             how = "holding" if mode == EXCLUSIVE else "sharing"
@@ -652,12 +659,13 @@ def job_mode(step, environ=None):
 
 
 def enter_job(device, needs_gpu=True, environ=None, cuda_available=None, directory=None, label="",
-              on_slot=None, mode=None, why=None, parts=1, profiling=False):
+              on_slot=None, mode=None, why=None, parts=1, profiling=False, memory_cap=False):
     """Give this job process its GPU before anything imports torch; return the device it runs on
     (`auto` resolved). Sets CUDA_VISIBLE_DEVICES, SHAPEWISE_PIPELINE_GPU_SLOT and ..._SLOT_SOURCE in
     `environ` (os.environ). `needs_gpu` False: a job that declares no GPU (gpu=0) takes no slot. `mode`: the
     lock's mode (EXCLUSIVE, the default, or SHARED; see job_mode); `why`: why a job of a sharing step takes it
-    EXCLUSIVE, or `parts` shares of it (recorded with the lock); `profiling`: a sharer that profiles (acquire).
+    EXCLUSIVE, or `parts` shares of it (recorded with the lock); `profiling`: a sharer that profiles, `memory_cap`:
+    one whose shares came from its row's memory estimate (acquire).
     `on_slot()` runs once those are set and before `auto` is resolved (which imports torch): the place to pin
     the job's CPU cores (shapewise.execution.cpus.pin_job)."""
     env = os.environ if environ is None else environ
@@ -671,14 +679,14 @@ def enter_job(device, needs_gpu=True, environ=None, cuda_available=None, directo
             pool = resolve_pool(env[POOL_VAR].split(","), env) if env[POOL_VAR] else []
             if pool:
                 slot, source = acquire(pool, directory, label, mode=mode, why=why, parts=parts,
-                                       profiling=profiling), "lock"
+                                       profiling=profiling, memory_cap=memory_cap), "lock"
         elif env.get("CUDA_VISIBLE_DEVICES"):  # a job run by hand on the GPU(s) the user chose
             source = "user"
         else:  # a job run by hand: take a slot of every GPU here
             pool = resolve_pool("all", env)
             if pool:
                 slot, source = acquire(pool, directory, label, mode=mode, why=why, parts=parts,
-                                       profiling=profiling), "lock"
+                                       profiling=profiling, memory_cap=memory_cap), "lock"
     if slot is not None:
         env["CUDA_VISIBLE_DEVICES"] = slot.gpu["token"]
         env[SLOT_VAR] = slot.gpu["index"]

@@ -106,13 +106,16 @@ def run_job_here(args, argv, server_mode=None):
             mode = gpuslots.job_mode(args.step)
         except gpuslots.GpuError as exc:
             raise SystemExit(f"{args.step} job: {exc}") from None
-        why, parts = None, 1
+        why, parts, capped = None, 1, False
         if mode == gpuslots.SHARED and args.device != "cpu" and os.environ.get(gpuslots.POOL_VAR):
             # nothing would keep it from choosing kernels by timing beside other jobs, or its row's memory would
             # leave too little for them
             why = gpushare.unavailable()
             if why is None:
                 parts, why = gpuslots.memory_parts(getattr(args, "preflight", None), args.step)
+                # a sharer whose parts come from its row's estimate keeps its allocator to them
+                capped = getattr(args, "preflight", None) is not None and \
+                    os.environ.get(gpuslots.PARTS_VAR, "1") != "0"
             if why is not None and parts in (None, 1):
                 print(f"job process: holds its GPU alone: {why}", file=sys.stderr, flush=True)
                 mode, parts = gpuslots.EXCLUSIVE, 1
@@ -120,7 +123,7 @@ def run_job_here(args, argv, server_mode=None):
                 print(f"job process: takes {parts} parts of its GPU: {why}", file=sys.stderr, flush=True)
         args.device = gpuslots.enter_job(args.device, needs_gpu=needs_gpu, label=f"{args.step} {args.out}",
                                          on_slot=pin, mode=mode, why=why, parts=parts,
-                                         profiling=args.step in gpuslots.PROFILING)
+                                         profiling=args.step in gpuslots.PROFILING, memory_cap=capped)
     if server_mode is not None and args.device != server_mode:
         slot = gpuslots.held()
         if slot is not None:

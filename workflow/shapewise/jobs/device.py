@@ -21,13 +21,19 @@ def setup(device, threads=None):
         torch.set_num_threads(int(threads))
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("device cuda was chosen but torch sees no CUDA GPU (set SHAPEWISE_DEVICE=cpu?)")
-    slot = gpuslots.held()
-    fraction = getattr(slot, "memory_fraction", None)
-    if device == "cuda" and fraction is not None and fraction() < 1.0:
+    fraction = memory_fraction(gpuslots.held())
+    if device == "cuda" and fraction is not None:
         # a sharer keeps to its parts of the GPU's memory: at the cap its allocator frees what it cached and tries
         # again, where it would otherwise grow its cache into what the other sharers need
-        torch.cuda.set_per_process_memory_fraction(fraction())
+        torch.cuda.set_per_process_memory_fraction(fraction)
     return torch.device(device)
+
+
+def memory_fraction(slot):
+    """The cap on this job's allocator (a fraction of its GPU's memory), or None: its slot's (Slot.memory_fraction;
+    a parent's slot, Inherited, has none)."""
+    fraction = getattr(slot, "memory_fraction", None)
+    return None if fraction is None else fraction()
 
 
 def sync(device):

@@ -258,8 +258,9 @@ def compare_rows(old_rows, new_rows, floors=None, same_gpu=False) -> dict:
     same_gpu: match by the GPU model alone (`--same-gpu`), the machines' software keys kept in `software`.
 
     floors: {"optimized": fraction, "reference": fraction}, default DEFAULT_FLOORS. Returns {"rows": [...],
-    "regressions": [labels], "not_comparable": [{"id" (a label), "old_machines", "new_machines"}], "floors":
-    {...}}; a row's label is `label(row)`."""
+    "regressions": [labels], "lost": [labels of rows that passed in the old run and do not in the new one: failed,
+    skipped for resources, not run], "not_comparable": [{"id" (a label), "old_machines", "new_machines"}],
+    "floors": {...}}; a row's label is `label(row)`."""
     floors = {**DEFAULT_FLOORS, **(floors or {})}
     key = gpu_of if same_gpu else (lambda machine: machine)
     software = {"old": sorted({r.get("machine") or UNKNOWN_MACHINE for r in old_rows}),
@@ -267,7 +268,7 @@ def compare_rows(old_rows, new_rows, floors=None, same_gpu=False) -> dict:
     old_by = {(key(r.get("machine") or UNKNOWN_MACHINE), label(r)): r for r in old_rows}
     new_by = {(key(r.get("machine") or UNKNOWN_MACHINE), label(r)): r for r in new_rows}
     keys = list(old_by) + [k for k in new_by if k not in old_by]
-    rows, regressions = [], []
+    rows, regressions, lost = [], [], []
     for machine, row_id in keys:
         old, new = old_by.get((machine, row_id)), new_by.get((machine, row_id))
         status = "both" if old and new else ("removed" if old else "added")
@@ -280,6 +281,8 @@ def compare_rows(old_rows, new_rows, floors=None, same_gpu=False) -> dict:
             entry[model] = model_change(old, new, model, floors[model])
         if entry["optimized"]["verdict"] == "slower" and row_id not in regressions:
             regressions.append(row_id)
+        if status == "both" and entry["result_old"] == "pass" and entry["result_new"] != "pass":
+            lost.append(row_id)
         rows.append(entry)
     old_machines, new_machines = {}, {}
     for machine, row_id in old_by:
@@ -288,8 +291,8 @@ def compare_rows(old_rows, new_rows, floors=None, same_gpu=False) -> dict:
         new_machines.setdefault(row_id, []).append(machine)
     not_comparable = [{"id": i, "old_machines": old_machines[i], "new_machines": new_machines[i]}
                       for i in old_machines if i in new_machines and not set(old_machines[i]) & set(new_machines[i])]
-    return {"rows": rows, "regressions": regressions, "not_comparable": not_comparable, "floors": floors,
-            "software": software}
+    return {"rows": rows, "regressions": regressions, "lost": lost, "not_comparable": not_comparable,
+            "floors": floors, "software": software}
 
 
 def nothing_in_common(result, old_name="OLD", new_name="NEW"):
@@ -385,11 +388,16 @@ def format_comparison(result, old_name="OLD", new_name="NEW") -> list[str]:
                      f"row(s): {', '.join(result['regressions'])}")
     else:
         lines.append("compare: no regression (no row's optimized model is slower beyond noise)")
+    if result.get("lost"):
+        lines.append(f"compare: LOST: {len(result['lost'])} row(s) passed in {old_name} and do not in {new_name}: "
+                     + ", ".join(f"{r['label']} ({r['result_new']})" for r in result["rows"]
+                                 if r["label"] in result["lost"]))
     return lines
 
 
 def main(old_dir, new_dir, floors=None, out=print, err=print, same_gpu=False) -> int:
-    """Print the comparison of two report directories; 1 on a regression, 0 without, 2 on unreadable input."""
+    """Print the comparison of two report directories; 1 on a regression or a row that passed and no longer does,
+    0 without, 2 on unreadable input."""
     try:
         check_floors(floors)
         result = compare_rows(load_rows(old_dir), load_rows(new_dir), floors, same_gpu)
@@ -401,4 +409,4 @@ def main(old_dir, new_dir, floors=None, out=print, err=print, same_gpu=False) ->
         return 2
     for line in format_comparison(result, str(old_dir), str(new_dir)):
         out(line)
-    return 1 if result["regressions"] else 0
+    return 1 if result["regressions"] or result["lost"] else 0
