@@ -2,8 +2,9 @@
 
 Three parts, used by the optimized model (each forward's streaming decision) and by the pipeline's preflight:
 - the estimate: `working_set_bytes` (what one forward allocates on a route besides its input and output; each
-  route's module counts its own activations and weight copies), `io_bytes`, `estimate_memory_bytes` (the whole forward, for the reference and the preflight) and
-  `chunked_reference_bytes` (the reference's math where its whole forward does not fit);
+  route's module counts its own activations and weight copies), `io_bytes`, `estimate_memory_bytes` (the whole
+  forward, for the reference and the preflight) and `chunked_reference_bytes` (the reference's math where its whole
+  forward does not fit);
 - the budget: `available_bytes` reads what this process may still allocate on a device: CUDA free memory plus
   what PyTorch's caching allocator holds unused, bounded by `torch.cuda.set_per_process_memory_fraction` and by
   the user's cap (`memory_budget_bytes=` of the model, or env `SHAPEWISE_MEMORY_BUDGET_GB`);

@@ -6,19 +6,19 @@ the workflow (workflow/rules/gpus.smk): Snakemake's global `gpu` resource become
 `--resources gpu=K` was given); when the run starts, the pool's indices go to every job in
 SHAPEWISE_PIPELINE_GPUS (shapewise.execution.runs.begin).
 
-A job (shapewise.cli.run_job, before anything imports torch) takes a slot of one GPU under LOCK_ROOT/<host>/,
-locked with flock, in the mode of its step (GPU_USE): exclusive for the steps that time (timing, ablation,
-microbench), shared for the others (preflight, warm-up, accuracy, profile, the environment fingerprint), at
-most SHARED_PER_GPU at once and never beside an exclusive holder; an exclusive job waiting for a GPU's sharers
-to finish keeps new ones out (see the lock layout above `Slot`). A sharer takes as many of those SHARED_PER_GPU
-shares as its job's memory estimate needs parts of the GPU's memory (`memory_parts`: official row 14's accuracy
-three of an H200's six), and holds the GPU alone only where that is more than all of them; a job that profiles
-never shares its GPU with a job of several parts, whose kernels would stretch the profiled ones. The kernel releases the locks when the process
-ends, crashes or is killed, so a lock file left behind never blocks anything. When no slot can be had the job
-waits, with a log line. The job then runs with CUDA_VISIBLE_DEVICES set to its GPU (the user's own token for
-it when the user set CUDA_VISIBLE_DEVICES, else the GPU's UUID, which names it whatever CUDA_DEVICE_ORDER
-is) and records the slot in SHAPEWISE_PIPELINE_GPU_SLOT / SHAPEWISE_PIPELINE_GPU_SLOT_SOURCE and the lock
-(mode, when, the other holders) in its result (Slot.record, shapewise.jobs.device.gpu_identity).
+A job (shapewise.cli.run_job, before anything imports torch) takes a slot of one GPU under LOCK_ROOT/<host>/, locked
+with flock, in the mode of its step (GPU_USE): exclusive for the steps that time (timing, ablation, microbench),
+shared for the others (preflight, warm-up, accuracy, profile, the environment fingerprint), at most SHARED_PER_GPU
+at once and never beside an exclusive holder; an exclusive job waiting for a GPU's sharers to finish keeps new ones
+out (see the lock layout above `Slot`). Each share is also a part of the GPU's memory: a sharer whose job's memory
+estimate needs more than one part holds the GPU alone, or, with config gpu_memory_parts, takes that many shares
+(`memory_parts`: official row 14's accuracy three of an H200's six); a job that profiles never shares its GPU with a
+job of several parts, whose kernels would stretch the profiled ones. The kernel releases the locks when the process
+ends, crashes or is killed, so a lock file left behind never blocks anything. When no slot can be had the job waits,
+with a log line. The job then runs with CUDA_VISIBLE_DEVICES set to its GPU (the user's own token for it when the
+user set CUDA_VISIBLE_DEVICES, else the GPU's UUID, which names it whatever CUDA_DEVICE_ORDER is) and records the
+slot in SHAPEWISE_PIPELINE_GPU_SLOT / SHAPEWISE_PIPELINE_GPU_SLOT_SOURCE and the lock (mode, when, the other
+holders) in its result (Slot.record, shapewise.jobs.device.gpu_identity).
 
 A job that SLURM started (SLURM_JOB_ID differs from the one Snakemake itself ran under) uses the GPU SLURM gave
 it and locks nothing. A run of Snakemake inside a SLURM allocation (salloc) is a local run: its jobs share the
@@ -447,10 +447,10 @@ def _try_exclusive(directory, pool, pending):
     return None
 
 
-def _take_wide(directory, gpu, parts, profiling, waiting):
+def _take_wide(directory, gpu, parts, profiling):
     """The `wide` flock a sharer needs on `gpu` (see the lock layout), True where it needs none, or None when it
-    cannot have it now. A sharer of several parts takes the wide gate first and keeps it in `waiting` while it
-    waits, so no new profiling sharer comes in; a profiling sharer enters only while the gate is free."""
+    cannot have it now: LOCK_EX for a sharer of several parts (which holds the wide gate already, _try_shared),
+    LOCK_SH for a profiling sharer, which enters only while the gate is free."""
     if parts > 1:
         how = fcntl.LOCK_EX
     elif profiling:
@@ -528,7 +528,7 @@ def _try_shared(directory, pool, parts=1, profiling=False, waiting=None):
                 shares.append((share, k))
             else:
                 _close(share)
-        wide = _take_wide(directory, gpu, parts, profiling, waiting) if len(shares) == parts else None
+        wide = _take_wide(directory, gpu, parts, profiling) if len(shares) == parts else None
         if wide is not None:
             _close(gate, waiting.pop("gate", None))  # checked on the way in only; the wide lock, if any, is held
             fd, shares = waiting.pop("lock"), waiting.pop("shares")
@@ -598,6 +598,11 @@ def _describe_holders(directory, pool, pending):
     return f"all {len(pool)} of the pool are held ({'; '.join(parts)})"
 
 
+def memory_parts_on(environ=None):
+    """Whether a sharing job may take several parts of its GPU (PARTS_VAR in `environ`, os.environ; unset: yes)."""
+    return (os.environ if environ is None else environ).get(PARTS_VAR, "1") != "0"
+
+
 def memory_parts(preflight_path, step, environ=None):
     """(parts, why) for a job of the sharing step `step`: how many of its GPU's SHARED_PER_GPU parts (the GPU's
     memory / SHARED_PER_GPU each) the job takes, from its row's preflight (a result file): its `job_bytes[step]`,
@@ -633,7 +638,7 @@ def memory_parts(preflight_path, step, environ=None):
     parts = max(1, math.ceil(estimate / part))
     if parts > SHARED_PER_GPU:
         return None, f"{what}, above all of the GPU's parts ({source})"
-    if parts > 1 and (os.environ if environ is None else environ).get(PARTS_VAR) == "0":
+    if parts > 1 and not memory_parts_on(environ):
         return None, f"{what}, above one part of the GPU, and config gpu_memory_parts is off ({source})"
     return parts, (None if parts == 1 else f"{what}: {parts} parts of {part / 1e9:.1f} GB ({source})")
 

@@ -114,8 +114,7 @@ def run_job_here(args, argv, server_mode=None):
             if why is None:
                 parts, why = gpuslots.memory_parts(getattr(args, "preflight", None), args.step)
                 # a sharer whose parts come from its row's estimate keeps its allocator to them
-                capped = getattr(args, "preflight", None) is not None and \
-                    os.environ.get(gpuslots.PARTS_VAR, "1") != "0"
+                capped = getattr(args, "preflight", None) is not None and gpuslots.memory_parts_on()
             if why is not None and parts in (None, 1):
                 print(f"job process: holds its GPU alone: {why}", file=sys.stderr, flush=True)
                 mode, parts = gpuslots.EXCLUSIVE, 1
