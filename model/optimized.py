@@ -145,6 +145,7 @@ class UserOptimizedTransformer(BaselineTransformer):
         self.last_memory_plan = None
         self._memory_plans = {}
         self._streaming = False  # inside a streamed forward: each chunk runs as planned, never planned again
+        self._chunks_all_valid = False  # inside a streamed forward: its mask is given and every token valid
         self._paths = {}  # input signature -> the runner of its route
         self._known = {}  # a call's full signature -> (its input signature, memory plan, cap, fraction): checked
         self._graphs = Captures()  # the runners that hold captured CUDA graphs

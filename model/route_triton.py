@@ -53,19 +53,25 @@ class KernelForward:
         route, w, act, cfg = self.route, self.w, self.act, model.config
         B, S, d = x.shape
         H, D, N = cfg.num_heads, cfg.head_dim, B * S
-        prefix = None if mask is None else self.prefix_lengths(mask)
         sdpa_mask = mask  # the mask SDPA attention gets, where it runs
         ours = self.ours and (route.attention == "triton" or mask is not None)
-        if route.attention != "triton" and mask is not None:
-            # Eager, compute-bound route (seq_len >= the policy's sdpa_from_seq_len or hopper_from_seq_len): one host
-            # read of the summary per call is noise here. Under a causal prefix mask a valid query sees only valid
-            # keys, so its output is that of the unmasked model and invalid rows are zeroed at every layer's end: SDPA
-            # (or the Hopper attention) runs unmasked. Any other mask needs our kernel: SDPA would materialize a
-            # [B, 1, S, S] boolean mask at these lengths, and the Hopper attention takes none.
-            if cfg.causal and bool((prefix >= 0).all()):
-                sdpa_mask, ours = None, False
-            elif self.ours:
-                object.__setattr__(model, "last_route", self.route_ours)
+        prefix = None
+        if route.attention != "triton" and mask is not None and model._chunks_all_valid:
+            # a chunk of a streamed forward whose mask has every token valid (read once for the call): SDPA (or the
+            # Hopper attention) runs unmasked, with no summary and no host read per chunk
+            sdpa_mask, ours = None, False
+        elif mask is not None:
+            prefix = self.prefix_lengths(mask)
+            if route.attention != "triton":
+                # Eager, compute-bound route (seq_len >= the policy's sdpa_from_seq_len or hopper_from_seq_len): one
+                # host read of the summary per call is noise here. Under a causal prefix mask a valid query sees only
+                # valid keys, so its output is that of the unmasked model and invalid rows are zeroed at every
+                # layer's end: SDPA (or the Hopper attention) runs unmasked. Any other mask needs our kernel: SDPA
+                # would materialize a [B, 1, S, S] boolean mask at these lengths, and the Hopper attention takes none.
+                if cfg.causal and bool((prefix >= 0).all()):
+                    sdpa_mask, ours = None, False
+                elif self.ours:
+                    object.__setattr__(model, "last_route", self.route_ours)
 
         pdl = route.pdl  # our kernels after layer 0's LayerNorm 1 (that one, or the mask's summary, comes first)
 

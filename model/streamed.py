@@ -39,6 +39,8 @@ def forward_streamed(model, x, mask, plan):
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     routes = []
     model._streaming = True  # each chunk runs as planned, never planned again
+    # one host read of the mask per call: a chunk's route reads this instead of synchronizing on its slice
+    model._chunks_all_valid = mask is not None and bool(mask.all())
     try:
         with torch.no_grad():
             for start, stop in plan.chunks():
@@ -47,6 +49,7 @@ def forward_streamed(model, x, mask, plan):
                     routes.append((stop - start, model.last_route))
     finally:
         model._streaming = False
+        model._chunks_all_valid = False
     first = routes[0][1]
     other = "".join(f"; chunks of {b}: {r}" for b, r in routes[1:])
     model.last_route = replace(first, reason=f"{first.reason}; {plan.reason}{other}")

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from model_helpers import build_pair, cfg_of, make_inputs
+from model_helpers import CPU_ROUTES, build_pair, cfg_of, make_inputs
 from shapewise.model import TransformerConfig, memory
 from shapewise.model import optimized as optimized_module
 from shapewise.model.routing import select_route
@@ -63,6 +63,40 @@ def test_streamed_forward_matches_one_pass(route, mask_kind, one_thread):
         assert diff <= STREAMED_ATOL, f"route {route} mask {mask_kind}: max |diff| {diff}"
     else:
         assert torch.equal(got, want), f"route {route} mask {mask_kind}: max |diff| {diff}"
+
+
+@pytest.mark.parametrize("mask_kind, causal, summaries", [
+    ("all_true", True, 0), ("all_true", False, 0), ("prefix", True, 3), ("holes", True, 3)])
+def test_streamed_sdpa_chunks_read_an_all_valid_mask_once(mask_kind, causal, summaries, monkeypatch, one_thread):
+    """The triton route with SDPA attention (official row 14's), streamed: where every token of the call's mask is
+    valid, the call reads that once and its chunks run SDPA unmasked with no mask summary (a host read each);
+    other masks are summarized per chunk as before. Either way the streamed output is the one-pass output."""
+    from dataclasses import replace
+
+    from shapewise.kernels import mask as mask_kernels
+
+    if "triton" not in CPU_ROUTES:
+        pytest.skip("the triton route needs TRITON_INTERPRET=1 on a CPU")
+    calls = []
+    real = mask_kernels.prefix_lengths
+    monkeypatch.setattr(mask_kernels, "prefix_lengths", lambda m, out=None: calls.append(m.shape) or real(m, out))
+    cfg = cfg_of(CFG, causal)
+    _, one_pass = build_pair(cfg, "triton")
+    x, mask = make_inputs(cfg, mask_kind)
+    _, streamed = build_pair(cfg, "triton", memory_budget_bytes=budget_for_chunk(one_pass, x, mask, 2))
+    for model in (one_pass, streamed):  # SDPA attention as the policy sets it for long rows
+        pick = model._select
+        monkeypatch.setattr(model, "_select", lambda xb, mb, pick=pick: replace(pick(xb, mb), attention="sdpa",
+                                                                                 split_layer=False))
+    with torch.no_grad():
+        want = one_pass(x, mask)
+        calls.clear()
+        got = streamed(x, mask)
+    assert streamed.last_memory_plan.num_chunks == 3 and len(calls) == summaries, calls
+    assert streamed.last_route.attention == ("sdpa" if mask_kind != "holes" else "triton"), str(streamed.last_route)
+    assert not streamed._chunks_all_valid  # only inside the streamed call
+    diff = (got - want).abs().max().item()
+    assert diff <= STREAMED_ATOL, f"mask {mask_kind} causal {causal}: max |diff| {diff}"
 
 
 def test_streamed_forward_records_each_chunk_route():
