@@ -1,7 +1,7 @@
 """The pipeline's wall time here: `snakemake --cores all` in this checkout, timed, in one part or several.
 
 Usage: python -m benchmarks.pipeline_wall OUT_DIR [--fresh] [--budget S] [--shapes official,contract] [--commit SHA]
-       [--set KEY=VALUE ...] [--reruns ROW:FIELD=VALUE] [-- SNAKEMAKE ARGS...]
+       [--set KEY=VALUE ...] [--reruns ROW:FIELD=VALUE [--reruns-only]] [-- SNAKEMAKE ARGS...]
 
 Runs Snakemake once, stopping it cleanly (SIGINT, then SIGKILL 30 s later) when `--budget` seconds have passed, and
 writes to OUT_DIR (at most eight files, ten with `--reruns`): pipeline-wall.json (this part and every earlier one:
@@ -14,7 +14,9 @@ run in two parts carries them with results/ (both archives unpacked) into the se
 
 `--reruns ROW:FIELD=VALUE` (a complete run only): then Snakemake twice more, each timed with the jobs it ran
 (`reruns` in pipeline-wall.json, their logs beside it): with nothing changed, and with that field of that row of its
-manifest set to VALUE (a YAML scalar), the manifest's bytes restored afterwards.
+manifest set to VALUE (a YAML scalar), the manifest's bytes restored afterwards. With `--reruns-only` the run is not
+made again: the two reruns start from the complete run that results/ holds (this machine's, whose last part is in
+results/pipeline-wall.json), and OUT_DIR gets pipeline-wall-reruns.json and their logs.
 
 A first part starts from what the checkout holds: `--fresh` removes results/ and .snakemake/ first, so the run
 starts cold (its Triton cache is .snakemake/triton-cache unless TRITON_CACHE_DIR is set). Nothing here installs
@@ -151,6 +153,20 @@ def all_results(results):
     return found
 
 
+def reruns_only(args, extra, out):
+    """The two reruns after the complete run whose parts results/pipeline-wall.json records."""
+    if not args.reruns or args.fresh:
+        raise SystemExit("pipeline_wall: --reruns-only takes --reruns ROW:FIELD=VALUE and no --fresh")
+    parts = json.loads(PARTS.read_text())["parts"] if PARTS.is_file() else []
+    if not parts or not parts[-1].get("complete"):
+        raise SystemExit(f"pipeline_wall: --reruns-only needs a complete run in results/ ({PARTS} says none)")
+    done = {"after": parts[-1], "reruns": reruns(args, extra, out, args.reruns)}
+    (out / "pipeline-wall-reruns.json").write_text(json.dumps(done, indent=1, default=str) + "\n")
+    for rerun in done["reruns"]:
+        print(f"rerun, {rerun['what']}: {rerun['wall_s']} s, exit status {rerun['exit_status']}, jobs {rerun['jobs']}")
+    return 0 if all(r["exit_status"] == 0 for r in done["reruns"]) else 1
+
+
 def shell(command, out_path):
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     Path(out_path).write_text(done.stdout + done.stderr + f"\nexit status {done.returncode}\n")
@@ -167,6 +183,8 @@ def main():
                    help="one more config value of the run (repeatable), e.g. --set queue_at_gpu_lock=True")
     p.add_argument("--reruns", metavar="ROW:FIELD=VALUE", default=None,
                    help="after a complete run, time a rerun with nothing changed and one with this field edited")
+    p.add_argument("--reruns-only", action="store_true",
+                   help="only the two reruns of --reruns, after the complete run that results/ already holds")
     p.add_argument("--fresh", action="store_true",
                    help="start cold: remove results/ and .snakemake/ (the run's Triton cache with it) first")
     args, extra = p.parse_known_args()
@@ -175,6 +193,8 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     from shapewise.execution import runs
 
+    if args.reruns_only:
+        return reruns_only(args, extra, out)
     if args.fresh:
         for name in ("results", ".snakemake"):
             shutil.rmtree(ROOT / name, ignore_errors=True)

@@ -1,4 +1,5 @@
 """benchmarks.pipeline_wall's rerun helpers: one field of one manifest row edited, the jobs a Snakemake log started."""
+import json
 import types
 
 import pytest
@@ -52,3 +53,25 @@ def test_reruns_run_unchanged_then_edited_and_restore_the_manifest(tmp_path, mon
     with pytest.raises(SystemExit, match="'a-09'"):
         pw.reruns(args, [], tmp_path, "a-09:seq_len=48")
     assert len(seen) == 2  # a row the manifests lack is refused before any run
+
+
+def test_reruns_only_needs_a_complete_run_and_writes_its_own_file(tmp_path, monkeypatch):
+    (tmp_path / "shapes").mkdir()
+    (tmp_path / "shapes" / "mine.yaml").write_text(MANIFEST)
+    parts = tmp_path / "results" / "pipeline-wall.json"
+    monkeypatch.setattr(pw, "ROOT", tmp_path)
+    monkeypatch.setattr(pw, "PARTS", parts)
+    monkeypatch.setattr(pw, "run_snakemake", lambda args, extra, log_path: log_path.write_text("") and None
+                        or {"wall_s": 2.0, "exit_status": 0})
+    args = types.SimpleNamespace(shapes="mine", reruns="a-01:seq_len=16", fresh=False)
+    with pytest.raises(SystemExit, match="needs a complete run"):
+        pw.reruns_only(args, [], tmp_path)
+    parts.parent.mkdir()
+    parts.write_text('{"parts": [{"wall_s": 300.0, "complete": false}]}')
+    with pytest.raises(SystemExit, match="needs a complete run"):
+        pw.reruns_only(args, [], tmp_path)
+    parts.write_text('{"parts": [{"wall_s": 300.0, "complete": true}]}')
+    assert pw.reruns_only(args, [], tmp_path) == 0
+    done = json.loads((tmp_path / "pipeline-wall-reruns.json").read_text())
+    assert done["after"]["wall_s"] == 300.0 and [r["what"] for r in done["reruns"]] == ["nothing changed",
+                                                                                        "a-01 seq_len=16"]
