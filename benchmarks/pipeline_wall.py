@@ -180,7 +180,7 @@ def main():
     p.add_argument("--shapes", default="official,contract", help="config shapes (default: the GPU default)")
     p.add_argument("--commit", default=None, help="the commit of the tree, for the report (no .git here)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="one more config value of the run (repeatable), e.g. --set queue_at_gpu_lock=True")
+                   help="one more config value of the run (repeatable), e.g. --set gpu_memory_parts=True")
     p.add_argument("--reruns", metavar="ROW:FIELD=VALUE", default=None,
                    help="after a complete run, time a rerun with nothing changed and one with this field edited")
     p.add_argument("--reruns-only", action="store_true",

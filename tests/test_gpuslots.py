@@ -594,22 +594,15 @@ def test_dry_run_takes_the_gpu_count_from_the_pool():
     done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", env=env)
     assert done.returncode == 0, done.stderr
     assert "GPU pool: 0,1; at most 2 GPU job(s) at once (gpu resource, from this machine's GPU pool)" in done.stderr
+    assert f"(gpu_share resource {2 * gpuslots.SHARED_PER_GPU})" in done.stderr
     done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "--resources", "gpu=1", env=env)  # wins
     assert "at most 1 GPU job(s) at once (gpu resource, from --resources)" in done.stderr
-    # queue_at_gpu_lock: one more job per GPU, waiting at its lock; the shares follow
-    done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "queue_at_gpu_lock=True", env=env)
-    assert done.returncode == 0, done.stderr
-    assert ("at most 4 GPU job(s) at once (gpu resource, from this machine's GPU pool, and one per GPU waiting at "
-            "its lock (queue_at_gpu_lock))" in done.stderr), done.stderr
-    assert f"(gpu_share resource {4 * gpuslots.SHARED_PER_GPU})" in done.stderr
+    assert f"(gpu_share resource {gpuslots.SHARED_PER_GPU})" in done.stderr  # the shares follow it
     # device cpu: no pool, the device jobs one at a time as before
     cpu_line = ("GPU pool: none: device cpu (config device or SHAPEWISE_DEVICE); the jobs run shapes/smoke.yaml on the "
                 "CPU, one device job at a time")
     done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "device=cpu", env=env)
     assert cpu_line in done.stderr, done.stderr
-    done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "device=cpu", "queue_at_gpu_lock=True",
-                      env=env)
-    assert cpu_line in done.stderr  # no lock to wait at
     done = _snakemake("-n", "--cores", "all", "--config", "shapes=smoke", "gpus=0,3", env=env)
     assert done.returncode != 0
     assert ("config gpus='0,3': '3' names no GPU; the GPUs here are 0 (GPU-fake-0), 1 (GPU-fake-1)"
@@ -621,7 +614,6 @@ import sys
 sys.path.insert(0, {workflow!r})
 DEVICE_ARG = "auto"
 config.setdefault("gpus", "all")
-config.setdefault("queue_at_gpu_lock", False)
 config.setdefault("gpu_memory_parts", True)
 include: {gpus_smk!r}
 
@@ -681,7 +673,6 @@ import sys
 sys.path.insert(0, {workflow!r})
 DEVICE_ARG = "auto"
 config.setdefault("gpus", "all")
-config.setdefault("queue_at_gpu_lock", False)
 config.setdefault("gpu_memory_parts", True)
 include: {gpus_smk!r}
 

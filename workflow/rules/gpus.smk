@@ -4,8 +4,7 @@
 # - Snakemake's global `gpu` resource becomes the pool's size, so `snakemake --cores all` runs as many jobs that
 #   time (timing, ablation, microbench: each holds a GPU alone) at once as there are GPUs (at least 1: on a
 #   machine without GPUs the device jobs run one at a time on the CPU, as before), and `gpu_share` that times
-#   gpuslots.SHARED_PER_GPU: the jobs that time nothing share GPUs (gpu_resources below). With config
-#   queue_at_gpu_lock, twice the pool's size: the jobs beyond the GPUs wait at their locks.
+#   gpuslots.SHARED_PER_GPU: the jobs that time nothing share GPUs (gpu_resources below).
 #   `--resources gpu=K` on the command line (or in a profile) wins. Registered while the workflow is read: the
 #   scheduler takes them from there; reading the pool writes nothing.
 # - The run itself starts in the onstart handler below, the one place that sets what the jobs inherit (the pool,
@@ -31,11 +30,8 @@ if workflow.is_main_process:
     if DEVICE_ARG == "cpu" and config["gpus"] != "all":
         print(f"note: config gpus={config['gpus']!r} is ignored: the device is cpu", file=sys.stderr)
     if "gpu" not in workflow.global_resources:
-        _queued = bool(GPU_POOL) and config["queue_at_gpu_lock"]  # one more job per GPU, waiting at its lock
-        workflow.register_resource("gpu", max(1, len(GPU_POOL)) * (2 if _queued else 1))
+        workflow.register_resource("gpu", max(1, len(GPU_POOL)))
         _gpu_from = "this machine's GPU pool" if GPU_POOL else "no GPU here: device jobs one at a time"
-        if _queued:
-            _gpu_from += ", and one per GPU waiting at its lock (queue_at_gpu_lock)"
     else:
         _gpu_from = "--resources"
     _gpus = workflow.global_resources["gpu"].value
