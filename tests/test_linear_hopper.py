@@ -1,0 +1,175 @@
+"""kernels/linear_hopper.py: its reference and launch checks (CPU), its sm_90a build at every epilogue (offline, no
+GPU: a cubin, no register spills, no serialized wgmma, shared memory within the 227 KB of an sm_90 CTA), and on a
+Hopper GPU the kernel against fp64 on ragged shapes (M, N, K off the tiles), both operand dtypes, every epilogue,
+one program and several, and the residual epilogue writing over its residual."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from shapewise.kernels import linear_hopper as lh
+
+ROOT = Path(__file__).resolve().parent.parent
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+needs_gluon = pytest.mark.skipif(lh.gluon is None, reason="this Triton has no Gluon")
+
+# output dtype -> (atol, rtol) of the project's rule (|diff| <= atol or <= rtol |expected|) for outputs of O(1):
+# 16-bit outputs round to 11 (fp16) or 8 (bf16) bits, fp16/bf16 operands likewise; fp32 outputs keep the
+# operands' rounding only
+TOL = {torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 2e-2), torch.float32: (4e-3, 4e-3)}
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: reference and launch checks
+# ----------------------------------------------------------------------------------------------
+def test_the_reference_is_the_linear_layer_and_its_epilogues():
+    torch.manual_seed(0)
+    a, w, b, r = torch.randn(5, 8), torch.randn(3, 8), torch.randn(3), torch.randn(5, 3)
+    y = torch.nn.functional.linear(a.double(), w.double(), b.double())
+    assert torch.allclose(lh.linear_reference(a, w, b), y)
+    assert torch.allclose(lh.linear_reference(a, w, b, epilogue="gelu"), torch.nn.functional.gelu(y))
+    assert torch.allclose(lh.linear_reference(a, w, b, epilogue="residual", residual=r), r.double() + y)
+
+
+@needs_gluon
+@pytest.mark.parametrize("a, w, epilogue, words", [
+    (torch.zeros(4, 16, dtype=torch.float32), torch.zeros(8, 16), "bias", "float16/bfloat16"),
+    (torch.zeros(4, 16, dtype=torch.float16), torch.zeros(8, 16, dtype=torch.bfloat16), "bias", "share"),
+    (torch.zeros(4, 16, dtype=torch.float16), torch.zeros(8, 8, dtype=torch.float16), "bias", "[M, K]"),
+    (torch.zeros(4, 12, dtype=torch.float16), torch.zeros(8, 12, dtype=torch.float16), "bias", "multiples of 8"),
+    (torch.zeros(4, 16, dtype=torch.float16), torch.zeros(8, 16, dtype=torch.float16), "relu", "epilogue"),
+    (torch.zeros(4, 16, dtype=torch.float16), torch.zeros(8, 16, dtype=torch.float16), "bias", "sm_90"),
+])
+def test_what_it_cannot_serve_is_named(a, w, epilogue, words):
+    why = lh.why_unsupported(a, w, epilogue, torch.device("cpu"))
+    assert why is not None and words in why, why
+    with pytest.raises(ValueError, match="linear_hopper: "):
+        lh.linear_hopper(a, w, torch.zeros(w.shape[0]), epilogue=epilogue)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
+def test_each_launch_fits_an_sm90_ctas_shared_memory(out_dtype):
+    assert lh.shared_bytes(out_dtype) + 1024 <= lh.SMEM_BYTES  # the mbarriers and alignment within 1 KB
+    assert lh.stages_for(out_dtype) >= 3  # two blocks in flight beside the one the wgmma reads
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the sm_90a build (Triton's compiler and ptxas, no GPU)
+# ----------------------------------------------------------------------------------------------
+COMPILE = textwrap.dedent('''
+    import json, os, re, subprocess, tempfile
+    import torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+    from shapewise.kernels import linear_hopper as lh
+
+    PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+    def build(epilogue, dtype):
+        """The kernel for sm_90a at the launch `linear_hopper` makes for this epilogue and operand dtype."""
+        fn = lh._linear_hopper_fwd
+        out_dtype = torch.float32 if epilogue == "residual" else dtype
+        a, w, c = torch.zeros(256, 128, dtype=dtype), torch.zeros(256, 128, dtype=dtype), torch.zeros(256, 256,
+                                                                                                       dtype=out_dtype)
+        descs = {"a_desc": lh._descriptor(a, lh.BLOCK_M, lh.BLOCK_K), "w_desc": lh._descriptor(w, lh.BLOCK_N, lh.BLOCK_K),
+                 "c_desc": lh._descriptor(c, lh.BLOCK_M, lh.BLOCK_N), "r_desc": lh._descriptor(c, lh.BLOCK_M, lh.BLOCK_N)}
+        consts = dict(STAGES=lh.stages_for(out_dtype), EPILOGUE=lh.EPILOGUES.index(epilogue),
+                      CONSUMER_REGS=lh.CONSUMER_REGISTERS, PRODUCER_REGS=lh.PRODUCER_REGISTERS)
+        sig = {n: "constexpr" if n in consts else mangle_type(descs[n]) if n in descs
+               else "*fp16" if n == "bias_ptr" else "i32" for n in fn.arg_names}
+        src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=lh.kernel_options())
+
+    for epilogue in lh.EPILOGUES:
+        for dtype in (torch.float16, torch.bfloat16):
+            kernel = build(epilogue, dtype)
+            with tempfile.TemporaryDirectory() as tmp:
+                ptx = os.path.join(tmp, "k.ptx")
+                with open(ptx, "w") as f:
+                    f.write(kernel.asm["ptx"])
+                done = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(tmp, "k.cubin")],
+                                      capture_output=True, text=True, check=True)
+            text = done.stdout + done.stderr
+            spills = re.search(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", text)
+            ptx = kernel.asm["ptx"]
+            record = dict(epilogue=epilogue, dtype=str(dtype), shared_bytes=kernel.metadata.shared,
+                          spill_bytes=sum(map(int, spills.groups())) if spills else 0,
+                          setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\\.inc\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}))
+            print("compiled", json.dumps(record), flush=True)
+            assert kernel.asm["cubin"] and "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, record
+            assert record["spill_bytes"] == 0 and "serialized" not in text, (record, text)
+            assert kernel.metadata.shared <= lh.SMEM_BYTES, record
+            assert lh.CONSUMER_REGISTERS in record["setmaxnreg"], record
+''')
+
+
+@needs_gluon
+def test_the_kernel_builds_for_sm90_without_spills():
+    """Every epilogue and operand dtype compiles for sm_90a with no register spill and no serialized wgmma, within
+    an sm_90 CTA's shared memory; the records printed (pytest -s) give the shared bytes and the partitions'
+    setmaxnreg."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "workflow"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
+    assert done.stdout.count("compiled") == 2 * len(lh.EPILOGUES)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: against fp64
+# ----------------------------------------------------------------------------------------------
+# (M, N, K): one tile, ragged M, N and K (N and K multiples of 8, TMA's rule), K shorter than a block, and several
+# tiles per program with an odd count per consumer
+GPU_SHAPES = [(128, 128, 64), (300, 136, 200), (1, 8, 8), (1000, 520, 1032), (4096, 1024, 1024)]
+
+
+def _operands(M, N, K, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(N, K, device="cuda", generator=g) * K**-0.5).to(dtype)
+    b = torch.randn(N, device="cuda", generator=g).to(dtype)
+    r = torch.randn(M, N, device="cuda", generator=g)
+    return a, w, b, r
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("epilogue", lh.EPILOGUES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M, N, K", GPU_SHAPES, ids=str)
+def test_kernel_matches_fp64(M, N, K, dtype, epilogue, assert_close):
+    a, w, b, r = _operands(M, N, K, dtype)
+    got = lh.linear_hopper(a, w, b, epilogue=epilogue, residual=r)
+    want = lh.linear_reference(a, w, b, epilogue=epilogue, residual=r)
+    assert got.dtype == (torch.float32 if epilogue == "residual" else dtype)
+    atol, rtol = TOL[got.dtype]
+    assert_close(got.double(), want, atol=atol, rtol=rtol, what=f"linear_hopper {epilogue} {dtype} {(M, N, K)}")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("num_programs", [1, 3])
+def test_few_programs_take_every_tile(num_programs, assert_close):
+    """One program (every tile on its two consumers in turn, the ring wrapping many times) and three."""
+    a, w, b, r = _operands(1000, 520, 1032, torch.float16, seed=1)
+    got = lh.linear_hopper(a, w, b, epilogue="gelu", num_programs=num_programs)
+    assert_close(got.double(), lh.linear_reference(a, w, b, epilogue="gelu"), atol=4e-3, rtol=4e-3,
+                 what=f"linear_hopper gelu on {num_programs} programs")
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_the_residual_epilogue_may_write_over_its_residual(assert_close):
+    a, w, b, r = _operands(1000, 520, 1032, torch.float16, seed=2)
+    want = lh.linear_reference(a, w, b, epilogue="residual", residual=r)
+    got = lh.linear_hopper(a, w, b, epilogue="residual", residual=r, out=r)
+    assert got.data_ptr() == r.data_ptr()
+    assert_close(got.double(), want, atol=4e-3, rtol=4e-3, what="linear_hopper residual in place")
