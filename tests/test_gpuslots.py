@@ -412,16 +412,24 @@ def _preflight(path, job_bytes=None, **models):
 
 
 @pytest.mark.parametrize("job_bytes, models, parts, why", [
-    # official row 6's accuracy on an H200: within one part of 25 GB
-    ({"accuracy": 21.0e9}, {"reference": {"fits": True, "estimate_bytes": 19.7e9}}, 1, None),
-    # official row 14's on an H200: the chunked reference beside input and output, 62 GB
-    ({"accuracy": 62.4e9, "profile": 28.4e9}, {"reference": {"fits": False, "estimate_bytes": 1e14}}, 3,
-     "its accuracy job may take 62.4 GB: 3 parts of 25.0 GB"),
-    ({"accuracy": 151e9}, {}, None, "its accuracy job may take 151.0 GB, above all of the GPU's parts"),
+    # within one part of an H200's 25 GB with the allocator's headroom (15 GB x 1.35 = 20.3 GB); official row 6's
+    # accuracy (21 GB, 28.4 GB with it) two
+    ({"accuracy": 15.0e9}, {"reference": {"fits": True, "estimate_bytes": 19.7e9}}, 1, None),
+    ({"accuracy": 21.0e9}, {"reference": {"fits": True, "estimate_bytes": 19.7e9}}, 2,
+     "its accuracy job may take 21.0 GB (1.35 x that): 2 parts"),
+    # a job of 3 parts of an H200's 6 with the allocator's headroom: 55 GB x 1.35 = 74.3 GB
+    ({"accuracy": 55.0e9, "profile": 28.4e9}, {"reference": {"fits": False, "estimate_bytes": 1e14}}, 3,
+     "its accuracy job may take 55.0 GB (1.35 x that): 3 parts of 25.0 GB"),
+    # official row 14's on an H200: the chunked reference beside input and output, 62 GB: 84 GB with the headroom,
+    # above half of the GPU, alone
+    ({"accuracy": 62.4e9, "profile": 28.4e9}, {"reference": {"fits": False, "estimate_bytes": 1e14}}, None,
+     "its accuracy job may take 62.4 GB, 1.35 x that above 3 of the GPU's 6 parts"),
+    ({"accuracy": 151e9}, {}, None, "its accuracy job may take 151.0 GB, 1.35 x that above 3"),
     # a preflight without job estimates: its models', a model that does not fit taking the whole GPU
     (None, {"optimized": {"fits": True, "estimate_bytes": 1.3e9}, "reference": {"fits": True,
-                                                                                "estimate_bytes": 19.7e9}}, 1, None),
-    (None, {"optimized": {"fits": True, "estimate_bytes": 28.7e9}}, 2, "optimized model may take 28.7 GB: 2 parts"),
+                                                                                "estimate_bytes": 15.7e9}}, 1, None),
+    (None, {"optimized": {"fits": True, "estimate_bytes": 28.7e9}}, 2,
+     "optimized model may take 28.7 GB (1.35 x that): 2 parts"),
     (None, {"optimized": {"fits": True, "estimate_bytes": 1e9}, "reference": {"fits": False, "estimate_bytes": 1e14}},
      None, "reference model does not fit in one pass"),
 ])
@@ -433,7 +441,7 @@ def test_a_sharing_job_takes_the_parts_of_the_gpu_its_memory_needs(tmp_path, job
 
 
 def test_with_memory_parts_off_a_job_of_several_parts_holds_the_gpu_alone(tmp_path):
-    preflight = _preflight(tmp_path / "preflight.json", {"accuracy": 62.4e9, "warmup": 1e9})
+    preflight = _preflight(tmp_path / "preflight.json", {"accuracy": 55.0e9, "warmup": 1e9})
     off = {gpuslots.PARTS_VAR: "0"}
     parts, why = gpuslots.memory_parts(preflight, "accuracy", off)
     assert parts is None and "gpu_memory_parts is off" in why
@@ -557,14 +565,14 @@ def test_a_sharing_job_of_a_heavy_row_takes_its_gpu_alone_and_says_why(tmp_path)
 
 def test_a_sharing_job_of_a_wide_row_takes_several_parts_and_says_why(tmp_path):
     pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
-    preflight = _preflight(tmp_path / "preflight.json", {"accuracy": 62.4e9})
+    preflight = _preflight(tmp_path / "preflight.json", {"accuracy": 55.0e9})
     sharers = [gpuslots.acquire(pool, _job_lock_dir(tmp_path), mode=gpuslots.SHARED) for _ in range(4)]
     try:
         proc = _job_on_one_fake_gpu(tmp_path, "accuracy", "--row", "{}", "--preflight", str(preflight),
                                     "--chunked", "{}", "--out", str(tmp_path / "acc.json"))
         try:
             first, second = proc.stdout.readline(), proc.stdout.readline()
-            assert "takes 3 parts of its GPU" in first and "62.4 GB" in first, first
+            assert "takes 3 parts of its GPU" in first and "55.0 GB" in first, first
             assert "waiting for a free GPU (shared, 3 parts)" in second, second
         finally:
             proc.kill()

@@ -61,6 +61,12 @@ GPU_USE = {name: step.gpu for name, step in steps.STEPS.items()}
 PROFILING = frozenset(name for name, step in steps.STEPS.items() if step.profiles)
 # At most this many jobs share one GPU (the measurement behind it: docs/decisions.md).
 SHARED_PER_GPU = 6
+# A sharing job takes parts for its estimated peak times this: the caching allocator reserves beyond what it
+# allocates (official row 14's accuracy reserved 84.2 GB against its 62.5 GB estimate: docs/decisions.md#memory-parts).
+ALLOCATOR_HEADROOM = 1.35
+# A job that needs more parts than this holds its GPU alone, uncapped: beside it the others would have too little
+# to gain, and its cap too little slack (row 14's accuracy ran out of memory under a cap of 5 parts of an H100's 6).
+MAX_SHARED_PARTS = SHARED_PER_GPU // 2
 # "exclusive" for a job that runs again holding its GPU alone (shapewise.execution.gpushare: a kernel choice to time).
 USE_VAR = "SHAPEWISE_PIPELINE_GPU_USE"
 # "0": a sharing job whose memory needs several parts of its GPU holds it alone instead (config gpu_memory_parts
@@ -608,7 +614,8 @@ def memory_parts(preflight_path, step, environ=None):
     memory / SHARED_PER_GPU each) the job takes, from its row's preflight (a result file): its `job_bytes[step]`,
     the job's estimated peak (shapewise.jobs.preflight.job_bytes). parts None: more than all of them, the job holds
     its GPU alone. A preflight without that estimate (made before it existed) counts its models' estimates, and a
-    model that does not fit in one pass as all of the GPU. (1, None) where the preflight is not a CUDA one or cannot
+    model that does not fit in one pass as all of the GPU; each estimate times ALLOCATOR_HEADROOM, and beyond
+    MAX_SHARED_PARTS parts the job holds the GPU alone. (1, None) where the preflight is not a CUDA one or cannot
     be read (the job itself then says so); `why` says where more than one part comes from. With PARTS_VAR "0" in
     `environ` (os.environ) a job of several parts holds its GPU alone."""
     try:
@@ -635,12 +642,14 @@ def memory_parts(preflight_path, step, environ=None):
             value = model.get("estimate_bytes")
             if isinstance(value, (int, float)) and value > estimate:
                 estimate, what = value, f"its row's {name} model may take {value / 1e9:.1f} GB"
-    parts = max(1, math.ceil(estimate / part))
-    if parts > SHARED_PER_GPU:
-        return None, f"{what}, above all of the GPU's parts ({source})"
+    parts = max(1, math.ceil(estimate * ALLOCATOR_HEADROOM / part))
+    if parts > MAX_SHARED_PARTS:
+        return None, (f"{what}, {ALLOCATOR_HEADROOM} x that above {MAX_SHARED_PARTS} of the GPU's "
+                      f"{SHARED_PER_GPU} parts ({source})")
     if parts > 1 and not memory_parts_on(environ):
         return None, f"{what}, above one part of the GPU, and config gpu_memory_parts is off ({source})"
-    return parts, (None if parts == 1 else f"{what}: {parts} parts of {part / 1e9:.1f} GB ({source})")
+    return parts, (None if parts == 1 else f"{what} ({ALLOCATOR_HEADROOM} x that): {parts} parts of "
+                                           f"{part / 1e9:.1f} GB ({source})")
 
 
 def _cuda_available():
