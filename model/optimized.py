@@ -348,6 +348,7 @@ class UserOptimizedTransformer(BaselineTransformer):
     def __setstate__(self, state):  # unpickled parameters are plain nn.Parameters: list (and watch) them again
         super().__setstate__(state)
         self._calls = threading.RLock()
+        self._chunks_all_valid = False  # set here too: a pickled state may lack it
         self._weights.relist()
 
     def _apply(self, fn, *args, **kwargs):  # .to(), .cuda(), .half(): derived state is rebuilt lazily
