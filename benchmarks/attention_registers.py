@@ -14,19 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import subprocess
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from benchmarks.common import write_json
+from benchmarks.sm90 import ptxas_report
 from shapewise.kernels import attention
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 POINTERS = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "Out": "*fp16", "KeyLen": "*i32", "KeyMask": "*i8"}
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): the tiles the autotuner picked on the H200 (64x64 for most rows, 64x32
 # for head_dim 256, 32x32 for sequences of 32, 128x64 for long sequences)
@@ -55,17 +51,10 @@ def compile_attention(head_dim, block_m, block_n, num_warps, num_stages, key_mas
 
 
 def usage(kernel, num_warps):
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "k.ptx")
-        with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        done = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True, check=True)
-    text = done.stdout + done.stderr
-    regs = int(re.search(r"Used (\d+) registers", text)[1])
-    spills = re.search(r"(\d+) bytes spill stores", text)
+    report = ptxas_report(kernel)
+    regs = report.registers
     allocated = -(-regs // 8) * 8  # registers are allocated per warp in steps of 8 per thread
-    return {"registers": regs, "spill_store_bytes": int(spills[1]) if spills else 0,
+    return {"registers": regs, "spill_store_bytes": report.spill_store_bytes,
             "shared_bytes": kernel.metadata.shared,
             "programs_per_sm_by_registers": REGISTERS_PER_SM // (allocated * 32 * num_warps)}
 

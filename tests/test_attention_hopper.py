@@ -248,14 +248,14 @@ def test_the_barrier_protocol_delivers_every_block_without_deadlock(config, caus
 # CPU: the sm_90a build (Triton's compiler and ptxas, no GPU)
 # ----------------------------------------------------------------------------------------------
 COMPILE = textwrap.dedent('''
-    import json, os, re, subprocess, sys, tempfile
+    import json, re, sys
     import torch, triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
     from shapewise.kernels import attention_hopper as ah
+    from benchmarks.sm90 import ptxas_report
 
-    PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
     def build(head_dim, causal, cfg):
         """The kernel for sm_90a at the launch `hopper_attention` makes for this head dim, causal flag and config."""
@@ -275,15 +275,8 @@ COMPILE = textwrap.dedent('''
 
     def ptxas(kernel):
         """ptxas -v on the kernel's PTX: (registers per thread it allocates, spill bytes, its messages)."""
-        with tempfile.TemporaryDirectory() as tmp:
-            ptx = os.path.join(tmp, "k.ptx")
-            with open(ptx, "w") as f:
-                f.write(kernel.asm["ptx"])
-            done = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(tmp, "k.cubin")],
-                                  capture_output=True, text=True, check=True)
-        text = done.stdout + done.stderr
-        spills = re.search(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", text)
-        return int(re.search(r"Used (\\d+) registers", text)[1]), sum(map(int, spills.groups())) if spills else 0, text
+        report = ptxas_report(kernel)
+        return report.registers, report.spill_bytes, report.text
 
     launches = [(d, causal, None) for d in ah.HEAD_DIMS for causal in (True, False)]
     launches += [(64, True, v) for v in json.loads(sys.argv[1])]

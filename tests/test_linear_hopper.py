@@ -62,14 +62,13 @@ def test_each_launch_fits_an_sm90_ctas_shared_memory(out_dtype):
 # CPU: the sm_90a build (Triton's compiler and ptxas, no GPU)
 # ----------------------------------------------------------------------------------------------
 COMPILE = textwrap.dedent('''
-    import json, os, re, subprocess, tempfile
+    import json, re
     import torch, triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
     from shapewise.kernels import linear_hopper as lh
-
-    PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    from benchmarks.sm90 import ptxas_report
 
     def build(epilogue, dtype):
         """The kernel for sm_90a at the launch `linear_hopper` makes for this epilogue and operand dtype."""
@@ -89,21 +88,14 @@ COMPILE = textwrap.dedent('''
     for epilogue in lh.EPILOGUES:
         for dtype in (torch.float16, torch.bfloat16):
             kernel = build(epilogue, dtype)
-            with tempfile.TemporaryDirectory() as tmp:
-                ptx = os.path.join(tmp, "k.ptx")
-                with open(ptx, "w") as f:
-                    f.write(kernel.asm["ptx"])
-                done = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(tmp, "k.cubin")],
-                                      capture_output=True, text=True, check=True)
-            text = done.stdout + done.stderr
-            spills = re.search(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", text)
+            report = ptxas_report(kernel)
             ptx = kernel.asm["ptx"]
             record = dict(epilogue=epilogue, dtype=str(dtype), shared_bytes=kernel.metadata.shared,
-                          spill_bytes=sum(map(int, spills.groups())) if spills else 0,
+                          spill_bytes=report.spill_bytes,
                           setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\\.inc\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}))
             print("compiled", json.dumps(record), flush=True)
             assert kernel.asm["cubin"] and "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, record
-            assert record["spill_bytes"] == 0 and "serialized" not in text, (record, text)
+            assert record["spill_bytes"] == 0 and "serialized" not in report.text, (record, report.text)
             assert kernel.metadata.shared <= lh.SMEM_BYTES, record
             assert lh.CONSUMER_REGISTERS in record["setmaxnreg"], record
 ''')

@@ -1,0 +1,38 @@
+"""Offline builds for sm_90a, no GPU needed: what ptxas reports of a kernel Triton (or Gluon) compiled for it."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import triton
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+@dataclass(frozen=True)
+class PtxasReport:
+    registers: int  # per thread, as ptxas allocates them
+    spill_store_bytes: int
+    spill_load_bytes: int
+    text: str  # ptxas's messages (a "serialized" wgmma among them, where registers run short)
+
+    @property
+    def spill_bytes(self) -> int:
+        return self.spill_store_bytes + self.spill_load_bytes
+
+
+def ptxas_report(kernel, arch: str = "sm_90a") -> PtxasReport:
+    """`ptxas -v` on the compiled kernel's PTX (Triton's own ptxas), assembled for `arch`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        done = subprocess.run([PTXAS, "-v", "--gpu-name", arch, ptx, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True, check=True)
+    text = done.stdout + done.stderr
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    stores, loads = (int(spills[1]), int(spills[2])) if spills else (0, 0)
+    return PtxasReport(int(re.search(r"Used (\d+) registers", text)[1]), stores, loads, text)
