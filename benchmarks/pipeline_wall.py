@@ -153,11 +153,16 @@ def all_results(results):
     return found
 
 
+def recorded_parts():
+    """The parts of the run results/ holds, as results/pipeline-wall.json records them (none: [])."""
+    return json.loads(PARTS.read_text())["parts"] if PARTS.is_file() else []
+
+
 def reruns_only(args, extra, out):
     """The two reruns after the complete run whose parts results/pipeline-wall.json records."""
     if not args.reruns or args.fresh:
         raise SystemExit("pipeline_wall: --reruns-only takes --reruns ROW:FIELD=VALUE and no --fresh")
-    parts = json.loads(PARTS.read_text())["parts"] if PARTS.is_file() else []
+    parts = recorded_parts()
     if not parts or not parts[-1].get("complete"):
         raise SystemExit(f"pipeline_wall: --reruns-only needs a complete run in results/ ({PARTS} says none)")
     done = {"after": parts[-1], "reruns": reruns(args, extra, out, args.reruns)}
@@ -198,7 +203,7 @@ def main():
     if args.fresh:
         for name in ("results", ".snakemake"):
             shutil.rmtree(ROOT / name, ignore_errors=True)
-    parts = json.loads(PARTS.read_text())["parts"] if PARTS.is_file() else []
+    parts = recorded_parts()
     number = len(parts) + 1
     part = run_snakemake(args, extra, out / f"snakemake-part{number}.log")
     results = ROOT / "results"

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from .attention_hopper import PRODUCER_REGISTERS, REGISTERS_PER_SM, SMEM_BYTES  # sm_90's, one owner
+
 try:  # Gluon ships with Triton >= 3.5; without it (or without a Hopper GPU) `why_unsupported` says so
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -33,9 +35,6 @@ EPILOGUES = ("bias", "gelu", "residual")
 OPERAND_DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64  # a consumer's tile (its 4 warps' wgmma rows 16 apart) and K step
 CONSUMERS = 2  # warpgroups taking a program's tiles in turns
-SMEM_BYTES = 227 * 1024  # shared memory one CTA may take on the H100/H200 (sm_90)
-REGISTERS_PER_SM = 65536
-PRODUCER_REGISTERS = 24  # the TMA warp's registers per thread after `setmaxnreg` (the least a warp may keep)
 CONSUMER_REGISTERS = 240  # each consumer's, what the SM's 64K leave beside the producer's warpgroup (8-multiple)
 
 
@@ -236,4 +235,4 @@ def linear_hopper(a, w, bias, *, epilogue="bias", residual=None, out=None, num_p
     return out
 
 
-__all__ = ["EPILOGUES", "linear_hopper", "linear_reference", "why_unsupported"]
+__all__ = ["EPILOGUES", "SMEM_BYTES", "linear_hopper", "linear_reference", "why_unsupported"]
