@@ -54,13 +54,16 @@ def shared_bytes(out_dtype: torch.dtype) -> int:
 # ----------------------------------------------------------------------------------------------
 # Plain torch reference (fp64)
 # ----------------------------------------------------------------------------------------------
-def linear_reference(a, w, bias, *, epilogue="bias", residual=None):
-    """epilogue(a @ w^T + bias) in fp64: `bias` as it is, `gelu` exact GELU (erf), `residual` plus `residual`."""
+def linear_reference(a, w, bias, *, epilogue="bias", residual=None, row_mask=None):
+    """epilogue(a @ w^T + bias) in fp64: `bias` as it is, `gelu` exact GELU (erf), `residual` plus `residual`;
+    rows where `row_mask` is False, 0."""
     y = a.double() @ w.double().t() + bias.double()
     if epilogue == "gelu":
-        return torch.nn.functional.gelu(y, approximate="none")
+        y = torch.nn.functional.gelu(y, approximate="none")
     if epilogue == "residual":
-        return residual.double() + y
+        y = residual.double() + y
+    if row_mask is not None:
+        y = y.masked_fill(~row_mask.reshape(-1, 1), 0.0)
     return y
 
 
@@ -91,8 +94,8 @@ if gluon is not None:
                 it += 1
 
     @gluon.jit
-    def _consumer(c_desc, r_desc, bias_ptr, bufs, counts, N, C: gl.constexpr, STAGES: gl.constexpr,
-                  EPILOGUE: gl.constexpr):
+    def _consumer(c_desc, r_desc, bias_ptr, mask_ptr, bufs, counts, M, N, C: gl.constexpr, STAGES: gl.constexpr,
+                  EPILOGUE: gl.constexpr, ROW_MASK: gl.constexpr):
         """Consumer warpgroup C: the program's tiles C, C + 2, ...: their wgmmas, then the epilogue and the store."""
         a_bufs, w_bufs, ready, empty, c_bufs, res_ready = bufs
         num_tiles, num_pid_n, k_blocks = counts
@@ -129,6 +132,10 @@ if gluon is not None:
             if EPILOGUE == 2:
                 mbarrier.wait(res_bar, (j // _CONSUMERS) & 1)
                 y = y + c_buf.load(L_ACC)
+            if ROW_MASK:  # the rows of invalid tokens become 0
+                rows = off_m + gl.arange(0, _BM, layout=gl.SliceLayout(1, L_ACC))
+                keep = gl.load(mask_ptr + rows, mask=rows < M, other=0)
+                y = gl.where(gl.expand_dims(keep != 0, 1), y, 0.0)
             c_buf.store(y.to(c_desc.dtype))
             fence_async_shared()  # the stores above before the TMA store reads the buffer (async proxy)
             tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_buf)
@@ -138,8 +145,9 @@ if gluon is not None:
     @gluon.jit
     def _linear_hopper_fwd(
         a_desc, w_desc, c_desc, r_desc,  # TMA descriptors: A [M, K], W [N, K], out [M, N], residual [M, N] (or out)
-        bias_ptr, M, N, K,
-        STAGES: gl.constexpr, EPILOGUE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        bias_ptr, mask_ptr, M, N, K,  # mask_ptr: int8 [M], read where ROW_MASK
+        STAGES: gl.constexpr, EPILOGUE: gl.constexpr, ROW_MASK: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
     ):
         num_pid_n = gl.cdiv(N, _BN)
         counts = (gl.cdiv(M, _BM) * num_pid_n, num_pid_n, gl.cdiv(K, _BK))
@@ -156,8 +164,10 @@ if gluon is not None:
             mbarrier.init(res_ready.index(i), count=1)
         bufs = (a_bufs, w_bufs, ready, empty, c_bufs, res_ready)
         # the first consumer is the default partition (num_warps = 4); the second and the producer are workers
-        gl.warp_specialize([(_consumer, (c_desc, r_desc, bias_ptr, bufs, counts, N, 0, STAGES, EPILOGUE)),
-                            (_consumer, (c_desc, r_desc, bias_ptr, bufs, counts, N, 1, STAGES, EPILOGUE)),
+        gl.warp_specialize([(_consumer, (c_desc, r_desc, bias_ptr, mask_ptr, bufs, counts, M, N, 0, STAGES, EPILOGUE,
+                                         ROW_MASK)),
+                            (_consumer, (c_desc, r_desc, bias_ptr, mask_ptr, bufs, counts, M, N, 1, STAGES, EPILOGUE,
+                                         ROW_MASK)),
                             (_producer, (a_desc, w_desc, bufs, counts, STAGES))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -197,10 +207,11 @@ def kernel_options() -> dict:
     return {"num_warps": 4, "maxnreg": REGISTERS_PER_SM // ((CONSUMERS + 1) * 128) // 8 * 8}
 
 
-def linear_hopper(a, w, bias, *, epilogue="bias", residual=None, out=None, num_programs=None):
+def linear_hopper(a, w, bias, *, epilogue="bias", residual=None, row_mask=None, out=None, num_programs=None):
     """epilogue(a @ w^T + bias) on Hopper: a [M, K] and w [N, K] (nn.Linear's layout), both fp16 or both bf16
     and contiguous; bias [N] (any float dtype, added in fp32). `epilogue`: `bias` or `gelu` return a's dtype,
-    `residual` returns fp32 residual + a @ w^T + bias (residual: fp32 [M, N], contiguous). `out`: the output,
+    `residual` returns fp32 residual + a @ w^T + bias (residual: fp32 [M, N], contiguous). `row_mask`: bool with
+    M elements, or None; the output's rows where it is False are 0 (a block's invalid tokens). `out`: the output,
     contiguous [M, N] of that dtype (for `residual` it may be `residual` itself). num_programs: the persistent grid
     (default: one program per SM)."""
     why = why_unsupported(a, w, epilogue, a.device)
@@ -216,6 +227,10 @@ def linear_hopper(a, w, bias, *, epilogue="bias", residual=None, out=None, num_p
     if epilogue == "residual" and (residual is None or residual.dtype != torch.float32 or residual.shape != (M, N)
                                    or not residual.is_contiguous()):
         raise ValueError(f"linear_hopper: epilogue 'residual' needs a contiguous fp32 [{M}, {N}] residual")
+    if row_mask is not None and (row_mask.dtype != torch.bool or row_mask.numel() != M
+                                 or row_mask.device != a.device):
+        raise ValueError(f"linear_hopper: row_mask must be bool with {M} elements on {a.device}, got "
+                         f"{row_mask.dtype} {tuple(row_mask.shape)} on {row_mask.device}")
     if out is None:
         out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     elif out.shape != (M, N) or out.dtype != out_dtype or not out.is_contiguous():
@@ -227,10 +242,11 @@ def linear_hopper(a, w, bias, *, epilogue="bias", residual=None, out=None, num_p
         num_programs = torch.cuda.get_device_properties(a.device).multi_processor_count
     c_desc = _descriptor(out, BLOCK_M, BLOCK_N)
     r_desc = _descriptor(residual, BLOCK_M, BLOCK_N) if epilogue == "residual" else c_desc
+    mask8 = bias if row_mask is None else row_mask.contiguous().view(-1).view(torch.int8)
     _linear_hopper_fwd[(max(1, min(num_programs, tiles)),)](
-        _descriptor(a, BLOCK_M, BLOCK_K), _descriptor(w, BLOCK_N, BLOCK_K), c_desc, r_desc, bias, M, N, K,
-        STAGES=stages_for(out_dtype), EPILOGUE=EPILOGUES.index(epilogue), CONSUMER_REGS=CONSUMER_REGISTERS,
-        PRODUCER_REGS=PRODUCER_REGISTERS, **kernel_options(),
+        _descriptor(a, BLOCK_M, BLOCK_K), _descriptor(w, BLOCK_N, BLOCK_K), c_desc, r_desc, bias, mask8, M, N, K,
+        STAGES=stages_for(out_dtype), EPILOGUE=EPILOGUES.index(epilogue), ROW_MASK=row_mask is not None,
+        CONSUMER_REGS=CONSUMER_REGISTERS, PRODUCER_REGS=PRODUCER_REGISTERS, **kernel_options(),
     )
     return out
 

@@ -37,6 +37,9 @@ class Route:
     prepared_launch: bool = False  # hopper route: eager through its signature's PreparedLaunch (eager_min_batch)
     direct_launch: bool = False  # prepared launch: Triton's C launcher called with an argument list built once
     # (policy `hopper.direct_launch`; off: through the compiled kernel's `run`)
+    hopper_linear: bool = False  # triton/graph routes' unfused layer: the out-projection and FFN-out with the residual
+    # (and the zeroed rows) in their epilogue, FFN-in with exact GELU in its, as kernels/linear_hopper.py (policy
+    # `hopper_linear.min_d_model`, sm_90)
 
     def __str__(self) -> str:
         how = "forced" if self.forced else "auto"
@@ -45,6 +48,7 @@ class Route:
         kv = " kv=precomputed" if self.kv_precompute else ""
         blocks = "".join(f" {n}={v}" for n, v in (("key_block", self.key_block), ("ffn_block", self.ffn_block)) if v)
         split = " split-layer" if self.split_layer else ""
+        split += " hopper-linear" if self.hopper_linear else ""
         pair = " pair" if self.pair else ""
         pair += " producer" if self.producer else ""
         pair += " duo" if self.duo else ""

@@ -35,7 +35,12 @@ class KernelForward:
             from shapewise.kernels.attention_hopper import hopper_attention  # deferred: Gluon, where the route asks
 
             self.hopper_attention = hopper_attention
+        if route.hopper_linear:
+            from shapewise.kernels.linear_hopper import linear_hopper  # deferred: Gluon, where the route asks
+
+            self.linear_hopper = linear_hopper
         self.route = route
+        self.model_config = model.config
         disabled = model.disabled
         self.packed = "packed_qkv" not in disabled
         self.fused_ln = "fused_layernorm" not in disabled
@@ -103,6 +108,8 @@ class KernelForward:
 
         with cublas_fp32(route.precision == "tf32"):
             _, h = add_ln(x, None, "0.n1", last=True, first=True)  # normalize only: the input stays the residual
+            if route.hopper_linear:
+                return self._hopper_linear_layers(x, h, attention, add_ln, mask)
             res = x
             for i in range(cfg.num_layers):
                 o = attention(h.view(N, d), i)
@@ -114,6 +121,31 @@ class KernelForward:
                 res, h = add_ln(res, y, "final" if last else f"{i + 1}.n1", row_mask=mask,
                                 out_dtype=x.dtype if last else act, last=last)
         return h
+
+    def _hopper_linear_layers(self, x, h, attention, add_ln, mask):
+        """The layers with kernels/linear_hopper.py: the residual (and a block's zeroed rows) added in the
+        out-projection's and FFN-out's epilogues, the LayerNorms then only normalizing; FFN-in's epilogue applies
+        the GELU. The residual is a new fp32 tensor at the first out-projection (x stays the caller's), then
+        updated in place."""
+        w, cfg = self.w, self.model_config
+        B, S, d = x.shape
+        N = B * S
+        res = x.reshape(N, d)
+        if res.dtype != torch.float32:  # the epilogue adds in fp32 and the residual stream is fp32
+            res = res.float()
+        rows = None if mask is None else mask.reshape(N)
+        for i in range(cfg.num_layers):
+            o = attention(h.view(N, d), i)
+            res = self.linear_hopper(o.reshape(N, d), w[f"{i}.o_w"], w[f"{i}.o_b"], epilogue="residual", residual=res,
+                                     out=None if i == 0 else res)
+            _, h = add_ln(res, None, f"{i}.n2", last=True)
+            f = self.linear_hopper(h.view(N, d), w[f"{i}.in_w"], w[f"{i}.in_b"], epilogue="gelu")
+            res = self.linear_hopper(f, w[f"{i}.out_w"], w[f"{i}.out_b"], epilogue="residual", residual=res,
+                                     row_mask=rows, out=res)
+            last = i == cfg.num_layers - 1
+            _, h = add_ln(res, None, "final" if last else f"{i + 1}.n1", row_mask=rows,
+                          out_dtype=x.dtype if last else self.act, last=True)
+        return h.view(B, S, d)
 
 
 class SplitLayerForward:
@@ -163,6 +195,9 @@ def settle(route, x, disabled):
     if route.split_layer and (route.precision not in ("fp16", "bf16") or disabled & set(SPLIT_NEEDS)):
         off = sorted(disabled & set(SPLIT_NEEDS)) or [f"{route.precision} operands"]
         route = replace(route, split_layer=False, reason=route.reason + f"; no split layer: {', '.join(off)}")
+    if route.hopper_linear and ("hopper_linear" in disabled or route.precision not in ("fp16", "bf16")):
+        why = "hopper_linear disabled" if "hopper_linear" in disabled else f"{route.precision} operands"
+        route = replace(route, hopper_linear=False, reason=route.reason + f"; no Hopper linear layers: {why}")
     if route.attention == "hopper" and ("hopper_attention" in disabled or route.precision != "fp16"):
         # the Gluon kernel takes fp16 operands: otherwise (and switched off) the attention the policy had before it
         why = "hopper_attention disabled" if "hopper_attention" in disabled else f"{route.precision} operands"
@@ -175,7 +210,8 @@ def switches(route) -> set:
     if route.split_layer:  # each switch of SPLIT_NEEDS turns it off
         return set(SPLIT_NEEDS)
     return ({"fused_layernorm", "packed_qkv"} | ({"flash_attention"} if route.attention == "triton" else set())
-            | ({"hopper_attention"} if route.attention == "hopper" else set()))
+            | ({"hopper_attention"} if route.attention == "hopper" else set())
+            | ({"hopper_linear"} if route.hopper_linear else set()))
 
 
 def sdpa_gets_mask(route, disabled) -> bool:

@@ -217,6 +217,19 @@ def _with_split_layer(route: Route, shape: TransformerConfig) -> Route:
                    reason=route.reason + f"; split layer (d_model <= {most}, tokens >= {fewest})")
 
 
+def _with_hopper_linear(route: Route, shape: TransformerConfig, capability) -> Route:
+    """The triton/graph `route` with the Hopper linear layers (kernels/linear_hopper.py) where the policy's
+    `hopper_linear.min_d_model` (null: never) covers d_model, on sm_90, with fp16/bf16 operands and no split layer
+    (which has its own tail); else `route` itself."""
+    least = POLICY["hopper_linear"]["min_d_model"]
+    if (route.name not in ("triton", "graph") or route.split_layer or least is None or shape.d_model < least
+            or capability is None or capability[0] != 9 or route.precision not in ("fp16", "bf16")
+            or shape.d_model % 8 or shape.ffn_dim % 8):  # TMA: 16-byte rows
+        return route
+    return replace(route, hopper_linear=True, reason=route.reason + (
+        f"; Hopper linear layers with the residual and GELU in their epilogues (d_model >= {least}, sm_90)"))
+
+
 def with_pdl(route: Route, capability) -> Route:
     """`route` with programmatic dependent launch where its kernels take it (RouteSpec.pdl) and the CUDA device's
     compute capability (a (major, minor) pair; None: no CUDA device) is at least the policy's `pdl.min_capability`
@@ -287,8 +300,9 @@ def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none
         if forced == "hopper":
             return _hopper_route(_precision_for(forced, dt, shape), "forced by the caller", shape, forced=True,
                                  allow_duo=allow_duo)
-        return _with_split_layer(Route(forced, _precision_for(forced, dt, shape), "forced by the caller", forced=True),
-                                 shape)
+        route = _with_split_layer(Route(forced, _precision_for(forced, dt, shape), "forced by the caller",
+                                        forced=True), shape)
+        return _with_hopper_linear(route, shape, capability)
 
     dev = _device_type(device)
     if dev != "cuda":
@@ -307,9 +321,10 @@ def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none
                             f"short, narrow, launch-bound shape: one kernel per layer (tokens*d = {size})", shape)
     graph = POLICY["graph"]
     if shape.tokens * shape.d_model <= graph["max_tokens_x_d_model"]:
-        return _with_split_layer(Route(
+        route = _with_split_layer(Route(
             "graph", _precision_for("graph", dt, shape),
             f"launch-bound (tokens*d = {shape.tokens * shape.d_model} <= {graph['max_tokens_x_d_model']})"), shape)
+        return _with_hopper_linear(route, shape, capability)
     route = Route("triton", _precision_for("triton", dt, shape),
                   f"compute/memory-bound (tokens*d = {shape.tokens * shape.d_model})")
     how = "" if mask_kind == "none" else " (causal prefix masks; other masks: our kernel, decided per call)"
@@ -320,7 +335,7 @@ def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none
     elif attention_without_hopper(shape.seq_len) == "sdpa":
         route = replace(route, attention="sdpa", reason=route.reason + (
             f"; SDPA attention from seq_len {POLICY['attention']['sdpa_from_seq_len']}{how}"))
-    return _with_split_layer(route, shape)
+    return _with_hopper_linear(_with_split_layer(route, shape), shape, capability)
 
 
 def _hopper_attention_pays(shape: TransformerConfig, precision: str, capability, hopper_from) -> bool:

@@ -1,7 +1,8 @@
 """kernels/linear_hopper.py: its reference and launch checks (CPU), its sm_90a build at every epilogue (offline, no
 GPU: a cubin, no register spills, no serialized wgmma, shared memory within the 227 KB of an sm_90 CTA), and on a
 Hopper GPU the kernel against fp64 on ragged shapes (M, N, K off the tiles), both operand dtypes, every epilogue,
-one program and several, and the residual epilogue writing over its residual."""
+one program and several, the residual epilogue writing over its residual, rows zeroed by a row mask, and the model's
+triton and graph routes with it on every mask kind."""
 
 import os
 import subprocess
@@ -34,6 +35,10 @@ def test_the_reference_is_the_linear_layer_and_its_epilogues():
     assert torch.allclose(lh.linear_reference(a, w, b), y)
     assert torch.allclose(lh.linear_reference(a, w, b, epilogue="gelu"), torch.nn.functional.gelu(y))
     assert torch.allclose(lh.linear_reference(a, w, b, epilogue="residual", residual=r), r.double() + y)
+    keep = torch.tensor([True, False, True, True, False])
+    masked = lh.linear_reference(a, w, b, epilogue="residual", residual=r, row_mask=keep)
+    assert torch.equal(masked[~keep], torch.zeros(2, 3, dtype=torch.float64))
+    assert torch.allclose(masked[keep], (r.double() + y)[keep])
 
 
 @needs_gluon
@@ -58,6 +63,37 @@ def test_each_launch_fits_an_sm90_ctas_shared_memory(out_dtype):
     assert lh.stages_for(out_dtype) >= 3  # two blocks in flight beside the one the wgmma reads
 
 
+def _linear_in_torch(a, w, bias, *, epilogue="bias", residual=None, row_mask=None, out=None):
+    """linear_hopper's contract in torch (fp64 math, its output dtypes, `out` written in place)."""
+    y = lh.linear_reference(a, w, bias, epilogue=epilogue, residual=residual, row_mask=row_mask)
+    y = y.to(torch.float32 if epilogue == "residual" else a.dtype)
+    return y if out is None else out.copy_(y)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "all_true", "prefix", "holes"])
+def test_the_unfused_layers_plumbing_around_it(monkeypatch, mask_kind):
+    """The triton route's layers with `hopper_linear` (CPU, the kernel's contract in torch): the official tolerance
+    against an fp64 forward on every mask kind, the caller's x untouched (the residual is a new tensor, then updated
+    in place)."""
+    import dataclasses
+
+    from model_helpers import build_pair, cfg_of, check_official, fp64_forward, make_inputs
+    from shapewise.model import route_triton
+
+    monkeypatch.setattr(lh, "linear_hopper", _linear_in_torch)
+    cfg = cfg_of((2, 24, 32, 2, 40, 2))
+    _, opt = build_pair(cfg, "triton")
+    x, mask = make_inputs(cfg, mask_kind)
+    with torch.inference_mode():
+        opt(x, mask)  # the route as the model settles it, then the same with the Hopper linear layers
+        runner = route_triton.KernelForward(opt, dataclasses.replace(opt.last_route, hopper_linear=True))
+        before = x.clone()
+        got = runner(opt, x, mask)
+    assert torch.equal(x, before)
+    want = fp64_forward(opt.state_dict(), cfg, x, mask).nan_to_num(0.0).float()
+    check_official(want, got, f"the triton route's layers with hopper_linear, {mask_kind}")
+
+
 # ----------------------------------------------------------------------------------------------
 # CPU: the sm_90a build (Triton's compiler and ptxas, no GPU)
 # ----------------------------------------------------------------------------------------------
@@ -79,9 +115,9 @@ COMPILE = textwrap.dedent('''
         descs = {"a_desc": lh._descriptor(a, lh.BLOCK_M, lh.BLOCK_K), "w_desc": lh._descriptor(w, lh.BLOCK_N, lh.BLOCK_K),
                  "c_desc": lh._descriptor(c, lh.BLOCK_M, lh.BLOCK_N), "r_desc": lh._descriptor(c, lh.BLOCK_M, lh.BLOCK_N)}
         consts = dict(STAGES=lh.stages_for(out_dtype), EPILOGUE=lh.EPILOGUES.index(epilogue),
-                      CONSUMER_REGS=lh.CONSUMER_REGISTERS, PRODUCER_REGS=lh.PRODUCER_REGISTERS)
+                      ROW_MASK=epilogue == "residual", CONSUMER_REGS=lh.CONSUMER_REGISTERS, PRODUCER_REGS=lh.PRODUCER_REGISTERS)
         sig = {n: "constexpr" if n in consts else mangle_type(descs[n]) if n in descs
-               else "*fp16" if n == "bias_ptr" else "i32" for n in fn.arg_names}
+               else "*fp16" if n == "bias_ptr" else "*i8" if n == "mask_ptr" else "i32" for n in fn.arg_names}
         src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=lh.kernel_options())
 
@@ -165,3 +201,57 @@ def test_the_residual_epilogue_may_write_over_its_residual(assert_close):
     got = lh.linear_hopper(a, w, b, epilogue="residual", residual=r, out=r)
     assert got.data_ptr() == r.data_ptr()
     assert_close(got.double(), want, atol=4e-3, rtol=4e-3, what="linear_hopper residual in place")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("epilogue", lh.EPILOGUES)
+def test_rows_of_invalid_tokens_become_zero(epilogue, assert_close):
+    """A row mask with ragged runs of invalid rows, across tiles and inside one; the residual in place."""
+    a, w, b, r = _operands(1000, 520, 1032, torch.float16, seed=3)
+    keep = torch.rand(1000, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4)) > 0.3
+    keep[128:300] = False
+    want = lh.linear_reference(a, w, b, epilogue=epilogue, residual=r, row_mask=keep)
+    got = lh.linear_hopper(a, w, b, epilogue=epilogue, residual=r, row_mask=keep,
+                           out=r if epilogue == "residual" else None)
+    assert torch.equal(got[~keep], torch.zeros_like(got[~keep]))
+    assert_close(got.double(), want, atol=4e-3, rtol=4e-3, what=f"linear_hopper {epilogue} with a row mask")
+    with pytest.raises(ValueError, match="row_mask must be bool with 1000 elements"):
+        lh.linear_hopper(a, w, b, epilogue=epilogue, residual=r, row_mask=keep[:999])
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the model's triton and graph routes with it
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("graph", [False, True], ids=["triton", "graph"])
+@pytest.mark.parametrize("mask_kind", ["none", "all_true", "prefix", "holes"])
+def test_the_unfused_layer_runs_it_where_the_policy_says_so(monkeypatch, mask_kind, graph):
+    """Policy hopper_linear.min_d_model covering the shape: the triton route (eager) and the graph route (captured)
+    run the out-projection and FFN-out with the residual and the zeroed rows in their epilogues and FFN-in with
+    GELU in its, within the official tolerance of an fp64 forward on every mask kind; the switch off runs cuBLAS."""
+    from model_helpers import build_pair, cfg_of, check_official, fp64_forward, make_inputs
+    from shapewise.model import routing
+
+    monkeypatch.setitem(routing.POLICY, "hopper_linear", {"min_d_model": 256})
+    if not graph:
+        monkeypatch.setitem(routing.POLICY, "graph", {"max_tokens_x_d_model": 1})
+    cfg = cfg_of((3, 200, 256, 4, 520, 2))  # ragged token count (600) and FFN width (520) against the tiles
+    ref, opt = build_pair(cfg, "auto")
+    ref, opt = ref.cuda(), opt.cuda()
+    x, mask = make_inputs(cfg, mask_kind)
+    want = fp64_forward(ref.state_dict(), cfg, x, mask).nan_to_num(0.0).float()
+    x, mask = x.cuda(), None if mask is None else mask.cuda()
+    with torch.inference_mode():
+        got = opt(x, mask).cpu()
+        again = opt(x, mask).cpu()  # a graph's replay
+    route = opt.last_route
+    assert route.name == ("graph" if graph else "triton") and route.hopper_linear, str(route)
+    check_official(want, got, f"{route.name} route with the Hopper linear layers, {mask_kind}")
+    assert torch.equal(got, again)
+    _, off = build_pair(cfg, "auto", disable=("hopper_linear",))
+    off.load_state_dict(opt.state_dict())
+    with torch.inference_mode():
+        check_official(want, off.cuda()(x, mask).cpu(), f"hopper_linear off, {mask_kind}")
+    assert not off.last_route.hopper_linear, str(off.last_route)

@@ -566,6 +566,42 @@ def test_hopper_attention_where_the_policy_says_so_on_sm90(monkeypatch):
     assert bf16.attention == "sdpa" and "bf16 operands" in bf16.reason
 
 
+def test_hopper_linear_where_the_policy_says_so_on_sm90(monkeypatch):
+    from shapewise.model import route_triton
+    from shapewise.model.optimized import switches_used
+
+    row14 = SHAPES[4]  # d_model 1024: the triton route
+    row8 = TransformerConfig(batch_size=64, seq_len=128, d_model=1024, num_heads=4, ffn_dim=1024, num_layers=4)
+    assert not select_route(row14, torch.float32, "cuda", capability=(9, 0)).hopper_linear  # the policy's null
+    monkeypatch.setitem(routing.POLICY, "hopper_linear", {"min_d_model": 512})
+    for shape, name in ((row14, "triton"), (row8, "graph")):
+        r = select_route(shape, torch.float32, "cuda", "general", capability=(9, 0))
+        assert r.name == name and r.hopper_linear and " hopper-linear" in str(r) and "d_model >= 512" in r.reason
+        assert "hopper_linear" in switches_used(r, torch.float32, "cuda")
+        for capability in (None, (8, 0), (10, 0)):  # built for sm_90 alone
+            assert not select_route(shape, torch.float32, "cuda", capability=capability).hopper_linear
+        forced = select_route(shape, torch.float32, "cuda", forced=name, capability=(9, 0))
+        assert forced.forced and forced.hopper_linear
+    # below the policy's d_model, on the split layer's rows (its own tail), or rows TMA cannot address (16-byte
+    # rows): the unfused layer as before
+    assert not select_route(dataclasses.replace(row8, d_model=256, num_heads=2), torch.float32, "cuda",
+                            capability=(9, 0)).hopper_linear
+    monkeypatch.setitem(routing.POLICY, "hopper_linear", {"min_d_model": 64})
+    row1 = dataclasses.replace(SHAPES[2], batch_size=16)  # graph with the split layer
+    split = select_route(row1, torch.float32, "cuda", capability=(9, 0), allow_hopper=False)
+    assert split.split_layer and not split.hopper_linear, split
+    assert not select_route(dataclasses.replace(row8, ffn_dim=1020), torch.float32, "cuda",
+                            capability=(9, 0)).hopper_linear
+    # the switch, and fp32 operands (a model's precision argument), give back the unfused layer, saying why
+    r = select_route(row8, torch.float32, "cuda", capability=(9, 0))
+    x = torch.empty(1, row8.seq_len, 0)
+    off = route_triton.settle(r, x, {"hopper_linear"})
+    assert not off.hopper_linear and "hopper_linear disabled" in off.reason
+    assert "hopper_linear" not in switches_used(off, torch.float32, "cuda")
+    fp32 = route_triton.settle(dataclasses.replace(r, precision="tf32"), x, set())
+    assert not fp32.hopper_linear and "tf32 operands" in fp32.reason
+
+
 @pytest.mark.parametrize("capability", [(8, 0), (10, 0)])
 def test_forced_hopper_is_refused_off_sm90_naming_the_capability(capability):
     with pytest.raises(RouteUnavailable, match=r"'hopper'.*9\.x.*got " + f"{capability[0]}.{capability[1]}"):
