@@ -102,6 +102,14 @@ def build_pair(cfg, route="auto", seed=0, **kw):
 
 
 
+def cuda_case(cfg, mask_kind, **kw):
+    """(optimized model on CUDA, x and mask on CUDA, the fp64 forward's output on the CPU, invalid rows 0)."""
+    ref, opt = build_pair(cfg, "auto", **kw)
+    x, mask = make_inputs(cfg, mask_kind)
+    want = fp64_forward(ref.state_dict(), cfg, x, mask).nan_to_num(0.0).float()
+    return opt.cuda(), x.cuda(), None if mask is None else mask.cuda(), want
+
+
 def fp64_forward(state, cfg, x, mask=None):
     p = {k: v.detach().to(x.device, torch.float64) for k, v in state.items()}  # a GPU model's state, a CPU x
     x = x.detach().to(torch.float64)

@@ -415,17 +415,13 @@ def test_the_triton_route_runs_it_where_the_policy_says_so(monkeypatch, mask_kin
     """Policy attention.hopper_from_seq_len covering the shape: the triton route's attention is this kernel, exact
     against an fp64 forward (under a causal prefix mask it runs unmasked, under holes our Triton kernel takes the
     call); the hopper_attention switch off runs SDPA."""
-    from model_helpers import build_pair, cfg_of, check_official, fp64_forward, make_inputs
+    from model_helpers import build_pair, cfg_of, check_official, cuda_case
     from shapewise.model import routing
 
     monkeypatch.setitem(routing.POLICY, "attention", {"sdpa_from_seq_len": 256, "hopper_from_seq_len": 256})
     monkeypatch.setitem(routing.POLICY, "graph", {"max_tokens_x_d_model": 1})  # the eager triton route
     cfg = cfg_of((2, 700, 128, 2, 256, 2))  # head_dim 64
-    ref, opt = build_pair(cfg, "auto")
-    ref, opt = ref.cuda(), opt.cuda()
-    x, mask = make_inputs(cfg, mask_kind)
-    want = fp64_forward(ref.state_dict(), cfg, x, mask).nan_to_num(0.0).float()
-    x, mask = x.cuda(), None if mask is None else mask.cuda()
+    opt, x, mask, want = cuda_case(cfg, mask_kind)
     with torch.inference_mode():
         got = opt(x, mask).cpu()
     assert opt.last_route.name == "triton", str(opt.last_route)

@@ -231,18 +231,14 @@ def test_the_unfused_layer_runs_it_where_the_policy_says_so(monkeypatch, mask_ki
     """Policy hopper_linear.min_d_model covering the shape: the triton route (eager) and the graph route (captured)
     run the out-projection and FFN-out with the residual and the zeroed rows in their epilogues and FFN-in with
     GELU in its, within the official tolerance of an fp64 forward on every mask kind; the switch off runs cuBLAS."""
-    from model_helpers import build_pair, cfg_of, check_official, fp64_forward, make_inputs
+    from model_helpers import build_pair, cfg_of, check_official, cuda_case
     from shapewise.model import routing
 
     monkeypatch.setitem(routing.POLICY, "hopper_linear", {"min_d_model": 256})
     if not graph:
         monkeypatch.setitem(routing.POLICY, "graph", {"max_tokens_x_d_model": 1})
     cfg = cfg_of((3, 200, 256, 4, 520, 2))  # ragged token count (600) and FFN width (520) against the tiles
-    ref, opt = build_pair(cfg, "auto")
-    ref, opt = ref.cuda(), opt.cuda()
-    x, mask = make_inputs(cfg, mask_kind)
-    want = fp64_forward(ref.state_dict(), cfg, x, mask).nan_to_num(0.0).float()
-    x, mask = x.cuda(), None if mask is None else mask.cuda()
+    opt, x, mask, want = cuda_case(cfg, mask_kind)
     with torch.inference_mode():
         got = opt(x, mask).cpu()
         again = opt(x, mask).cpu()  # a graph's replay
