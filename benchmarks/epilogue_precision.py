@@ -10,6 +10,13 @@ dtype. The unfused layer rounds each GEMM's output to fp16 before its GELU or it
 not. Everything else (LayerNorms, attention: our Triton kernels under the interpreter) is the route's own. The row's
 weights and trial inputs are the pipeline's (its batch cut to --batch sequences: the interpreter is slow); each
 trial's failed elements at the official and the strict tolerance against the fp32 reference.
+
+Two forwards emulated wholly in torch beside them, with one attention (fp16 q, k, v and probabilities, fp32 scores
+and softmax) so that they differ by one thing: `emulated_hopper_linear`, the Hopper linear layers as routed (every
+GEMM's A operand a LayerNorm's fp16 output), and `emulated_ln_folded`, the LayerNorms folded into the QKV and FFN-in
+GEMMs (LN(x) W^T + b = rstd (x W'^T) - rstd mean colsum(W') + b', W' = W diag(gamma) in fp16, b' = b + W beta: the
+A operand is the residual itself rounded to fp16, the row statistics exact), the design that would drop the
+LayerNorm passes.
 """
 from __future__ import annotations
 
@@ -18,11 +25,14 @@ import os
 
 import torch
 
-from benchmarks.common import contract, parser, write_json
+from benchmarks.common import contract, official, parser, write_json
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
 from shapewise.jobs.models import build_models, model_config
 from shapewise.kernels import linear_hopper as lh
 from shapewise.model import TOLERANCES, compare_outputs, route_triton
+from shapewise.model.reference import LAYER_NORM_EPS
+
+HALF = torch.float16
 
 
 def linear_as_the_kernel_rounds(a, w, bias, *, epilogue="bias", residual=None, row_mask=None, out=None):
@@ -38,15 +48,68 @@ def linear_as_the_kernel_rounds(a, w, bias, *, epilogue="bias", residual=None, r
     return y if out is None else out.copy_(y)
 
 
+def emulated_forward(state, config, x, mask, fold):
+    """The forward with the Hopper linear layers' roundings, in torch (module docstring); `fold`: the LayerNorms
+    before the QKV and FFN-in GEMMs folded into them."""
+    B, S, d = x.shape
+    H, N = config.num_heads, B * S
+    D = d // H
+    p = {k: v.float() for k, v in state.items()}
+    rows = torch.ones(N, dtype=torch.bool) if mask is None else mask.reshape(N)
+
+    def stats(res):
+        mean = res.mean(-1, keepdim=True)
+        return mean, (res.var(-1, unbiased=False, keepdim=True) + LAYER_NORM_EPS).rsqrt()
+
+    def normed_linear(res, norm, ws, bs):
+        """[LN(res) W^T + b for each (W, b)], fp32, as the GEMM after the LayerNorm `norm` computes them."""
+        g, beta = p[f"{norm}.weight"], p[f"{norm}.bias"]
+        mean, rstd = stats(res)
+        if not fold:
+            a = ((res - mean) * rstd * g + beta).masked_fill(~rows[:, None], 0.0).to(HALF).float()
+            return [a @ w.to(HALF).float().t() + b for w, b in zip(ws, bs)]
+        a = res.to(HALF).float()
+        out = []
+        for w, b in zip(ws, bs):
+            w_folded = (w * g).to(HALF).float()
+            out.append(rstd * (a @ w_folded.t()) - rstd * mean * w_folded.sum(1) + (b + w @ beta))
+        return out
+
+    def attention(q, k, v):
+        q, k, v = (t.to(HALF).float().view(B, S, H, D).transpose(1, 2) for t in (q, k, v))
+        scores = (q @ k.transpose(-1, -2)) * D**-0.5
+        hidden = ~rows.view(B, 1, 1, S)
+        if config.causal:
+            hidden = hidden | torch.ones(S, S, dtype=torch.bool).triu(1)
+        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1).nan_to_num(0.0)
+        o = probs.to(HALF).float() @ v
+        return o.transpose(1, 2).reshape(N, d).to(HALF).float()
+
+    res = x.reshape(N, d).float()
+    for i in range(config.num_layers):
+        a = f"layers.{i}.attention"
+        q, k, v = normed_linear(res, f"layers.{i}.norm1", [p[f"{a}.{n}_proj.weight"] for n in "qkv"],
+                                [p[f"{a}.{n}_proj.bias"] for n in "qkv"])
+        res = res + attention(q, k, v) @ p[f"{a}.out_proj.weight"].to(HALF).float().t() + p[f"{a}.out_proj.bias"]
+        (f,) = normed_linear(res, f"layers.{i}.norm2", [p[f"layers.{i}.ffn_in.weight"]], [p[f"layers.{i}.ffn_in.bias"]])
+        f = torch.nn.functional.gelu(f).to(HALF).float()
+        res = res + f @ p[f"layers.{i}.ffn_out.weight"].to(HALF).float().t() + p[f"layers.{i}.ffn_out.bias"]
+        res = res.masked_fill(~rows[:, None], 0.0)
+    mean, rstd = stats(res)
+    out = (res - mean) * rstd * p["final_norm.weight"] + p["final_norm.bias"]
+    return out.masked_fill(~rows[:, None], 0.0).view(B, S, d)
+
+
 def main():
     p = parser(__doc__, "epilogue-precision.json")
-    p.add_argument("--row", default="contract-scale-small", help="a row of shapes/contract.yaml")
+    p.add_argument("--row", default="contract-scale-small", help="a row of shapes/contract.yaml, or official-NN")
     p.add_argument("--batch", type=int, default=4, help="sequences of the row's batch kept")
     p.add_argument("--trials", type=int, default=2, help="trials (the pipeline's seeds)")
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1: the route's Triton kernels run under the interpreter")
-    row = {**contract(args.row), "batch_size": args.batch, "route": "triton"}
+    shape_row = official(int(args.row[9:])) if args.row.startswith("official-") else contract(args.row)
+    row = {**shape_row, "batch_size": args.batch, "route": "triton"}
     config = model_config(row)
     cpu = torch.device("cpu")
     reference, model = build_models(row, config, cpu)
@@ -60,6 +123,9 @@ def main():
             outputs = {"unfused": model(x, mask)}
             hopper = dataclasses.replace(model.last_route, hopper_linear=True)
             outputs["hopper_linear"] = route_triton.KernelForward(model, hopper)(model, x, mask)
+            state = model.state_dict()
+            outputs["emulated_hopper_linear"] = emulated_forward(state, config, x, mask, fold=False)
+            outputs["emulated_ln_folded"] = emulated_forward(state, config, x, mask, fold=True)
         rec = {"seed": FIRST_TRIAL_SEED + trial}
         for name, got in outputs.items():
             for tol, bounds in TOLERANCES.items():
