@@ -32,7 +32,7 @@ from shapewise.kernels import linear_hopper as lh
 from shapewise.model import TOLERANCES, compare_outputs, route_triton
 from shapewise.model.reference import LAYER_NORM_EPS
 
-HALF = torch.float16
+HALF, ACC = torch.float16, torch.float32  # the operands' rounding, the accumulation's
 
 
 def linear_as_the_kernel_rounds(a, w, bias, *, epilogue="bias", residual=None, row_mask=None, out=None):
@@ -54,7 +54,7 @@ def emulated_forward(state, config, x, mask, fold):
     B, S, d = x.shape
     H, N = config.num_heads, B * S
     D = d // H
-    p = {k: v.float() for k, v in state.items()}
+    p = {k: v.to(ACC) for k, v in state.items()}
     rows = torch.ones(N, dtype=torch.bool) if mask is None else mask.reshape(N)
 
     def stats(res):
@@ -66,34 +66,34 @@ def emulated_forward(state, config, x, mask, fold):
         g, beta = p[f"{norm}.weight"], p[f"{norm}.bias"]
         mean, rstd = stats(res)
         if not fold:
-            a = ((res - mean) * rstd * g + beta).masked_fill(~rows[:, None], 0.0).to(HALF).float()
-            return [a @ w.to(HALF).float().t() + b for w, b in zip(ws, bs)]
-        a = res.to(HALF).float()
+            a = ((res - mean) * rstd * g + beta).masked_fill(~rows[:, None], 0.0).to(HALF).to(ACC)
+            return [a @ w.to(HALF).to(ACC).t() + b for w, b in zip(ws, bs)]
+        a = res.to(HALF).to(ACC)
         out = []
         for w, b in zip(ws, bs):
-            w_folded = (w * g).to(HALF).float()
+            w_folded = (w * g).to(HALF).to(ACC)
             out.append(rstd * (a @ w_folded.t()) - rstd * mean * w_folded.sum(1) + (b + w @ beta))
         return out
 
     def attention(q, k, v):
-        q, k, v = (t.to(HALF).float().view(B, S, H, D).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.to(HALF).to(ACC).view(B, S, H, D).transpose(1, 2) for t in (q, k, v))
         scores = (q @ k.transpose(-1, -2)) * D**-0.5
         hidden = ~rows.view(B, 1, 1, S)
         if config.causal:
             hidden = hidden | torch.ones(S, S, dtype=torch.bool).triu(1)
         probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1).nan_to_num(0.0)
-        o = probs.to(HALF).float() @ v
-        return o.transpose(1, 2).reshape(N, d).to(HALF).float()
+        o = probs.to(HALF).to(ACC) @ v
+        return o.transpose(1, 2).reshape(N, d).to(HALF).to(ACC)
 
-    res = x.reshape(N, d).float()
+    res = x.reshape(N, d).to(ACC)
     for i in range(config.num_layers):
         a = f"layers.{i}.attention"
         q, k, v = normed_linear(res, f"layers.{i}.norm1", [p[f"{a}.{n}_proj.weight"] for n in "qkv"],
                                 [p[f"{a}.{n}_proj.bias"] for n in "qkv"])
-        res = res + attention(q, k, v) @ p[f"{a}.out_proj.weight"].to(HALF).float().t() + p[f"{a}.out_proj.bias"]
+        res = res + attention(q, k, v) @ p[f"{a}.out_proj.weight"].to(HALF).to(ACC).t() + p[f"{a}.out_proj.bias"]
         (f,) = normed_linear(res, f"layers.{i}.norm2", [p[f"layers.{i}.ffn_in.weight"]], [p[f"layers.{i}.ffn_in.bias"]])
-        f = torch.nn.functional.gelu(f).to(HALF).float()
-        res = res + f @ p[f"layers.{i}.ffn_out.weight"].to(HALF).float().t() + p[f"layers.{i}.ffn_out.bias"]
+        f = torch.nn.functional.gelu(f).to(HALF).to(ACC)
+        res = res + f @ p[f"layers.{i}.ffn_out.weight"].to(HALF).to(ACC).t() + p[f"layers.{i}.ffn_out.bias"]
         res = res.masked_fill(~rows[:, None], 0.0)
     mean, rstd = stats(res)
     out = (res - mean) * rstd * p["final_norm.weight"] + p["final_norm.bias"]
