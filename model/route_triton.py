@@ -40,7 +40,6 @@ class KernelForward:
 
             self.linear_hopper = linear_hopper
         self.route = route
-        self.model_config = model.config
         disabled = model.disabled
         self.packed = "packed_qkv" not in disabled
         self.fused_ln = "fused_layernorm" not in disabled
@@ -109,7 +108,7 @@ class KernelForward:
         with cublas_fp32(route.precision == "tf32"):
             _, h = add_ln(x, None, "0.n1", last=True, first=True)  # normalize only: the input stays the residual
             if route.hopper_linear:
-                return self._hopper_linear_layers(x, h, attention, add_ln, mask)
+                return self._hopper_linear_layers(cfg, x, h, attention, add_ln, mask)
             res = x
             for i in range(cfg.num_layers):
                 o = attention(h.view(N, d), i)
@@ -122,12 +121,12 @@ class KernelForward:
                                 out_dtype=x.dtype if last else act, last=last)
         return h
 
-    def _hopper_linear_layers(self, x, h, attention, add_ln, mask):
+    def _hopper_linear_layers(self, cfg, x, h, attention, add_ln, mask):
         """The layers with kernels/linear_hopper.py: the residual (and a block's zeroed rows) added in the
         out-projection's and FFN-out's epilogues, the LayerNorms then only normalizing; FFN-in's epilogue applies
         the GELU. The residual is a new fp32 tensor at the first out-projection (x stays the caller's), then
         updated in place."""
-        w, cfg = self.w, self.model_config
+        w = self.w
         B, S, d = x.shape
         N = B * S
         res = x.reshape(N, d)

@@ -63,24 +63,19 @@ def test_each_launch_fits_an_sm90_ctas_shared_memory(out_dtype):
     assert lh.stages_for(out_dtype) >= 3  # two blocks in flight beside the one the wgmma reads
 
 
-def _linear_in_torch(a, w, bias, *, epilogue="bias", residual=None, row_mask=None, out=None):
-    """linear_hopper's contract in torch (fp64 math, its output dtypes, `out` written in place)."""
-    y = lh.linear_reference(a, w, bias, epilogue=epilogue, residual=residual, row_mask=row_mask)
-    y = y.to(torch.float32 if epilogue == "residual" else a.dtype)
-    return y if out is None else out.copy_(y)
-
-
 @pytest.mark.parametrize("mask_kind", ["none", "all_true", "prefix", "holes"])
 def test_the_unfused_layers_plumbing_around_it(monkeypatch, mask_kind):
-    """The triton route's layers with `hopper_linear` (CPU, the kernel's contract in torch): the official tolerance
-    against an fp64 forward on every mask kind, the caller's x untouched (the residual is a new tensor, then updated
-    in place)."""
+    """The triton route's layers with `hopper_linear` (CPU, the kernel's contract computed in torch as it rounds):
+    the official tolerance against an fp64 forward on every mask kind, the caller's x untouched (the residual is a
+    new tensor, then updated in place)."""
     import dataclasses
 
     from model_helpers import build_pair, cfg_of, check_official, fp64_forward, make_inputs
     from shapewise.model import route_triton
 
-    monkeypatch.setattr(lh, "linear_hopper", _linear_in_torch)
+    from benchmarks.epilogue_precision import linear_as_the_kernel_rounds
+
+    monkeypatch.setattr(lh, "linear_hopper", linear_as_the_kernel_rounds)
     cfg = cfg_of((2, 24, 32, 2, 40, 2))
     _, opt = build_pair(cfg, "triton")
     x, mask = make_inputs(cfg, mask_kind)
