@@ -8,7 +8,8 @@ and all of W in L2). `gl.warp_specialize` splits a program into:
     owns by TMA into a ring of STAGES slots, each slot's "ready" mbarrier counting the bytes, its "empty" one
     waiting for the consumer that read it;
   - two consumer warpgroups (240 registers each) that take the program's tiles in turns (ping-pong), so one's
-    epilogue runs while the other's wgmmas keep the tensor cores busy: per K block one async wgmma (A and W^T from
+    epilogue runs while the other's wgmmas keep the tensor cores busy; a consumer starts a tile's waits on the ring
+    only once the other has passed its waits of the tile before (mbarrier `turn`). Per K block one async wgmma (A and W^T from
     shared memory, fp32 accumulator in registers), the previous block's slot handed back once its wgmma is done;
     then the epilogue in registers and the tile out through the consumer's own shared buffer by TMA.
 Epilogues (EPILOGUES): `bias` (out = acc + bias), `gelu` (exact GELU of it, erf to 1.5e-7 as the Hopper forward's),
@@ -78,7 +79,7 @@ if gluon is not None:
     @gluon.jit
     def _producer(a_desc, w_desc, bufs, counts, STAGES: gl.constexpr):
         """Every A and W block of the program's tiles, in the consumers' order, into the ring."""
-        a_bufs, w_bufs, ready, empty, c_bufs, res_ready = bufs
+        a_bufs, w_bufs, ready, empty, c_bufs, res_ready, turn = bufs
         num_tiles, num_pid_n, k_blocks = counts
         it = 0
         for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -97,7 +98,7 @@ if gluon is not None:
     def _consumer(c_desc, r_desc, bias_ptr, mask_ptr, bufs, counts, M, N, C: gl.constexpr, STAGES: gl.constexpr,
                   EPILOGUE: gl.constexpr, ROW_MASK: gl.constexpr):
         """Consumer warpgroup C: the program's tiles C, C + 2, ...: their wgmmas, then the epilogue and the store."""
-        a_bufs, w_bufs, ready, empty, c_bufs, res_ready = bufs
+        a_bufs, w_bufs, ready, empty, c_bufs, res_ready, turn = bufs
         num_tiles, num_pid_n, k_blocks = counts
         L_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, _BN, 16])
@@ -114,6 +115,9 @@ if gluon is not None:
                 tma.async_copy_global_to_shared(r_desc, [off_m, off_n], res_bar, c_buf)
             acc = gl.zeros([_BM, _BN], gl.float32, L_ACC)
             base = j * k_blocks
+            # the other consumer has waited on every block of the tile before this one: a slot's "ready" phase
+            # parity names one fill only while no consumer waits more than one fill ahead of the producer
+            mbarrier.wait(turn.index(1 - C), ((j - 1) // _CONSUMERS) & 1, pred=j > 0)
             for kb in range(k_blocks):
                 it = base + kb
                 s = it % STAGES
@@ -122,6 +126,7 @@ if gluon is not None:
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 # the wgmma of block kb - 1 is done: its slot goes back to the producer
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=kb > 0)
+            mbarrier.arrive(turn.index(C))  # the other consumer's next tile may start its waits
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((base + k_blocks - 1) % STAGES))
             cols = off_n + gl.arange(0, _BN, layout=gl.SliceLayout(0, L_ACC))
@@ -157,12 +162,14 @@ if gluon is not None:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         res_ready = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         for i in gl.static_range(_CONSUMERS):
             mbarrier.init(res_ready.index(i), count=1)
-        bufs = (a_bufs, w_bufs, ready, empty, c_bufs, res_ready)
+            mbarrier.init(turn.index(i), count=1)
+        bufs = (a_bufs, w_bufs, ready, empty, c_bufs, res_ready, turn)
         # the first consumer is the default partition (num_warps = 4); the second and the producer are workers
         gl.warp_specialize([(_consumer, (c_desc, r_desc, bias_ptr, mask_ptr, bufs, counts, M, N, 0, STAGES, EPILOGUE,
                                          ROW_MASK)),
