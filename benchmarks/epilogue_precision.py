@@ -6,14 +6,15 @@ Usage (CPU): TRITON_INTERPRET=1 python -m benchmarks.epilogue_precision [OUT.jso
 
 The Hopper kernel cannot run on the CPU, so its computation is emulated in torch as it rounds: operands as given
 (fp16), products accumulated in fp32, bias, GELU and residual added in fp32, then one rounding to the output's
-dtype. The unfused layer rounds each GEMM's output to fp16 before its GELU or its residual add; the Hopper layers do
-not. Everything else (LayerNorms, attention: our Triton kernels under the interpreter) is the route's own. The row's
+dtype. The unfused layer rounds FFN-in's output to fp16 before its GELU; the route's Hopper layers apply it first.
+Everything else (LayerNorms, attention: our Triton kernels under the interpreter) is the route's own. The row's
 weights and trial inputs are the pipeline's (its batch cut to --batch sequences: the interpreter is slow); each
 trial's failed elements at the official and the strict tolerance against the fp32 reference.
 
 Two forwards emulated wholly in torch beside them, with one attention (fp16 q, k, v and probabilities, fp32 scores
-and softmax) so that they differ by one thing: `emulated_hopper_linear`, the Hopper linear layers as routed (every
-GEMM's A operand a LayerNorm's fp16 output), and `emulated_ln_folded`, the LayerNorms folded into the QKV and FFN-in
+and softmax) so that they differ by one thing, both with the residual added in the out-projection's and FFN-out's
+epilogues (the kernel's `residual` epilogue, the GEMM's output never rounded): `emulated_hopper_linear`, every
+GEMM's A operand a LayerNorm's fp16 output, and `emulated_ln_folded`, the LayerNorms folded into the QKV and FFN-in
 GEMMs (LN(x) W^T + b = rstd (x W'^T) - rstd mean colsum(W') + b', W' = W diag(gamma) in fp16, b' = b + W beta: the
 A operand is the residual itself rounded to fp16, the row statistics exact), the design that would drop the
 LayerNorm passes.

@@ -59,8 +59,8 @@ OPTIMIZATIONS = (
     # one program (off: the pair and loader warp the policy gives without it)
     "hopper_attention",  # where the policy says so, on sm_90: the triton route's attention as kernels.attention_hopper
     # (off: the attention the policy gives without it, SDPA at these lengths)
-    "hopper_linear",  # where the policy says so, on sm_90: the triton/graph routes' unfused layer with the residual and
-    # GELU in the epilogues of kernels.linear_hopper (off: cuBLAS GEMMs, a GELU pass and the residual in the LayerNorm)
+    "hopper_linear",  # where the policy says so, on sm_90: the triton/graph routes' out-projection and FFN as
+    # kernels.linear_hopper, the GELU in FFN-in's epilogue (off: cuBLAS GEMMs and a GELU pass)
 )
 MAX_MEMORY_PLANS = 64  # memory plans a model keeps (one per input signature, cap and memory fraction)
 _grad_enabled = torch.is_grad_enabled  # read on every call: a module attribute's lookup costs it ~0.05 µs more

@@ -37,9 +37,8 @@ class Route:
     prepared_launch: bool = False  # hopper route: eager through its signature's PreparedLaunch (eager_min_batch)
     direct_launch: bool = False  # prepared launch: Triton's C launcher called with an argument list built once
     # (policy `hopper.direct_launch`; off: through the compiled kernel's `run`)
-    hopper_linear: bool = False  # triton/graph routes' unfused layer: the out-projection and FFN-out with the residual
-    # (and the zeroed rows) in their epilogue, FFN-in with exact GELU in its, as kernels/linear_hopper.py (policy
-    # `hopper_linear.min_d_model`, sm_90)
+    hopper_linear: bool = False  # triton/graph routes' unfused layer: the out-projection, FFN-in (exact GELU in its
+    # epilogue) and FFN-out as kernels/linear_hopper.py (policy `hopper_linear.min_d_model`, sm_90)
 
     def __str__(self) -> str:
         how = "forced" if self.forced else "auto"

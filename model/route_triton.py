@@ -21,8 +21,9 @@ SPLIT_NEEDS = ("split_layer", "packed_qkv", "flash_attention")
 
 
 class KernelForward:
-    """Each layer as our attention (or SDPA, as the route says) between cuBLAS GEMMs, with our fused residual add +
-    LayerNorm; the mask summarized once per forward (its prefix length per sequence, or -1) for our attention."""
+    """Each layer as our attention (or SDPA, as the route says) between cuBLAS GEMMs (the out-projection and FFN as
+    kernels/linear_hopper.py where the route says so), with our fused residual add + LayerNorm; the mask summarized
+    once per forward (its prefix length per sequence, or -1) for our attention."""
 
     uses_weights = True
 
@@ -107,44 +108,26 @@ class KernelForward:
 
         with cublas_fp32(route.precision == "tf32"):
             _, h = add_ln(x, None, "0.n1", last=True, first=True)  # normalize only: the input stays the residual
-            if route.hopper_linear:
-                return self._hopper_linear_layers(cfg, x, h, attention, add_ln, mask)
             res = x
             for i in range(cfg.num_layers):
                 o = attention(h.view(N, d), i)
-                y = F.linear(o.reshape(N, d), w[f"{i}.o_w"], w[f"{i}.o_b"]).view(B, S, d)
+                y = self.linear(o.reshape(N, d), f"{i}.o").view(B, S, d)
                 res, h = add_ln(res, y, f"{i}.n2")
-                f = F.gelu(F.linear(h.view(N, d), w[f"{i}.in_w"], w[f"{i}.in_b"]), approximate="none")
-                y = F.linear(f, w[f"{i}.out_w"], w[f"{i}.out_b"]).view(B, S, d)
+                f = self.linear(h.view(N, d), f"{i}.in", gelu=True)
+                y = self.linear(f, f"{i}.out").view(B, S, d)
                 last = i == cfg.num_layers - 1
                 res, h = add_ln(res, y, "final" if last else f"{i + 1}.n1", row_mask=mask,
                                 out_dtype=x.dtype if last else act, last=last)
         return h
 
-    def _hopper_linear_layers(self, cfg, x, h, attention, add_ln, mask):
-        """The layers with kernels/linear_hopper.py: the residual (and a block's zeroed rows) added in the
-        out-projection's and FFN-out's epilogues, the LayerNorms then only normalizing; FFN-in's epilogue applies
-        the GELU. The residual is a new fp32 tensor at the first out-projection (x stays the caller's), then
-        updated in place."""
-        w = self.w
-        B, S, d = x.shape
-        N = B * S
-        res = x.reshape(N, d)
-        if res.dtype != torch.float32:  # the epilogue adds in fp32 and the residual stream is fp32
-            res = res.float()
-        rows = None if mask is None else mask.reshape(N)
-        for i in range(cfg.num_layers):
-            o = attention(h.view(N, d), i)
-            res = self.linear_hopper(o.reshape(N, d), w[f"{i}.o_w"], w[f"{i}.o_b"], epilogue="residual", residual=res,
-                                     out=None if i == 0 else res)
-            _, h = add_ln(res, None, f"{i}.n2", last=True)
-            f = self.linear_hopper(h.view(N, d), w[f"{i}.in_w"], w[f"{i}.in_b"], epilogue="gelu")
-            res = self.linear_hopper(f, w[f"{i}.out_w"], w[f"{i}.out_b"], epilogue="residual", residual=res,
-                                     row_mask=rows, out=res)
-            last = i == cfg.num_layers - 1
-            _, h = add_ln(res, None, "final" if last else f"{i + 1}.n1", row_mask=rows,
-                          out_dtype=x.dtype if last else self.act, last=True)
-        return h.view(B, S, d)
+    def linear(self, a, name, gelu=False):
+        """Linear layer `name` of the weight table on a [tokens, K] (exact GELU after it where `gelu`): cuBLAS, or
+        where the route says so kernels/linear_hopper.py with the GELU in its epilogue."""
+        w, b = self.w[name + "_w"], self.w[name + "_b"]
+        if self.route.hopper_linear:
+            return self.linear_hopper(a, w, b, epilogue="gelu" if gelu else "bias")
+        y = F.linear(a, w, b)
+        return F.gelu(y, approximate="none") if gelu else y
 
 
 class SplitLayerForward:

@@ -227,7 +227,7 @@ def _with_hopper_linear(route: Route, shape: TransformerConfig, capability) -> R
             or shape.d_model % 8 or shape.ffn_dim % 8):  # TMA: 16-byte rows
         return route
     return replace(route, hopper_linear=True, reason=route.reason + (
-        f"; Hopper linear layers with the residual and GELU in their epilogues (d_model >= {least}, sm_90)"))
+        f"; Hopper linear layers, GELU in FFN-in's epilogue (d_model >= {least}, sm_90)"))
 
 
 def with_pdl(route: Route, capability) -> Route:

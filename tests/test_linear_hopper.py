@@ -66,8 +66,7 @@ def test_each_launch_fits_an_sm90_ctas_shared_memory(out_dtype):
 @pytest.mark.parametrize("mask_kind", ["none", "all_true", "prefix", "holes"])
 def test_the_unfused_layers_plumbing_around_it(monkeypatch, mask_kind):
     """The triton route's layers with `hopper_linear` (CPU, the kernel's contract computed in torch as it rounds):
-    the official tolerance against an fp64 forward on every mask kind, the caller's x untouched (the residual is a
-    new tensor, then updated in place)."""
+    the official tolerance against an fp64 forward on every mask kind, the caller's x untouched."""
     import dataclasses
 
     from model_helpers import build_pair, cfg_of, check_official, fp64_forward, make_inputs
@@ -224,8 +223,8 @@ def test_rows_of_invalid_tokens_become_zero(epilogue, assert_close):
 @pytest.mark.parametrize("mask_kind", ["none", "all_true", "prefix", "holes"])
 def test_the_unfused_layer_runs_it_where_the_policy_says_so(monkeypatch, mask_kind, graph):
     """Policy hopper_linear.min_d_model covering the shape: the triton route (eager) and the graph route (captured)
-    run the out-projection and FFN-out with the residual and the zeroed rows in their epilogues and FFN-in with
-    GELU in its, within the official tolerance of an fp64 forward on every mask kind; the switch off runs cuBLAS."""
+    run the out-projection and the FFN as the Hopper GEMM, GELU in FFN-in's epilogue, within the official tolerance
+    of an fp64 forward on every mask kind; the switch off runs cuBLAS."""
     from model_helpers import build_pair, cfg_of, check_official, cuda_case
     from shapewise.model import routing
 
