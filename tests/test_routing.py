@@ -572,7 +572,8 @@ def test_hopper_linear_where_the_policy_says_so_on_sm90(monkeypatch):
 
     row14 = SHAPES[4]  # d_model 1024: the triton route
     row8 = TransformerConfig(batch_size=64, seq_len=128, d_model=1024, num_heads=4, ffn_dim=1024, num_layers=4)
-    assert not select_route(row14, torch.float32, "cuda", capability=(9, 0)).hopper_linear  # the policy's null
+    monkeypatch.setitem(routing.POLICY, "hopper_linear", {"min_d_model": None})
+    assert not select_route(row14, torch.float32, "cuda", capability=(9, 0)).hopper_linear  # null: never
     monkeypatch.setitem(routing.POLICY, "hopper_linear", {"min_d_model": 512})
     for shape, name in ((row14, "triton"), (row8, "graph")):
         r = select_route(shape, torch.float32, "cuda", "general", capability=(9, 0))
