@@ -1,7 +1,9 @@
 """A route's forward captured in CUDA graphs, one set per input signature: routes `graph` and `fused` on CUDA.
 
 Each call copies its inputs into the capture's static tensors, replays the graph and clones the static output (the
-graph's own buffer is never handed out). Once a caller passes the same tensors twice in a row (a benchmark loop, a
+graph's own buffer is never handed out); with `eager_tail` the graph ends before the forward's last kernel (the
+runner's `stage`), which each call then launches after the replay into a new output (its `finish`), so nothing is
+copied out. Once a caller passes the same tensors twice in a row (a benchmark loop, a
 serving loop with fixed buffers), a second graph that reads them in place is captured: correct for whatever the
 caller passes at those addresses with that layout, since a replay reads the memory the arguments live in now.
 """
@@ -35,10 +37,11 @@ class CapturedForward:
     """`inner` (a route's runner) for one input signature, captured on its first call and replayed after."""
 
     uses_weights = True
-    __slots__ = ("inner", "route", "captures", "direct_input", "copy", "direct", "last_inputs")
+    __slots__ = ("inner", "route", "captures", "direct_input", "eager_tail", "copy", "direct", "last_inputs")
 
-    def __init__(self, inner, captures: Captures, direct_input: bool):
+    def __init__(self, inner, captures: Captures, direct_input: bool, eager_tail: bool = False):
         self.inner, self.route, self.captures, self.direct_input = inner, inner.route, captures, direct_input
+        self.eager_tail = eager_tail
         self.release()
 
     def release(self) -> None:
@@ -51,7 +54,7 @@ class CapturedForward:
         direct = self.direct
         if direct is not None and direct[1] == inputs:
             direct[0].replay()  # reads the caller's x and mask where they are: no copy in
-            return direct[2].clone()
+            return self._output(model, direct[2])
         if self.copy is None:
             self.captures.admit(self)  # the oldest capture goes first: its memory is free for this one
             self.copy = self._capture(model, x, mask, direct=False)
@@ -59,13 +62,20 @@ class CapturedForward:
             graph, _, _, out = self._capture(model, x, mask, direct=True)
             self.direct = (graph, inputs, out)
             graph.replay()
-            return out.clone()
+            return self._output(model, out)
         self.last_inputs = inputs
         graph, static_x, static_mask, static_out = self.copy
         static_x.copy_(x)
         if mask is not None:
             static_mask.copy_(mask)
         graph.replay()
+        return self._output(model, static_out)
+
+    def _output(self, model, static_out):
+        """A new output from what the replay left: the last kernel's launch on the staged tensors (it follows the
+        replay in the same stream, so the next replay cannot overwrite them first), or a copy of the graph's own."""
+        if self.eager_tail:
+            return self.inner.finish(model, static_out)
         return static_out.clone()
 
     def _capture(self, model, x, mask, direct):
@@ -84,8 +94,9 @@ class CapturedForward:
                     self.inner(model, static_x, static_mask)
             torch.cuda.current_stream(x.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
+            captured = self.inner.stage if self.eager_tail else self.inner
             with torch.cuda.graph(graph):
-                static_out = self.inner(model, static_x, static_mask)
+                static_out = captured(model, static_x, static_mask)  # with eager_tail: the staged tensors
         return graph, static_x, static_mask, static_out
 
 

@@ -46,6 +46,8 @@ OPTIMIZATIONS = (
     "flash_attention",  # our Triton flash attention (off: PyTorch SDPA inside the same route)
     "fused_layernorm",  # our Triton residual add + LayerNorm (off: separate PyTorch add and layer_norm)
     "packed_qkv",  # one QKV GEMM over a packed weight (off: three GEMMs)
+    "eager_tail",  # where the policy says so: the graph route's last kernel launched after the replay into a new
+    # output (off: captured, its output copied out of the graph's buffer)
     "direct_input",  # a captured graph reads the caller's x and mask in place once their addresses repeat (off: copy in)
     "split_layer",  # where the policy says so: a layer as LN+QKV, our attention and one tail kernel (off: unfused)
     "pdl",  # on sm_90+: a forward's kernels after its first launch early and wait in-kernel (off: each launches when
@@ -279,7 +281,7 @@ class UserOptimizedTransformer(BaselineTransformer):
         route = self._select(x, mask)
         runner = route_module(route.name).runner(self, route)
         if self._captured(route, x):
-            runner = CapturedForward(runner, self._graphs, "direct_input" not in self.disabled)
+            runner = CapturedForward(runner, self._graphs, "direct_input" not in self.disabled, route.eager_tail)
         return runner
 
     def _select(self, x, mask):

@@ -37,6 +37,8 @@ class Route:
     prepared_launch: bool = False  # hopper route: eager through its signature's PreparedLaunch (eager_min_batch)
     direct_launch: bool = False  # prepared launch: Triton's C launcher called with an argument list built once
     # (policy `hopper.direct_launch`; off: through the compiled kernel's `run`)
+    eager_tail: bool = False  # graph route: the forward's last kernel launched after the replay into a new output,
+    # not captured and copied out of the graph's buffer (policy `graph.eager_tail_min_tokens_x_d_model`)
     hopper_linear: bool = False  # triton/graph routes' unfused layer: the out-projection, FFN-in (exact GELU in its
     # epilogue) and FFN-out as kernels/linear_hopper.py (policy `hopper_linear.min_d_model`, sm_90)
 
@@ -55,6 +57,7 @@ class Route:
         eager = " eager" if self.eager else ""
         eager += " prepared-launch" if self.prepared_launch else ""
         eager += " direct-launch" if self.direct_launch else ""
+        eager += " eager-tail" if self.eager_tail else ""
         return f"{self.name}/{self.precision}{attn}{launch}{kv}{blocks}{split}{pair}{pdl}{eager} ({how}: {self.reason})"
 
     def as_dict(self) -> dict:  # JSON-ready: the launch tuple as a list

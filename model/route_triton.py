@@ -53,6 +53,11 @@ class KernelForward:
 
     @torch.no_grad()
     def __call__(self, model, x, mask):
+        return self.finish(model, self.stage(model, x, mask), pdl=self.route.pdl)
+
+    @torch.no_grad()
+    def stage(self, model, x, mask):
+        """The forward but its last kernel (the final residual add + LayerNorm): what `finish` takes."""
         if x.stride(-1) != 1:  # a view sliced along d_model: the kernels read rows with unit stride
             x = x.contiguous()
         route, w, act, cfg = self.route, self.w, self.act, model.config
@@ -80,19 +85,8 @@ class KernelForward:
 
         pdl = route.pdl  # our kernels after layer 0's LayerNorm 1 (that one, or the mask's summary, comes first)
 
-        def add_ln(res, branch, name, row_mask=None, out_dtype=act, last=False, first=False):
-            if self.fused_ln:
-                return self.add_layernorm(res, branch, w[name + "_w"], w[name + "_b"], eps=LAYER_NORM_EPS,
-                                          out_dtype=out_dtype, row_mask=row_mask, write_residual=not last,
-                                          residual_out=None if res is x or last else res,
-                                          pdl=pdl and not first)
-            r = res.float() if branch is None else res.float() + branch.float()
-            if row_mask is not None:
-                r = r.masked_fill(~row_mask[..., None], 0.0)
-            y = F.layer_norm(r, (d,), w[name + "_w"], w[name + "_b"], LAYER_NORM_EPS)
-            if row_mask is not None:
-                y = y.masked_fill(~row_mask[..., None], 0.0)
-            return r, y.to(out_dtype)
+        def add_ln(res, branch, name):
+            return self.add_ln(res, branch, name, out_dtype=act, residual_out=None if res is x else res, pdl=pdl)
 
         def attention(h2d, i):
             if self.packed:
@@ -107,7 +101,8 @@ class KernelForward:
             return sdpa_attention(q, k, v, cfg.causal, sdpa_mask)
 
         with cublas_fp32(route.precision == "tf32"):
-            _, h = add_ln(x, None, "0.n1", last=True, first=True)  # normalize only: the input stays the residual
+            # normalize only: the input stays the residual
+            _, h = self.add_ln(x, None, "0.n1", out_dtype=act, last=True)
             res = x
             for i in range(cfg.num_layers):
                 o = attention(h.view(N, d), i)
@@ -115,10 +110,33 @@ class KernelForward:
                 res, h = add_ln(res, y, f"{i}.n2")
                 f = self.linear(h.view(N, d), f"{i}.in", gelu=True)
                 y = self.linear(f, f"{i}.out").view(B, S, d)
-                last = i == cfg.num_layers - 1
-                res, h = add_ln(res, y, "final" if last else f"{i + 1}.n1", row_mask=mask,
-                                out_dtype=x.dtype if last else act, last=last)
-        return h
+                if i < cfg.num_layers - 1:
+                    res, h = self.add_ln(res, y, f"{i + 1}.n1", row_mask=mask, out_dtype=act,
+                                         residual_out=None if res is x else res, pdl=pdl)
+        return res, y, mask, x.dtype
+
+    @torch.no_grad()
+    def finish(self, model, staged, pdl=False):
+        """The forward's last kernel on what `stage` returned: the final residual add + LayerNorm into a new
+        output in x's dtype, invalid rows 0. pdl: it follows the stage's kernels in the same stream."""
+        res, y, mask, dtype = staged
+        return self.add_ln(res, y, "final", row_mask=mask, out_dtype=dtype, last=True, pdl=pdl)[1]
+
+    def add_ln(self, res, branch, name, *, out_dtype, row_mask=None, residual_out=None, last=False, pdl=False):
+        """(new residual, LayerNorm `name` of it in out_dtype): res + branch (branch None: res alone), rows where
+        row_mask is False 0; last: the residual not written; residual_out: where it goes (None: a new tensor)."""
+        w = self.w
+        if self.fused_ln:
+            return self.add_layernorm(res, branch, w[name + "_w"], w[name + "_b"], eps=LAYER_NORM_EPS,
+                                      out_dtype=out_dtype, row_mask=row_mask, write_residual=not last,
+                                      residual_out=None if last else residual_out, pdl=pdl)
+        r = res.float() if branch is None else res.float() + branch.float()
+        if row_mask is not None:
+            r = r.masked_fill(~row_mask[..., None], 0.0)
+        y = F.layer_norm(r, (res.shape[-1],), w[name + "_w"], w[name + "_b"], LAYER_NORM_EPS)
+        if row_mask is not None:
+            y = y.masked_fill(~row_mask[..., None], 0.0)
+        return r, y.to(out_dtype)
 
     def linear(self, a, name, gelu=False):
         """Linear layer `name` of the weight table on a [tokens, K] (exact GELU after it where `gelu`): cuBLAS, or
@@ -149,6 +167,11 @@ class SplitLayerForward:
 
     @torch.no_grad()
     def __call__(self, model, x, mask):
+        return self.finish(model, self.stage(model, x, mask), pdl=self.route.pdl)
+
+    @torch.no_grad()
+    def stage(self, model, x, mask):
+        """The forward but its last kernel (the last layer's tail with the final LayerNorm): what `finish` takes."""
         cfg = model.config
         B, S, d = x.shape
         res = x.contiguous()
@@ -162,10 +185,17 @@ class SplitLayerForward:
             q, k, v = qkv.view(B, S, 3, cfg.num_heads, cfg.head_dim).unbind(2)
             o = self.flash_attention(q, k, v, causal=cfg.causal, key_mask=mask, precision=self.route.precision,
                                      mask_prefix_lengths=prefix, pdl=pdl)
-            last = i == cfg.num_layers - 1
-            res = self.layer_tail(o.view(B, S, d), res, wi, eps=LAYER_NORM_EPS, mask=mask,
-                                  final=self.final if last else None, out_dtype=x.dtype, pdl=pdl)
-        return res
+            if i == cfg.num_layers - 1:
+                return o.view(B, S, d), res, mask, x.dtype
+            res = self.layer_tail(o.view(B, S, d), res, wi, eps=LAYER_NORM_EPS, mask=mask, pdl=pdl)
+
+    @torch.no_grad()
+    def finish(self, model, staged, pdl=False):
+        """The forward's last kernel on what `stage` returned: the last layer's tail and the final LayerNorm into a
+        new output in x's dtype, invalid rows 0. pdl: it follows the stage's kernels in the same stream."""
+        o, res, mask, dtype = staged
+        return self.layer_tail(o, res, self.layers[-1], eps=LAYER_NORM_EPS, mask=mask, final=self.final,
+                               out_dtype=dtype, pdl=pdl)
 
 
 def runner(model, route):
@@ -180,6 +210,9 @@ def settle(route, x, disabled):
     if route.hopper_linear and ("hopper_linear" in disabled or route.precision not in ("fp16", "bf16")):
         why = "hopper_linear disabled" if "hopper_linear" in disabled else f"{route.precision} operands"
         route = replace(route, hopper_linear=False, reason=route.reason + f"; no Hopper linear layers: {why}")
+    if route.eager_tail and disabled & {"eager_tail", "cuda_graph"}:
+        route = replace(route, eager_tail=False, reason=route.reason + "; the last kernel captured: "
+                        + ", ".join(sorted(disabled & {"eager_tail", "cuda_graph"})) + " disabled")
     if route.attention == "hopper" and ("hopper_attention" in disabled or route.precision != "fp16"):
         # the Gluon kernel takes fp16 operands: otherwise (and switched off) the attention the policy had before it
         why = "hopper_attention disabled" if "hopper_attention" in disabled else f"{route.precision} operands"
@@ -189,9 +222,10 @@ def settle(route, x, disabled):
 
 
 def switches(route) -> set:
+    tail = {"eager_tail"} if route.eager_tail else set()
     if route.split_layer:  # each switch of SPLIT_NEEDS turns it off
-        return set(SPLIT_NEEDS)
-    return ({"fused_layernorm", "packed_qkv"} | ({"flash_attention"} if route.attention == "triton" else set())
+        return set(SPLIT_NEEDS) | tail
+    return tail | ({"fused_layernorm", "packed_qkv"} | ({"flash_attention"} if route.attention == "triton" else set())
             | ({"hopper_attention"} if route.attention == "hopper" else set())
             | ({"hopper_linear"} if route.hopper_linear else set()))
 

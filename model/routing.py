@@ -230,6 +230,19 @@ def _with_hopper_linear(route: Route, shape: TransformerConfig, capability) -> R
         f"; Hopper linear layers, GELU in FFN-in's epilogue (d_model >= {least}, sm_90)"))
 
 
+def _with_eager_tail(route: Route, shape: TransformerConfig) -> Route:
+    """The graph `route` with its last kernel launched after the replay into a new output, where the policy's
+    `graph.eager_tail_min_tokens_x_d_model` (absent or null: never) covers tokens*d_model: there the copy of the
+    output out of the graph's buffer costs the GPU more than one launch costs the host, which the GPU's time
+    hides; else `route` itself."""
+    least = POLICY["graph"].get("eager_tail_min_tokens_x_d_model")
+    size = shape.tokens * shape.d_model
+    if route.name != "graph" or least is None or size < least:
+        return route
+    return replace(route, eager_tail=True, reason=route.reason + (
+        f"; its last kernel after the replay, into a new output (tokens*d = {size} >= {least})"))
+
+
 def with_pdl(route: Route, capability) -> Route:
     """`route` with programmatic dependent launch where its kernels take it (RouteSpec.pdl) and the CUDA device's
     compute capability (a (major, minor) pair; None: no CUDA device) is at least the policy's `pdl.min_capability`
@@ -302,7 +315,7 @@ def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none
                                  allow_duo=allow_duo)
         route = _with_split_layer(Route(forced, _precision_for(forced, dt, shape), "forced by the caller",
                                         forced=True), shape)
-        return _with_hopper_linear(route, shape, capability)
+        return _with_eager_tail(_with_hopper_linear(route, shape, capability), shape)
 
     dev = _device_type(device)
     if dev != "cuda":
@@ -324,7 +337,7 @@ def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none
         route = _with_split_layer(Route(
             "graph", _precision_for("graph", dt, shape),
             f"launch-bound (tokens*d = {shape.tokens * shape.d_model} <= {graph['max_tokens_x_d_model']})"), shape)
-        return _with_hopper_linear(route, shape, capability)
+        return _with_eager_tail(_with_hopper_linear(route, shape, capability), shape)
     route = Route("triton", _precision_for("triton", dt, shape),
                   f"compute/memory-bound (tokens*d = {shape.tokens * shape.d_model})")
     how = "" if mask_kind == "none" else " (causal prefix masks; other masks: our kernel, decided per call)"

@@ -63,10 +63,15 @@ def test_a_copy_and_a_pickle_make_their_own_lock():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("route", ["graph", "auto"])
-def test_calls_on_two_streams_run_in_order(route):
+@pytest.mark.parametrize("route, eager_tail", [("graph", False), ("graph", True), ("auto", False)])
+def test_calls_on_two_streams_run_in_order(monkeypatch, route, eager_tail):
     """A call queued behind a long kernel on stream A, then one on stream B: B waits for A's call, so A's output is
-    its own (a captured graph's static output is written by each call and copied out after it)."""
+    its own (a captured graph's static output is written by each call and copied out after it, or with eager_tail
+    its staged tensors read by the last kernel launched after it)."""
+    from shapewise.model import routing
+
+    monkeypatch.setitem(routing.POLICY, "graph", {**routing.POLICY["graph"],
+                                                  "eager_tail_min_tokens_x_d_model": 1 if eager_tail else None})
     cfg = cfg_of((64, 128, 128, 4, 128, 4))
     _, opt = build_pair(cfg, route)
     opt = opt.cuda()
@@ -86,6 +91,38 @@ def test_calls_on_two_streams_run_in_order(route):
             y2 = opt(x2, mask)
         torch.cuda.synchronize()
     assert torch.equal(y1, want1) and torch.equal(y2, want2), opt.last_route
+    assert opt.last_route.eager_tail == eager_tail, opt.last_route
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d_model", [128, 256], ids=["split", "unfused"])
+@pytest.mark.parametrize("mask_kind", ["none", "all_true", "prefix", "holes"])
+def test_the_graphs_last_kernel_after_the_replay(monkeypatch, d_model, mask_kind):
+    """Policy graph.eager_tail_min_tokens_x_d_model covering the shape: the graph ends before the forward's last
+    kernel, which each call launches into a new output: bit for bit the output of the graph that captures it
+    (switch eager_tail off), through the graph that copies the inputs in and the one that reads them in place, on
+    the split and the unfused layer and every mask kind; every output a tensor of its own."""
+    from shapewise.model import routing
+
+    monkeypatch.setitem(routing.POLICY, "graph", {**routing.POLICY["graph"], "eager_tail_min_tokens_x_d_model": 1})
+    cfg = cfg_of((4, 64, d_model, 4, 256, 2))
+    _, opt = build_pair(cfg, "graph")
+    _, off = build_pair(cfg, "graph", disable=("eager_tail",))
+    off.load_state_dict(opt.state_dict())
+    opt, off = opt.cuda(), off.cuda()
+    x, mask = make_inputs(cfg, mask_kind)
+    x, mask = x.cuda(), None if mask is None else mask.cuda()
+    x2 = x.flip(0).contiguous()
+    with torch.inference_mode():
+        # the copy-in graph, then the direct one (the same addresses twice), then the copy-in graph again
+        got = [opt(x, mask) for _ in range(3)] + [opt(x2, mask)]
+        want = [off(x, mask) for _ in range(3)] + [off(x2, mask)]
+    assert opt.last_route.eager_tail and not off.last_route.eager_tail, (opt.last_route, off.last_route)
+    assert opt.last_route.split_layer == (d_model == 128), opt.last_route
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"call {i}: {opt.last_route}"
+    assert len({t.data_ptr() for t in got}) == len(got)
 
 
 @pytest.mark.gpu

@@ -160,6 +160,9 @@ def test_switches_used_per_route():
         "cuda_graph", "reduced_precision", "flash_attention", "packed_qkv", "direct_input", "split_layer")
     assert switches_used(Route("triton", "bf16", "r", split_layer=True), torch.bfloat16, "cuda") == (
         "flash_attention", "packed_qkv", "split_layer")
+    assert switches_used(Route("graph", "fp16", "r", split_layer=True, eager_tail=True), f32, "cuda") == (
+        "cuda_graph", "reduced_precision", "flash_attention", "packed_qkv", "eager_tail", "direct_input",
+        "split_layer")
 
 
 def test_env_disable_unknown_name(monkeypatch):

@@ -603,6 +603,33 @@ def test_hopper_linear_where_the_policy_says_so_on_sm90(monkeypatch):
     assert not fp32.hopper_linear and "tf32 operands" in fp32.reason
 
 
+def test_eager_tail_where_the_policy_says_so():
+    """The graph route's last kernel outside the graph from the policy's graph.eager_tail_min_tokens_x_d_model on:
+    official rows 8 and 13 (2^23), unfused or split; not the small graph rows, nor the triton route."""
+    from shapewise.model import route_triton
+    from shapewise.model.optimized import switches_used
+
+    row8 = TransformerConfig(batch_size=64, seq_len=128, d_model=1024, num_heads=4, ffn_dim=1024, num_layers=4)
+    row13 = TransformerConfig(batch_size=64, seq_len=1024, d_model=128, num_heads=4, ffn_dim=128, num_layers=4)
+    row11 = dataclasses.replace(SHAPES[2], num_heads=16)
+    least = routing.POLICY["graph"]["eager_tail_min_tokens_x_d_model"]
+    assert row11.tokens * row11.d_model < least <= row8.tokens * row8.d_model == row13.tokens * row13.d_model
+    for shape in (row8, row13):
+        r = select_route(shape, torch.float32, "cuda", capability=(9, 0), allow_hopper=False)
+        assert r.name == "graph" and r.eager_tail and " eager-tail" in str(r) and f">= {least}" in r.reason, r
+        assert "eager_tail" in switches_used(r, torch.float32, "cuda")
+        assert select_route(shape, torch.float32, "cuda", forced="graph", capability=(9, 0)).eager_tail
+        assert not select_route(shape, torch.float32, "cuda", forced="triton", capability=(9, 0)).eager_tail
+        x = torch.empty(1, shape.seq_len, 0)
+        for off in ({"eager_tail"}, {"cuda_graph"}):
+            settled = route_triton.settle(r, x, off)
+            assert not settled.eager_tail and f"{next(iter(off))} disabled" in settled.reason
+            assert "eager_tail" not in switches_used(settled, torch.float32, "cuda")
+    assert select_route(row13, torch.float32, "cuda", capability=(9, 0)).split_layer
+    assert not select_route(row11, torch.float32, "cuda", capability=(9, 0), allow_hopper=False).eager_tail
+    assert not select_route(SHAPES[4], torch.float32, "cuda", capability=(9, 0)).eager_tail  # row 14: triton
+
+
 @pytest.mark.parametrize("capability", [(8, 0), (10, 0)])
 def test_forced_hopper_is_refused_off_sm90_naming_the_capability(capability):
     with pytest.raises(RouteUnavailable, match=r"'hopper'.*9\.x.*got " + f"{capability[0]}.{capability[1]}"):
