@@ -9,7 +9,8 @@ d 2 048, FFN 8 192). Per shape, each timed as a CUDA graph of ten calls (the hos
 median replay over --reps): `bias` (fp16 out) against cuBLAS's `F.linear` with its bias epilogue; `gelu` against
 `F.gelu(F.linear(...))`; `residual` (fp32 out) against `residual + F.linear(...)`; TFLOP/s of the GEMM
 (2 M N K), ours / cuBLAS's time, and the largest difference of each output from an fp32 computation of the same
-(fp16 operands). OUT.json is written after every shape.
+(fp16 operands). `--stages 2,3,4,5`: each epilogue also at each of these ring depths that fits (`stages_ms`; the
+kernel's default is `stages_for` its output dtype). OUT.json is written after every shape.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ SHAPES = {
 }
 
 
-def compare(M, N, K, reps):
+def compare(M, N, K, reps, stages=()):
     """{epilogue: {ours_ms, cublas_ms, ratio, tflop_per_s, cublas_tflop_per_s, max_abs_diff, cublas_max_abs_diff}}."""
     g = torch.Generator(device=CUDA).manual_seed(0)
     a = torch.randn(M, K, device=CUDA, generator=g).half()
@@ -50,6 +51,13 @@ def compare(M, N, K, reps):
         print(f"M={M} N={N} K={K} {epilogue}: ours {ms * 1e3:.1f} us ({done[epilogue]['tflop_per_s']:.0f} TFLOP/s), "
               f"cuBLAS {ref_ms * 1e3:.1f} us, ratio {done[epilogue]['ratio']:.3f}, max |diff| "
               f"{done[epilogue]['max_abs_diff']:.2e} (cuBLAS {done[epilogue]['cublas_max_abs_diff']:.2e})", flush=True)
+        out_dtype = torch.float32 if epilogue == "residual" else a.dtype
+        fits = [s for s in stages if lh.shared_bytes(out_dtype, s) + 1024 <= lh.SMEM_BYTES]
+        done[epilogue]["stages_ms"] = {s: graph_ms(lambda e=epilogue, s=s: lh.linear_hopper(  # noqa: E731
+            a, w, b, epilogue=e, residual=r, stages=s), reps) for s in fits}
+        if fits:
+            depths = done[epilogue]["stages_ms"].items()
+            print("  by ring depth: " + ", ".join(f"{s} {t * 1e3:.1f} us" for s, t in depths), flush=True)
     return done
 
 
@@ -57,6 +65,7 @@ def main():
     p = parser(__doc__, "linear-hopper.json")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
     p.add_argument("--reps", type=int, default=30, help="graph replays per timing (median)")
+    p.add_argument("--stages", default="", help="ring depths to time each epilogue at as well, e.g. 2,3,4,5")
     args = p.parse_args()
     require_cuda()
     why = lh.why_unsupported(torch.zeros(8, 8, dtype=torch.float16), torch.zeros(8, 8, dtype=torch.float16), "bias",
@@ -67,7 +76,8 @@ def main():
     for name in args.shapes.split(","):
         M, gemms = SHAPES[name]
         for N, K in gemms:
-            out["shapes"][f"{name} M={M} N={N} K={K}"] = compare(M, N, K, args.reps)
+            stages = [int(s) for s in args.stages.split(",") if s]
+            out["shapes"][f"{name} M={M} N={N} K={K}"] = compare(M, N, K, args.reps, stages)
             write_json(args.out, out)
 
 

@@ -45,10 +45,10 @@ def stages_for(out_dtype: torch.dtype) -> int:
     return 4 if out_dtype.itemsize == 2 else 3
 
 
-def shared_bytes(out_dtype: torch.dtype) -> int:
-    """The shared memory a launch allocates: the ring's A and W blocks and the consumers' output tiles (the
-    mbarriers' few bytes aside)."""
-    ring = stages_for(out_dtype) * (BLOCK_M + BLOCK_N) * BLOCK_K * 2
+def shared_bytes(out_dtype: torch.dtype, stages: int | None = None) -> int:
+    """The shared memory a launch allocates: the ring's A and W blocks (`stages` slots, default `stages_for`) and
+    the consumers' output tiles (the mbarriers' few bytes aside)."""
+    ring = (stages or stages_for(out_dtype)) * (BLOCK_M + BLOCK_N) * BLOCK_K * 2
     return ring + CONSUMERS * BLOCK_M * BLOCK_N * out_dtype.itemsize
 
 
@@ -214,13 +214,15 @@ def kernel_options() -> dict:
     return {"num_warps": 4, "maxnreg": REGISTERS_PER_SM // ((CONSUMERS + 1) * 128) // 8 * 8}
 
 
-def linear_hopper(a, w, bias, *, epilogue="bias", residual=None, row_mask=None, out=None, num_programs=None):
+def linear_hopper(a, w, bias, *, epilogue="bias", residual=None, row_mask=None, out=None, num_programs=None,
+                  stages=None):
     """epilogue(a @ w^T + bias) on Hopper: a [M, K] and w [N, K] (nn.Linear's layout), both fp16 or both bf16
     and contiguous; bias [N] (any float dtype, added in fp32). `epilogue`: `bias` or `gelu` return a's dtype,
     `residual` returns fp32 residual + a @ w^T + bias (residual: fp32 [M, N], contiguous). `row_mask`: bool with
     M elements, or None; the output's rows where it is False are 0 (a block's invalid tokens). `out`: the output,
     contiguous [M, N] of that dtype (for `residual` it may be `residual` itself). num_programs: the persistent grid
-    (default: one program per SM)."""
+    (default: one program per SM). stages: the ring's slots (default `stages_for` the output's dtype: the most that
+    fit), at least 2."""
     why = why_unsupported(a, w, epilogue, a.device)
     if why:
         raise ValueError(f"linear_hopper: {why}")
@@ -238,6 +240,10 @@ def linear_hopper(a, w, bias, *, epilogue="bias", residual=None, row_mask=None, 
                                  or row_mask.device != a.device):
         raise ValueError(f"linear_hopper: row_mask must be bool with {M} elements on {a.device}, got "
                          f"{row_mask.dtype} {tuple(row_mask.shape)} on {row_mask.device}")
+    stages = stages_for(out_dtype) if stages is None else stages
+    if stages < 2 or shared_bytes(out_dtype, stages) + 1024 > SMEM_BYTES:
+        raise ValueError(f"linear_hopper: {stages} ring slots: at least 2, and with the {out_dtype} output tiles "
+                         f"within an sm_90 CTA's {SMEM_BYTES} bytes of shared memory")
     if out is None:
         out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     elif out.shape != (M, N) or out.dtype != out_dtype or not out.is_contiguous():
@@ -252,7 +258,7 @@ def linear_hopper(a, w, bias, *, epilogue="bias", residual=None, row_mask=None, 
     mask8 = bias if row_mask is None else row_mask.contiguous().view(-1).view(torch.int8)
     _linear_hopper_fwd[(max(1, min(num_programs, tiles)),)](
         _descriptor(a, BLOCK_M, BLOCK_K), _descriptor(w, BLOCK_N, BLOCK_K), c_desc, r_desc, bias, mask8, M, N, K,
-        STAGES=stages_for(out_dtype), EPILOGUE=EPILOGUES.index(epilogue), ROW_MASK=row_mask is not None,
+        STAGES=stages, EPILOGUE=EPILOGUES.index(epilogue), ROW_MASK=row_mask is not None,
         CONSUMER_REGS=CONSUMER_REGISTERS, PRODUCER_REGS=PRODUCER_REGISTERS, **kernel_options(),
     )
     return out

@@ -187,6 +187,24 @@ def test_few_programs_take_every_tile(num_programs, assert_close):
                  what=f"linear_hopper gelu on {num_programs} programs")
 
 
+def test_ring_depths_that_fit():
+    assert lh.shared_bytes(torch.float16, 5) + 1024 <= lh.SMEM_BYTES  # 5 x 32 KB + 2 x 32 KB
+    assert lh.shared_bytes(torch.float32, 4) + 1024 > lh.SMEM_BYTES  # 4 x 32 KB + 2 x 64 KB
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("epilogue, stages", [("bias", 2), ("gelu", 5), ("residual", 2)])
+def test_other_ring_depths(epilogue, stages, assert_close):
+    """The ring at other depths than the default (the tiles' blocks wrap around it at another period)."""
+    a, w, b, r = _operands(1000, 520, 1032, torch.float16, seed=5)
+    got = lh.linear_hopper(a, w, b, epilogue=epilogue, residual=r, stages=stages, num_programs=3)
+    assert_close(got.double(), lh.linear_reference(a, w, b, epilogue=epilogue, residual=r), atol=4e-3, rtol=4e-3,
+                 what=f"linear_hopper {epilogue} with {stages} ring slots")
+    with pytest.raises(ValueError, match="ring slots"):
+        lh.linear_hopper(a, w, b, epilogue="residual", residual=r, stages=4)
+
+
 @pytest.mark.gpu
 @needs_hopper
 def test_the_residual_epilogue_may_write_over_its_residual(assert_close):
