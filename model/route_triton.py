@@ -211,8 +211,8 @@ def settle(route, x, disabled):
         why = "hopper_linear disabled" if "hopper_linear" in disabled else f"{route.precision} operands"
         route = replace(route, hopper_linear=False, reason=route.reason + f"; no Hopper linear layers: {why}")
     if route.eager_tail and disabled & {"eager_tail", "cuda_graph"}:
-        route = replace(route, eager_tail=False, reason=route.reason + "; the last kernel captured: "
-                        + ", ".join(sorted(disabled & {"eager_tail", "cuda_graph"})) + " disabled")
+        off = ", ".join(sorted(disabled & {"eager_tail", "cuda_graph"}))
+        route = replace(route, eager_tail=False, reason=route.reason + f"; no eager tail: {off} disabled")
     if route.attention == "hopper" and ("hopper_attention" in disabled or route.precision != "fp16"):
         # the Gluon kernel takes fp16 operands: otherwise (and switched off) the attention the policy had before it
         why = "hopper_attention disabled" if "hopper_attention" in disabled else f"{route.precision} operands"
