@@ -76,6 +76,18 @@ class Runner(Protocol):
 
 
 @runtime_checkable
+class StagedRunner(Runner, Protocol):
+    """A runner whose forward splits before its last kernel, as a route with `eager_tail` needs (model/captured.py
+    captures `stage` and launches `finish` after each replay): route `graph`'s runners, model/route_triton.py."""
+
+    def stage(self, model, x, mask):
+        """The forward but its last kernel: what `finish` takes (tensors a CUDA graph may own)."""
+
+    def finish(self, model, staged, pdl=False):
+        """The last kernel on `staged`, into a new output: `__call__` is `finish(model, stage(model, x, mask))`."""
+
+
+@runtime_checkable
 class RouteModule(Protocol):
     """The module that runs a route, model/<RouteSpec.module>.py, as `routing.route_module` returns it: the hooks
     every route module defines. Those of `OptionalHooks` it defines where it needs them."""

@@ -61,6 +61,35 @@ def test_a_copy_and_a_pickle_make_their_own_lock():
                 assert torch.equal(twin(x, mask), want)
 
 
+def test_an_eager_tail_is_the_runners_finish_on_what_the_graph_staged():
+    """A captured forward with eager_tail hands out its runner's `finish` of the staged tensors; without it, a copy
+    of the graph's own output. The graph route's runners are StagedRunners."""
+    from shapewise.model import route_triton
+    from shapewise.model.captured import CapturedForward, Captures
+    from shapewise.model.route import StagedRunner
+
+    class Inner:
+        route, uses_weights = "graph", True
+
+        def __call__(self, model, x, mask):
+            return self.finish(model, self.stage(model, x, mask))
+
+        def stage(self, model, x, mask):
+            return (x,)
+
+        def finish(self, model, staged, pdl=False):
+            return staged[0] * 2
+
+    staged = torch.ones(3)
+    assert isinstance(Inner(), StagedRunner)
+    assert torch.equal(CapturedForward(Inner(), Captures(), True, eager_tail=True)._output(None, (staged,)),
+                       torch.full((3,), 2.0))
+    copy = CapturedForward(Inner(), Captures(), True)._output(None, staged)
+    assert torch.equal(copy, staged) and copy.data_ptr() != staged.data_ptr()
+    for cls in (route_triton.KernelForward, route_triton.SplitLayerForward):
+        assert all(callable(getattr(cls, name, None)) for name in ("stage", "finish")), cls
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("route, eager_tail", [("graph", False), ("graph", True), ("auto", False)])
