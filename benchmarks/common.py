@@ -49,6 +49,11 @@ def contract(row_id):
     return rows[row_id]
 
 
+def named_row(name):
+    """`official-NN` (shapes/official.yaml) or a contract row's id (shapes/contract.yaml)."""
+    return official(int(name[len("official-"):])) if name.startswith("official-") else contract(name)
+
+
 def row(row_id, **fields):
     """A row that is in no manifest, with the manifest schema's defaults filled in."""
     return normalize_row({"id": row_id, **fields})

@@ -26,14 +26,16 @@ import os
 
 import torch
 
-from benchmarks.common import contract, official, parser, write_json
+from benchmarks import rounding_budget
+from benchmarks.common import named_row, parser, write_json
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
 from shapewise.jobs.models import build_models, model_config
 from shapewise.kernels import linear_hopper as lh
 from shapewise.model import TOLERANCES, compare_outputs, route_triton
-from shapewise.model.reference import LAYER_NORM_EPS
 
-HALF, ACC = torch.float16, torch.float32  # the operands' rounding, the accumulation's
+# the roundings of both emulated forwards: every class of rounding_budget's but the GEMMs' outputs (the epilogue
+# adds bias, GELU and residual in fp32 before its one rounding)
+ROUNDED = frozenset(rounding_budget.CLASSES) - {"gemm_out"}
 
 
 def linear_as_the_kernel_rounds(a, w, bias, *, epilogue="bias", residual=None, row_mask=None, out=None):
@@ -52,53 +54,7 @@ def linear_as_the_kernel_rounds(a, w, bias, *, epilogue="bias", residual=None, r
 def emulated_forward(state, config, x, mask, fold):
     """The forward with the Hopper linear layers' roundings, in torch (module docstring); `fold`: the LayerNorms
     before the QKV and FFN-in GEMMs folded into them."""
-    B, S, d = x.shape
-    H, N = config.num_heads, B * S
-    D = d // H
-    p = {k: v.to(ACC) for k, v in state.items()}
-    rows = torch.ones(N, dtype=torch.bool) if mask is None else mask.reshape(N)
-
-    def stats(res):
-        mean = res.mean(-1, keepdim=True)
-        return mean, (res.var(-1, unbiased=False, keepdim=True) + LAYER_NORM_EPS).rsqrt()
-
-    def normed_linear(res, norm, ws, bs):
-        """[LN(res) W^T + b for each (W, b)], fp32, as the GEMM after the LayerNorm `norm` computes them."""
-        g, beta = p[f"{norm}.weight"], p[f"{norm}.bias"]
-        mean, rstd = stats(res)
-        if not fold:
-            a = ((res - mean) * rstd * g + beta).masked_fill(~rows[:, None], 0.0).to(HALF).to(ACC)
-            return [a @ w.to(HALF).to(ACC).t() + b for w, b in zip(ws, bs)]
-        a = res.to(HALF).to(ACC)
-        out = []
-        for w, b in zip(ws, bs):
-            w_folded = (w * g).to(HALF).to(ACC)
-            out.append(rstd * (a @ w_folded.t()) - rstd * mean * w_folded.sum(1) + (b + w @ beta))
-        return out
-
-    def attention(q, k, v):
-        q, k, v = (t.to(HALF).to(ACC).view(B, S, H, D).transpose(1, 2) for t in (q, k, v))
-        scores = (q @ k.transpose(-1, -2)) * D**-0.5
-        hidden = ~rows.view(B, 1, 1, S)
-        if config.causal:
-            hidden = hidden | torch.ones(S, S, dtype=torch.bool).triu(1)
-        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1).nan_to_num(0.0)
-        o = probs.to(HALF).to(ACC) @ v
-        return o.transpose(1, 2).reshape(N, d).to(HALF).to(ACC)
-
-    res = x.reshape(N, d).to(ACC)
-    for i in range(config.num_layers):
-        a = f"layers.{i}.attention"
-        q, k, v = normed_linear(res, f"layers.{i}.norm1", [p[f"{a}.{n}_proj.weight"] for n in "qkv"],
-                                [p[f"{a}.{n}_proj.bias"] for n in "qkv"])
-        res = res + attention(q, k, v) @ p[f"{a}.out_proj.weight"].to(HALF).to(ACC).t() + p[f"{a}.out_proj.bias"]
-        (f,) = normed_linear(res, f"layers.{i}.norm2", [p[f"layers.{i}.ffn_in.weight"]], [p[f"layers.{i}.ffn_in.bias"]])
-        f = torch.nn.functional.gelu(f).to(HALF).to(ACC)
-        res = res + f @ p[f"layers.{i}.ffn_out.weight"].to(HALF).to(ACC).t() + p[f"layers.{i}.ffn_out.bias"]
-        res = res.masked_fill(~rows[:, None], 0.0)
-    mean, rstd = stats(res)
-    out = (res - mean) * rstd * p["final_norm.weight"] + p["final_norm.bias"]
-    return out.masked_fill(~rows[:, None], 0.0).view(B, S, d)
+    return rounding_budget.emulated_forward(state, config, x, mask, ROUNDED, fold=fold)
 
 
 def main():
@@ -109,7 +65,7 @@ def main():
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1: the route's Triton kernels run under the interpreter")
-    shape_row = official(int(args.row[9:])) if args.row.startswith("official-") else contract(args.row)
+    shape_row = named_row(args.row)
     row = {**shape_row, "batch_size": args.batch, "route": "triton"}
     config = model_config(row)
     cpu = torch.device("cpu")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.common import contract, official, parser, write_json
+from benchmarks.common import named_row, parser, write_json
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
 from shapewise.jobs.models import build_models, model_config
 from shapewise.model import TOLERANCES, compare_outputs
@@ -26,40 +26,56 @@ from shapewise.model.reference import LAYER_NORM_EPS
 CLASSES = ("weights", "ln_out", "qkv", "probs", "attn_out", "gemm_out", "gelu_out")
 
 
-def emulated_forward(state, config, x, mask, rounded):
-    """The unfused layer's forward in fp32 torch, rounding to fp16 at the classes in `rounded`."""
+def emulated_forward(state, config, x, mask, rounded, fold=False, acc=torch.float32):
+    """The unfused layer's forward in `acc` torch, rounding to fp16 at the classes in `rounded`. `fold`: the
+    LayerNorms before the QKV and FFN-in GEMMs folded into them (LN(x) W^T + b = rstd (x W'^T) - rstd mean
+    colsum(W') + b', W' = W diag(gamma) as the GEMM's weight, b' = b + W beta: the A operand is the residual itself,
+    rounded as `ln_out`, the row statistics exact)."""
     def r(t, cls):
-        return t.half().float() if cls in rounded else t
+        return t.half().to(acc) if cls in rounded else t
 
     B, S, d = x.shape
     H, N = config.num_heads, B * S
     D = d // H
-    p = {k: v.float() for k, v in state.items()}
+    p = {k: v.to(acc) for k, v in state.items()}
     rows = torch.ones(N, dtype=torch.bool) if mask is None else mask.reshape(N)
 
-    def linear(a, name, out_cls=None):
-        y = a @ r(p[f"{name}.weight"], "weights").t() + p[f"{name}.bias"]
-        return y if out_cls is None else r(y, out_cls)
+    def linear(a, w, b, out_cls):
+        return r(a @ r(w, "weights").t() + b, out_cls)
 
-    def layer_norm(res, name):
-        y = torch.nn.functional.layer_norm(res, (d,), p[f"{name}.weight"], p[f"{name}.bias"], LAYER_NORM_EPS)
-        return r(y.masked_fill(~rows[:, None], 0.0), "ln_out")
+    def normed_linear(res, norm, names, out_cls):
+        """[LN(res) W^T + b for each linear layer of `names`], as the GEMM after the LayerNorm `norm` computes it."""
+        g, beta = p[f"{norm}.weight"], p[f"{norm}.bias"]
+        if not fold:
+            h = torch.nn.functional.layer_norm(res, (d,), g, beta, LAYER_NORM_EPS)
+            h = r(h.masked_fill(~rows[:, None], 0.0), "ln_out")
+            return [linear(h, p[f"{n}.weight"], p[f"{n}.bias"], out_cls) for n in names]
+        mean = res.mean(-1, keepdim=True)
+        rstd = (res.var(-1, unbiased=False, keepdim=True) + LAYER_NORM_EPS).rsqrt()
+        a = r(res, "ln_out")
+        out = []
+        for n in names:
+            w, b = p[f"{n}.weight"], p[f"{n}.bias"]
+            w_folded = r(w * g, "weights")
+            out.append(r(rstd * (a @ w_folded.t()) - rstd * mean * w_folded.sum(1) + (b + w @ beta), out_cls))
+        return out
 
     hidden = ~rows.view(B, 1, 1, S)
     if config.causal:
         hidden = hidden | torch.ones(S, S, dtype=torch.bool).triu(1)
-    res = x.reshape(N, d).float()
+    res = x.reshape(N, d).to(acc)
     for i in range(config.num_layers):
         a = f"layers.{i}.attention"
-        h = layer_norm(res, f"layers.{i}.norm1")
-        q, k, v = (linear(h, f"{a}.{n}_proj", "qkv").view(B, S, H, D).transpose(1, 2) for n in "qkv")
+        q, k, v = (t.view(B, S, H, D).transpose(1, 2) for t in normed_linear(
+            res, f"layers.{i}.norm1", [f"{a}.{n}_proj" for n in "qkv"], "qkv"))
         scores = (q @ k.transpose(-1, -2)) * D**-0.5
         probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1).nan_to_num(0.0)
         o = r((r(probs, "probs") @ v).transpose(1, 2).reshape(N, d), "attn_out")
-        res = res + linear(o, f"{a}.out_proj", "gemm_out")
-        h = layer_norm(res, f"layers.{i}.norm2")
-        f = r(torch.nn.functional.gelu(linear(h, f"layers.{i}.ffn_in", "gemm_out")), "gelu_out")
-        res = (res + linear(f, f"layers.{i}.ffn_out", "gemm_out")).masked_fill(~rows[:, None], 0.0)
+        res = res + linear(o, p[f"{a}.out_proj.weight"], p[f"{a}.out_proj.bias"], "gemm_out")
+        (f,) = normed_linear(res, f"layers.{i}.norm2", [f"layers.{i}.ffn_in"], "gemm_out")
+        f = r(torch.nn.functional.gelu(f), "gelu_out")
+        ffn_out = linear(f, p[f"layers.{i}.ffn_out.weight"], p[f"layers.{i}.ffn_out.bias"], "gemm_out")
+        res = (res + ffn_out).masked_fill(~rows[:, None], 0.0)
     out = torch.nn.functional.layer_norm(res, (d,), p["final_norm.weight"], p["final_norm.bias"], LAYER_NORM_EPS)
     return out.masked_fill(~rows[:, None], 0.0).view(B, S, d)
 
@@ -74,7 +90,7 @@ def main():
     p.add_argument("--batch", type=int, default=16, help="sequences of the row's batch kept")
     p.add_argument("--trials", type=int, default=3, help="trials (the pipeline's seeds)")
     args = p.parse_args()
-    shape_row = official(int(args.row[9:])) if args.row.startswith("official-") else contract(args.row)
+    shape_row = named_row(args.row)
     row = {**shape_row, "batch_size": min(args.batch, shape_row["batch_size"]), "route": "triton"}
     config = model_config(row)
     cpu = torch.device("cpu")

@@ -7,6 +7,7 @@ import torch
 from model_helpers import build_pair, cfg_of, check_official, fp64_forward, make_inputs
 
 from benchmarks import epilogue_precision as ep
+from benchmarks import rounding_budget as rb
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "prefix", "holes"])
@@ -20,13 +21,12 @@ def test_the_emulated_forwards_are_the_models(mask_kind, fold):
     check_official(want, got, f"emulated forward, fold={fold}, {mask_kind}")
 
 
-def test_the_fold_is_exact_without_rounding(monkeypatch):
-    monkeypatch.setattr(ep, "HALF", torch.float64)  # no rounding beyond fp64's: only the algebra differs
-    monkeypatch.setattr(ep, "ACC", torch.float64)
+def test_the_fold_is_exact_without_rounding():
     cfg = cfg_of((2, 20, 32, 4, 48, 2))
     ref, _ = build_pair(cfg)
     x, mask = make_inputs(cfg, "prefix")
     state = {k: v.double() for k, v in ref.state_dict().items()}
-    plain = ep.emulated_forward(state, cfg, x.double(), mask, fold=False)
-    folded = ep.emulated_forward(state, cfg, x.double(), mask, fold=True)
+    # no rounding beyond fp64's: only the algebra differs
+    plain = rb.emulated_forward(state, cfg, x.double(), mask, set(), fold=False, acc=torch.float64)
+    folded = rb.emulated_forward(state, cfg, x.double(), mask, set(), fold=True, acc=torch.float64)
     assert (plain - folded).abs().max().item() < 1e-9
