@@ -52,7 +52,7 @@ def compare(M, N, K, reps, stages=()):
               f"cuBLAS {ref_ms * 1e3:.1f} us, ratio {done[epilogue]['ratio']:.3f}, max |diff| "
               f"{done[epilogue]['max_abs_diff']:.2e} (cuBLAS {done[epilogue]['cublas_max_abs_diff']:.2e})", flush=True)
         out_dtype = torch.float32 if epilogue == "residual" else a.dtype
-        fits = [s for s in stages if lh.shared_bytes(out_dtype, s) + 1024 <= lh.SMEM_BYTES]
+        fits = [s for s in stages if lh.ring_fits(out_dtype, s)]
         done[epilogue]["stages_ms"] = {s: graph_ms(lambda e=epilogue, s=s: lh.linear_hopper(  # noqa: E731
             a, w, b, epilogue=e, residual=r, stages=s), reps) for s in fits}
         if fits:
@@ -73,10 +73,10 @@ def main():
     if why:
         raise SystemExit(f"linear_hopper: {why}")
     out = {"device": device_name(CUDA), "shapes": {}}
+    stages = [int(s) for s in args.stages.split(",") if s]
     for name in args.shapes.split(","):
         M, gemms = SHAPES[name]
         for N, K in gemms:
-            stages = [int(s) for s in args.stages.split(",") if s]
             out["shapes"][f"{name} M={M} N={N} K={K}"] = compare(M, N, K, args.reps, stages)
             write_json(args.out, out)
 

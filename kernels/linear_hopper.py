@@ -39,6 +39,12 @@ CONSUMERS = 2  # warpgroups taking a program's tiles in turns
 CONSUMER_REGISTERS = 240  # each consumer's, what the SM's 64K leave beside the producer's warpgroup (8-multiple)
 
 
+def ring_fits(out_dtype: torch.dtype, stages: int) -> bool:
+    """Whether a ring of `stages` slots (at least 2) and the output tiles fit an sm_90 CTA, 1 KB left for the
+    mbarriers and alignment."""
+    return stages >= 2 and shared_bytes(out_dtype, stages) + 1024 <= SMEM_BYTES
+
+
 def stages_for(out_dtype: torch.dtype) -> int:
     """Ring slots that fit beside the consumers' output buffers: four with 16-bit outputs (4 x 32 KB + 2 x 32 KB),
     three with fp32 ones (3 x 32 KB + 2 x 64 KB)."""
@@ -241,7 +247,7 @@ def linear_hopper(a, w, bias, *, epilogue="bias", residual=None, row_mask=None, 
         raise ValueError(f"linear_hopper: row_mask must be bool with {M} elements on {a.device}, got "
                          f"{row_mask.dtype} {tuple(row_mask.shape)} on {row_mask.device}")
     stages = stages_for(out_dtype) if stages is None else stages
-    if stages < 2 or shared_bytes(out_dtype, stages) + 1024 > SMEM_BYTES:
+    if not ring_fits(out_dtype, stages):
         raise ValueError(f"linear_hopper: {stages} ring slots: at least 2, and with the {out_dtype} output tiles "
                          f"within an sm_90 CTA's {SMEM_BYTES} bytes of shared memory")
     if out is None:
