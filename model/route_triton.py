@@ -85,8 +85,9 @@ class KernelForward:
 
         pdl = route.pdl  # our kernels after layer 0's LayerNorm 1 (that one, or the mask's summary, comes first)
 
-        def add_ln(res, branch, name):
-            return self.add_ln(res, branch, name, out_dtype=act, residual_out=None if res is x else res, pdl=pdl)
+        def add_ln(res, branch, name, row_mask=None):  # in place after the first: x stays the caller's
+            return self.add_ln(res, branch, name, out_dtype=act, row_mask=row_mask,
+                               residual_out=None if res is x else res, pdl=pdl)
 
         def attention(h2d, i):
             if self.packed:
@@ -111,8 +112,7 @@ class KernelForward:
                 f = self.linear(h.view(N, d), f"{i}.in", gelu=True)
                 y = self.linear(f, f"{i}.out").view(B, S, d)
                 if i < cfg.num_layers - 1:
-                    res, h = self.add_ln(res, y, f"{i + 1}.n1", row_mask=mask, out_dtype=act,
-                                         residual_out=None if res is x else res, pdl=pdl)
+                    res, h = add_ln(res, y, f"{i + 1}.n1", row_mask=mask)
         return res, y, mask, x.dtype
 
     @torch.no_grad()
