@@ -28,9 +28,8 @@ import torch
 
 from benchmarks.common import (CUDA, alternating_rounds, device_name, official, parser, pooled_median, require_cuda,
                                row_numbers, setup, write_json)
+from benchmarks.official_harness import PROTOCOL as OFFICIAL
 from benchmarks.switch_ab import policy_change, set_policy
-
-OFFICIAL = {"warmup": 20, "rounds": 3, "calls": 100}  # the official harness's protocol
 
 
 def batch_times(fn, calls, repeats):

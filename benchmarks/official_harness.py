@@ -22,7 +22,7 @@ import torch
 import yaml
 
 MANIFEST = Path(__file__).resolve().parents[1] / "shapes" / "official.yaml"
-PROTOCOL = {"warmup": 20, "rounds": 3, "calls": 100}
+PROTOCOL = {"warmup": 20, "rounds": 3, "calls": 100}  # the official harness's (benchmarks.host_path's too)
 SEED = 0
 
 
