@@ -25,7 +25,7 @@ from benchmarks.common import ROOT
 from shapewise.candidates import SHAPEWISE
 from shapewise.report.compare import candidate_of
 
-BEST_PUBLIC = ROOT / "benchmarks" / "data" / "best-public-2026-11-29.json"
+BEST_PUBLIC = ROOT / "reports" / "benchmarks" / "best-public-2026-11-29.json"
 
 
 def best_public_ms():
