@@ -1,13 +1,15 @@
 """The split layer's three kernels timed one by one, and the launch configurations of ln_qkv and the layer tail.
 
 Usage (CUDA machine): python -m benchmarks.split_parts [OUT.json] [--rows 6,13,10] [--tail BM/FB/WARPS/STAGES,...]
-       [--ln BLOCK_T/COL_BLOCKS/WARPS,...]
+       [--ln BLOCK_T/COL_BLOCKS/WARPS,...] [--programs 0,66]
 
 Per official row: one layer's `ln_qkv` under each launch of LN_CONFIGS (0 or None: the launcher's default), then
 `ln_qkv`, `flash_attention` (with the all-True mask and without) at their default launches, and `layer_tail`
 under each configuration of TAIL_CONFIGS, each timed as a CUDA graph of 10 launches (replay time / 10, median),
 with the bytes it moves and its GB/s; each tail configuration's max abs error against the tail's fp64 reference on
-the first 64 sequences. The bytes per layer (x in fp32 read twice and written once, q/k/v in fp16 written and read,
+the first 64 sequences. On sm_90 also the Hopper LayerNorm + QKV (`kernels/ln_qkv_hopper.py`) and the Hopper tail
+(`kernels/layer_tail_hopper.py`), each at its default launch and, with `--programs`, other persistent grids: its
+time, and its largest difference from the Triton kernel's output (the tail's error against fp64 too). The bytes per layer (x in fp32 read twice and written once, q/k/v in fp16 written and read,
 the attention output written and read) set the layer's floor at the copy bandwidth. OUT.json is written after
 every record.
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 import torch
 from shapewise.kernels.attention import flash_attention
 from shapewise.kernels.fused_layer import ln_qkv
+from shapewise.kernels import layer_tail_hopper as th
+from shapewise.kernels import ln_qkv_hopper as qh
 from shapewise.kernels.layer_tail import layer_tail, layer_tail_reference
 from shapewise.model.reference import LAYER_NORM_EPS
 
@@ -31,7 +35,7 @@ LN_CONFIGS = [(None, None, 4), (64, 1, 4), (64, 3, 4), (64, 6, 4), (32, 1, 4), (
               (16, 3, 4), (64, 6, 2)]
 
 
-def parts(row, tail_configs, out, save, ln_configs=LN_CONFIGS):
+def parts(row, tail_configs, out, save, ln_configs=LN_CONFIGS, programs=(None,)):
     B, S, d, H, ffn = shape_of(row)
     w, wref = kernel_weights(d, ffn, "cuda")
     x = torch.randn(B, S, d, device="cuda", generator=torch.Generator("cuda").manual_seed(row))
@@ -77,6 +81,32 @@ def parts(row, tail_configs, out, save, ln_configs=LN_CONFIGS):
         rec["tail"].append(t)
         print(row, "tail", t, flush=True)
         save()
+    if qh.why_unsupported(d, x.device) is None:
+        rec["hopper_ln_qkv"] = []
+        for n in programs:  # None: one program per SM
+            t = {"num_programs": n}
+            run = dict(eps=LAYER_NORM_EPS, num_programs=n)
+            t["max_abs_diff_to_ln_qkv"] = (qh.ln_qkv_hopper(x, w, **run).float() - qkv.float()).abs().max().item()
+            t["ms"] = graph_ms(lambda: qh.ln_qkv_hopper(x, w, **run), reps)
+            t["GB_per_s"] = (N * d * 4 + N * 3 * d * 2) / t["ms"] / 1e6
+            rec["hopper_ln_qkv"].append(t)
+            print(row, "hopper_ln_qkv", t, flush=True)
+            save()
+    if th.why_unsupported(d, ffn, x.device) is None:
+        rec["hopper_tail"] = []
+        triton_tail = layer_tail(o, x, w, eps=LAYER_NORM_EPS, mask=mask)
+        vecs = th.tail_vectors(w)
+        for n in programs:  # None: one program per SM
+            t = {"num_programs": n}
+            run = dict(eps=LAYER_NORM_EPS, mask=mask, vecs=vecs, num_programs=n)
+            got = th.layer_tail_hopper(o, x, w, **run)
+            t["max_abs_error"] = (got[sample].double() - want).abs().max().item()
+            t["max_abs_diff_to_triton_tail"] = (got - triton_tail).abs().max().item()
+            t["ms"] = graph_ms(lambda: th.layer_tail_hopper(o, x, w, **run), reps)
+            t["GB_per_s"] = tail_bytes / t["ms"] / 1e6
+            rec["hopper_tail"].append(t)
+            print(row, "hopper_tail", t, flush=True)
+            save()
     out["rows"].append(rec)
     save()
 
@@ -87,6 +117,8 @@ def main():
     ap.add_argument("--tail", help="tail configurations instead of TAIL_CONFIGS: bm/fb/warps/stages,... "
                     "(bm 0: the default)")
     ap.add_argument("--ln", help="ln_qkv launches instead of LN_CONFIGS: block_t/col_blocks/warps,... (0: default)")
+    ap.add_argument("--programs", default="0", help="the Hopper tail's persistent grids, comma separated (0: one "
+                    "program per SM)")
     args = ap.parse_args()
     configs = ([tuple(int(v) or (None if i == 0 else 0) for i, v in enumerate(c.split("/")))
                 for c in args.tail.split(",")] if args.tail else TAIL_CONFIGS)
@@ -99,7 +131,7 @@ def main():
 
     with torch.inference_mode():
         for row in row_numbers(args.rows):
-            parts(row, configs, out, save, ln_configs)
+            parts(row, configs, out, save, ln_configs, [int(n) or None for n in args.programs.split(",")])
 
 
 if __name__ == "__main__":

@@ -63,6 +63,8 @@ OPTIMIZATIONS = (
     # (off: the attention the policy gives without it, SDPA at these lengths)
     "hopper_linear",  # where the policy says so, on sm_90: the triton/graph routes' out-projection and FFN as
     # kernels.linear_hopper, the GELU in FFN-in's epilogue (off: cuBLAS GEMMs and a GELU pass)
+    "hopper_tail",  # where the policy says so, on sm_90: the split layer's tail as kernels.layer_tail_hopper, its
+    # weights once per SM (off: the Triton tail)
 )
 MAX_MEMORY_PLANS = 64  # memory plans a model keeps (one per input signature, cap and memory fraction)
 _grad_enabled = torch.is_grad_enabled  # read on every call: a module attribute's lookup costs it ~0.05 µs more

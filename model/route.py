@@ -41,6 +41,8 @@ class Route:
     # not captured and copied out of the graph's buffer (policy `graph.eager_tail_min_tokens_x_d_model`)
     hopper_linear: bool = False  # triton/graph routes' unfused layer: the out-projection, FFN-in (exact GELU in its
     # epilogue) and FFN-out as kernels/linear_hopper.py (policy `hopper_linear.min_d_model`, sm_90)
+    hopper_tail: bool = False  # split layer: each layer's tail as kernels/layer_tail_hopper.py (policy
+    # `split_layer.hopper_tail_min_tokens`, sm_90)
 
     def __str__(self) -> str:
         how = "forced" if self.forced else "auto"
@@ -50,6 +52,7 @@ class Route:
         blocks = "".join(f" {n}={v}" for n, v in (("key_block", self.key_block), ("ffn_block", self.ffn_block)) if v)
         split = " split-layer" if self.split_layer else ""
         split += " hopper-linear" if self.hopper_linear else ""
+        split += " hopper-tail" if self.hopper_tail else ""
         pair = " pair" if self.pair else ""
         pair += " producer" if self.producer else ""
         pair += " duo" if self.duo else ""

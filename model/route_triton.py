@@ -148,10 +148,21 @@ class KernelForward:
         return F.gelu(y, approximate="none") if gelu else y
 
 
+def tail_vector_rows(model, dtype) -> dict:
+    """The Hopper layer tail's vector table of each layer, "{i}.tail_vecs" (kernels/layer_tail_hopper.py's
+    `tail_vectors`; the last layer's with the final LayerNorm): a derived-weights layout, refreshed with the rest."""
+    from shapewise.kernels.layer_tail_hopper import tail_vectors  # deferred: Gluon, where the route asks
+
+    w, last = per_layer(model, dtype), len(model.layers) - 1
+    return {f"{i}.tail_vecs": tail_vectors(layer_weights(w, i), (w["final_w"], w["final_b"]) if i == last else None)
+            for i in range(len(model.layers))}
+
+
 class SplitLayerForward:
     """Each layer as three kernels: LayerNorm 1 with the packed QKV projection, our attention, and the rest of the
-    layer (out-projection, residual, LayerNorm 2, FFN, residual, zeroed rows; the final LayerNorm last). With a mask,
-    layer 0's projection also writes the mask's summary, which every layer's attention reads."""
+    layer (out-projection, residual, LayerNorm 2, FFN, residual, zeroed rows; the final LayerNorm last): the Triton
+    tail, or the Hopper one where the route says so. With a mask, layer 0's projection also writes the mask's
+    summary, which every layer's attention reads."""
 
     uses_weights = True
 
@@ -164,6 +175,21 @@ class SplitLayerForward:
         w = model._weights.table(model, route.precision, per_layer)
         self.layers = [layer_weights(w, i) for i in range(model.config.num_layers)]
         self.final = (w["final_w"], w["final_b"])
+        self.tail_vecs = None
+        if route.hopper_tail:
+            from shapewise.kernels.layer_tail_hopper import layer_tail_hopper  # deferred: Gluon, where the route asks
+
+            self.layer_tail_hopper = layer_tail_hopper
+            vecs = model._weights.table(model, route.precision, tail_vector_rows)
+            self.tail_vecs = [vecs[f"{i}.tail_vecs"] for i in range(model.config.num_layers)]
+
+    def tail(self, i, o, res, mask, pdl, final=None, out_dtype=None):
+        """Layer i's tail: the Hopper kernel (no PDL: the kernel after it waits for its end) or the Triton one."""
+        if self.tail_vecs is not None:
+            return self.layer_tail_hopper(o, res, self.layers[i], eps=LAYER_NORM_EPS, mask=mask, final=final,
+                                          out_dtype=out_dtype, vecs=self.tail_vecs[i])
+        return self.layer_tail(o, res, self.layers[i], eps=LAYER_NORM_EPS, mask=mask, final=final,
+                               out_dtype=out_dtype, pdl=pdl)
 
     @torch.no_grad()
     def __call__(self, model, x, mask):
@@ -187,15 +213,14 @@ class SplitLayerForward:
                                      mask_prefix_lengths=prefix, pdl=pdl)
             if i == cfg.num_layers - 1:
                 return o.view(B, S, d), res, mask, x.dtype
-            res = self.layer_tail(o.view(B, S, d), res, wi, eps=LAYER_NORM_EPS, mask=mask, pdl=pdl)
+            res = self.tail(i, o.view(B, S, d), res, mask, pdl)
 
     @torch.no_grad()
     def finish(self, model, staged, pdl=False):
         """The forward's last kernel on what `stage` returned: the last layer's tail and the final LayerNorm into a
         new output in x's dtype, invalid rows 0. pdl: it follows the stage's kernels in the same stream."""
         o, res, mask, dtype = staged
-        return self.layer_tail(o, res, self.layers[-1], eps=LAYER_NORM_EPS, mask=mask, final=self.final,
-                               out_dtype=dtype, pdl=pdl)
+        return self.tail(len(self.layers) - 1, o, res, mask, pdl, final=self.final, out_dtype=dtype)
 
 
 def runner(model, route):
@@ -210,6 +235,9 @@ def settle(route, x, disabled):
     if route.hopper_linear and ("hopper_linear" in disabled or route.precision not in ("fp16", "bf16")):
         why = "hopper_linear disabled" if "hopper_linear" in disabled else f"{route.precision} operands"
         route = replace(route, hopper_linear=False, reason=route.reason + f"; no Hopper linear layers: {why}")
+    if route.hopper_tail and (not route.split_layer or "hopper_tail" in disabled):
+        why = "hopper_tail disabled" if "hopper_tail" in disabled else "no split layer"
+        route = replace(route, hopper_tail=False, reason=route.reason + f"; no Hopper layer tail: {why}")
     if route.eager_tail and disabled & {"eager_tail", "cuda_graph"}:
         off = ", ".join(sorted(disabled & {"eager_tail", "cuda_graph"}))
         route = replace(route, eager_tail=False, reason=route.reason + f"; no eager tail: {off} disabled")
@@ -224,7 +252,7 @@ def settle(route, x, disabled):
 def switches(route) -> set:
     tail = {"eager_tail"} if route.eager_tail else set()
     if route.split_layer:  # each switch of SPLIT_NEEDS turns it off
-        return set(SPLIT_NEEDS) | tail
+        return set(SPLIT_NEEDS) | tail | ({"hopper_tail"} if route.hopper_tail else set())
     return tail | ({"fused_layernorm", "packed_qkv"} | ({"flash_attention"} if route.attention == "triton" else set())
             | ({"hopper_attention"} if route.attention == "hopper" else set())
             | ({"hopper_linear"} if route.hopper_linear else set()))

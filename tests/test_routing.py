@@ -643,3 +643,32 @@ def test_forced_hopper_is_refused_where_the_kernel_cannot_serve():
     with pytest.raises(RouteUnavailable, match="'hopper'.*d_model in"):
         select_route(dataclasses.replace(SHAPES[2], d_model=256, num_heads=8), torch.float32, "cuda",
                      forced="hopper", capability=(9, 0))
+
+
+def test_hopper_tail_where_the_policy_says_so_on_sm90(monkeypatch):
+    from shapewise.model import route_triton
+    from shapewise.model.optimized import switches_used
+
+    row13 = TransformerConfig(batch_size=64, seq_len=1024, d_model=128, num_heads=4, ffn_dim=128, num_layers=4)
+    split = dict(routing.POLICY["split_layer"])
+    monkeypatch.setitem(routing.POLICY, "split_layer", {**split, "hopper_tail_min_tokens": None})
+    assert not select_route(row13, torch.float32, "cuda", capability=(9, 0)).hopper_tail  # null: never
+    monkeypatch.setitem(routing.POLICY, "split_layer", {**split, "hopper_tail_min_tokens": 32768})
+    r = select_route(row13, torch.float32, "cuda", "general", capability=(9, 0))
+    assert r.split_layer and r.hopper_tail and " hopper-tail" in str(r) and "tokens >= 32768" in r.reason, r
+    assert "hopper_tail" in switches_used(r, torch.float32, "cuda")
+    for capability in (None, (8, 0), (10, 0)):  # built for sm_90 alone
+        assert not select_route(row13, torch.float32, "cuda", capability=capability).hopper_tail
+    forced = select_route(row13, torch.float32, "cuda", forced="triton", capability=(9, 0))
+    assert forced.forced and forced.hopper_tail
+    # fewer tokens, a width the kernel does not serve, or no split layer: the Triton tail or the unfused layer
+    assert not select_route(dataclasses.replace(row13, seq_len=256), torch.float32, "cuda",
+                            capability=(9, 0)).hopper_tail
+    assert not select_route(dataclasses.replace(row13, ffn_dim=96), torch.float32, "cuda",
+                            capability=(9, 0)).hopper_tail
+    x = torch.empty(1, row13.seq_len, 0)
+    off = route_triton.settle(r, x, {"hopper_tail"})
+    assert off.split_layer and not off.hopper_tail and "hopper_tail disabled" in off.reason
+    assert "hopper_tail" not in switches_used(off, torch.float32, "cuda")
+    unsplit = route_triton.settle(r, x, {"split_layer"})
+    assert not unsplit.split_layer and not unsplit.hopper_tail and "no split layer" in unsplit.reason
