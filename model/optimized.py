@@ -65,6 +65,8 @@ OPTIMIZATIONS = (
     # kernels.linear_hopper, the GELU in FFN-in's epilogue (off: cuBLAS GEMMs and a GELU pass)
     "hopper_tail",  # where the policy says so, on sm_90: the split layer's tail as kernels.layer_tail_hopper, its
     # weights once per SM (off: the Triton tail)
+    "hopper_ln_qkv",  # where the policy says so, on sm_90: the split layer's LayerNorm 1 + QKV as
+    # kernels.ln_qkv_hopper, its weight once per SM (off: the Triton kernel)
 )
 MAX_MEMORY_PLANS = 64  # memory plans a model keeps (one per input signature, cap and memory fraction)
 _grad_enabled = torch.is_grad_enabled  # read on every call: a module attribute's lookup costs it ~0.05 µs more

@@ -43,6 +43,8 @@ class Route:
     # epilogue) and FFN-out as kernels/linear_hopper.py (policy `hopper_linear.min_d_model`, sm_90)
     hopper_tail: bool = False  # split layer: each layer's tail as kernels/layer_tail_hopper.py (policy
     # `split_layer.hopper_tail_min_tokens`, sm_90)
+    hopper_ln_qkv: bool = False  # split layer: LayerNorm 1 + QKV as kernels/ln_qkv_hopper.py but where it writes the
+    # mask's summary (policy `split_layer.hopper_ln_qkv_min_tokens`, sm_90)
 
     def __str__(self) -> str:
         how = "forced" if self.forced else "auto"
@@ -53,6 +55,7 @@ class Route:
         split = " split-layer" if self.split_layer else ""
         split += " hopper-linear" if self.hopper_linear else ""
         split += " hopper-tail" if self.hopper_tail else ""
+        split += " hopper-ln-qkv" if self.hopper_ln_qkv else ""
         pair = " pair" if self.pair else ""
         pair += " producer" if self.producer else ""
         pair += " duo" if self.duo else ""

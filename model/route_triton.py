@@ -158,6 +158,15 @@ def tail_vector_rows(model, dtype) -> dict:
             for i in range(len(model.layers))}
 
 
+def qkv_vector_rows(model, dtype) -> dict:
+    """The Hopper LayerNorm + QKV's vector table of each layer, "{i}.qkv_vecs" (kernels/ln_qkv_hopper.py's
+    `qkv_vectors`): a derived-weights layout, refreshed with the rest."""
+    from shapewise.kernels.ln_qkv_hopper import qkv_vectors  # deferred: Gluon, where the route asks
+
+    w = per_layer(model, dtype)
+    return {f"{i}.qkv_vecs": qkv_vectors(layer_weights(w, i)) for i in range(len(model.layers))}
+
+
 class SplitLayerForward:
     """Each layer as three kernels: LayerNorm 1 with the packed QKV projection, our attention, and the rest of the
     layer (out-projection, residual, LayerNorm 2, FFN, residual, zeroed rows; the final LayerNorm last): the Triton
@@ -182,6 +191,13 @@ class SplitLayerForward:
             self.layer_tail_hopper = layer_tail_hopper
             vecs = model._weights.table(model, route.precision, tail_vector_rows)
             self.tail_vecs = [vecs[f"{i}.tail_vecs"] for i in range(model.config.num_layers)]
+        self.qkv_vecs = None
+        if route.hopper_ln_qkv:
+            from shapewise.kernels.ln_qkv_hopper import ln_qkv_hopper  # deferred: Gluon, where the route asks
+
+            self.ln_qkv_hopper = ln_qkv_hopper
+            vecs = model._weights.table(model, route.precision, qkv_vector_rows)
+            self.qkv_vecs = [vecs[f"{i}.qkv_vecs"] for i in range(model.config.num_layers)]
 
     def tail(self, i, o, res, mask, pdl, final=None, out_dtype=None):
         """Layer i's tail: the Hopper kernel (no PDL: the kernel after it waits for its end) or the Triton one."""
@@ -204,8 +220,10 @@ class SplitLayerForward:
         prefix = None
         pdl = self.route.pdl  # every kernel but the forward's first
         for i, wi in enumerate(self.layers):
-            if i == 0 and mask is not None:
+            if i == 0 and mask is not None:  # the Triton kernel: it also writes the mask's summary
                 qkv, prefix = self.ln_qkv(res, wi, eps=LAYER_NORM_EPS, mask=mask)
+            elif self.qkv_vecs is not None:  # no PDL: the attention after it waits for its end
+                qkv = self.ln_qkv_hopper(res, wi, eps=LAYER_NORM_EPS, vecs=self.qkv_vecs[i])
             else:
                 qkv = self.ln_qkv(res, wi, eps=LAYER_NORM_EPS, pdl=pdl and i > 0)
             q, k, v = qkv.view(B, S, 3, cfg.num_heads, cfg.head_dim).unbind(2)
@@ -235,9 +253,10 @@ def settle(route, x, disabled):
     if route.hopper_linear and ("hopper_linear" in disabled or route.precision not in ("fp16", "bf16")):
         why = "hopper_linear disabled" if "hopper_linear" in disabled else f"{route.precision} operands"
         route = replace(route, hopper_linear=False, reason=route.reason + f"; no Hopper linear layers: {why}")
-    if route.hopper_tail and (not route.split_layer or "hopper_tail" in disabled):
-        why = "hopper_tail disabled" if "hopper_tail" in disabled else "no split layer"
-        route = replace(route, hopper_tail=False, reason=route.reason + f"; no Hopper layer tail: {why}")
+    for field, what in (("hopper_tail", "Hopper layer tail"), ("hopper_ln_qkv", "Hopper LayerNorm + QKV")):
+        if getattr(route, field) and (not route.split_layer or field in disabled):
+            why = f"{field} disabled" if field in disabled else "no split layer"
+            route = replace(route, **{field: False}, reason=route.reason + f"; no {what}: {why}")
     if route.eager_tail and disabled & {"eager_tail", "cuda_graph"}:
         off = ", ".join(sorted(disabled & {"eager_tail", "cuda_graph"}))
         route = replace(route, eager_tail=False, reason=route.reason + f"; no eager tail: {off} disabled")
@@ -252,7 +271,7 @@ def settle(route, x, disabled):
 def switches(route) -> set:
     tail = {"eager_tail"} if route.eager_tail else set()
     if route.split_layer:  # each switch of SPLIT_NEEDS turns it off
-        return set(SPLIT_NEEDS) | tail | ({"hopper_tail"} if route.hopper_tail else set())
+        return set(SPLIT_NEEDS) | tail | {n for n in ("hopper_tail", "hopper_ln_qkv") if getattr(route, n)}
     return tail | ({"fused_layernorm", "packed_qkv"} | ({"flash_attention"} if route.attention == "triton" else set())
             | ({"hopper_attention"} if route.attention == "hopper" else set())
             | ({"hopper_linear"} if route.hopper_linear else set()))

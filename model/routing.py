@@ -230,20 +230,26 @@ def _with_hopper_linear(route: Route, shape: TransformerConfig, capability) -> R
         f"; Hopper linear layers, GELU in FFN-in's epilogue (d_model >= {least}, sm_90)"))
 
 
-def _with_hopper_tail(route: Route, shape: TransformerConfig, capability) -> Route:
-    """The split-layer `route` with its layers' tails as kernels/layer_tail_hopper.py where the policy's
-    `split_layer.hopper_tail_min_tokens` (absent or null: never) covers batch_size*seq_len, on sm_90, at widths the
-    kernel serves; else `route` itself."""
-    least = POLICY["split_layer"].get("hopper_tail_min_tokens")
-    if (not route.split_layer or least is None or shape.tokens < least or capability is None
-            or capability[0] != 9):
+def _with_hopper_split(route: Route, shape: TransformerConfig, capability) -> Route:
+    """The split-layer `route` with its layers' tails as kernels/layer_tail_hopper.py, and its LayerNorm 1 + QKV as
+    kernels/ln_qkv_hopper.py, each where the policy's `split_layer.hopper_tail_min_tokens` or
+    `hopper_ln_qkv_min_tokens` (absent or null: never) covers batch_size*seq_len, on sm_90, at widths the kernel
+    serves; else `route` itself."""
+    if not route.split_layer or capability is None or capability[0] != 9:
         return route
-    from shapewise.kernels.layer_tail_hopper import why_unsupported  # deferred: routing imports no torch
+    from shapewise.kernels import layer_tail_hopper, ln_qkv_hopper  # deferred: routing imports no torch
 
-    if why_unsupported(shape.d_model, shape.ffn_dim):
-        return route
-    return replace(route, hopper_tail=True, reason=route.reason + (
-        f"; Hopper layer tail: weights once per SM (tokens >= {least}, sm_90)"))
+    policy = POLICY["split_layer"]
+    for field, key, why, what in (
+            ("hopper_tail", "hopper_tail_min_tokens", layer_tail_hopper.why_unsupported(shape.d_model, shape.ffn_dim),
+             "Hopper layer tail"),
+            ("hopper_ln_qkv", "hopper_ln_qkv_min_tokens", ln_qkv_hopper.why_unsupported(shape.d_model),
+             "Hopper LayerNorm + QKV")):
+        least = policy.get(key)
+        if least is not None and shape.tokens >= least and why is None:
+            route = replace(route, **{field: True}, reason=route.reason + (
+                f"; {what}: weights once per SM (tokens >= {least}, sm_90)"))
+    return route
 
 
 def _with_eager_tail(route: Route, shape: TransformerConfig) -> Route:
@@ -331,7 +337,7 @@ def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none
                                  allow_duo=allow_duo)
         route = _with_split_layer(Route(forced, _precision_for(forced, dt, shape), "forced by the caller",
                                         forced=True), shape)
-        return _with_eager_tail(_with_hopper_tail(_with_hopper_linear(route, shape, capability), shape, capability),
+        return _with_eager_tail(_with_hopper_split(_with_hopper_linear(route, shape, capability), shape, capability),
                                 shape)
 
     dev = _device_type(device)
@@ -354,7 +360,7 @@ def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none
         route = _with_split_layer(Route(
             "graph", _precision_for("graph", dt, shape),
             f"launch-bound (tokens*d = {shape.tokens * shape.d_model} <= {graph['max_tokens_x_d_model']})"), shape)
-        return _with_eager_tail(_with_hopper_tail(_with_hopper_linear(route, shape, capability), shape, capability),
+        return _with_eager_tail(_with_hopper_split(_with_hopper_linear(route, shape, capability), shape, capability),
                                 shape)
     route = Route("triton", _precision_for("triton", dt, shape),
                   f"compute/memory-bound (tokens*d = {shape.tokens * shape.d_model})")
@@ -366,7 +372,7 @@ def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none
     elif attention_without_hopper(shape.seq_len) == "sdpa":
         route = replace(route, attention="sdpa", reason=route.reason + (
             f"; SDPA attention from seq_len {POLICY['attention']['sdpa_from_seq_len']}{how}"))
-    return _with_hopper_tail(_with_hopper_linear(_with_split_layer(route, shape), shape, capability), shape,
+    return _with_hopper_split(_with_hopper_linear(_with_split_layer(route, shape), shape, capability), shape,
                              capability)
 
 

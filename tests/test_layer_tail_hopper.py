@@ -201,13 +201,15 @@ def test_the_vector_table_made_once_gives_the_same_output():
 @pytest.mark.parametrize("graph", [False, True], ids=["triton", "graph"])
 @pytest.mark.parametrize("mask_kind", ["none", "all_true", "prefix", "holes"])
 def test_the_split_layer_runs_it_where_the_policy_says_so(monkeypatch, mask_kind, graph):
-    """Policy split_layer.hopper_tail_min_tokens covering the shape: the triton route (eager) and the graph route
-    (captured, its last tail after the replay) run every layer's tail as the Hopper kernel, within the official
-    tolerance of an fp64 forward on every mask kind; the switch off runs the Triton tail."""
+    """Policy split_layer.hopper_tail_min_tokens and hopper_ln_qkv_min_tokens covering the shape: the triton route
+    (eager) and the graph route (captured, its last tail after the replay) run every layer's tail and LayerNorm 1 +
+    QKV (but the first's under a mask) as the Hopper kernels, within the official tolerance of an fp64 forward on
+    every mask kind, and after a weight edit within it of the Triton kernels' forward (both switches off)."""
     from model_helpers import build_pair, cfg_of, check_official, cuda_case
     from shapewise.model import routing
 
-    monkeypatch.setitem(routing.POLICY, "split_layer", {**routing.POLICY["split_layer"], "hopper_tail_min_tokens": 1})
+    monkeypatch.setitem(routing.POLICY, "split_layer", {**routing.POLICY["split_layer"], "hopper_tail_min_tokens": 1,
+                                                        "hopper_ln_qkv_min_tokens": 1})
     monkeypatch.setitem(routing.POLICY, "graph", {"max_tokens_x_d_model": 1 if not graph else 2**24,
                                                   "eager_tail_min_tokens_x_d_model": 1})
     cfg = cfg_of((3, 200, 128, 4, 64, 2))  # ragged token count (600) against the 64-token blocks
@@ -216,19 +218,20 @@ def test_the_split_layer_runs_it_where_the_policy_says_so(monkeypatch, mask_kind
         got = opt(x, mask).cpu()
         again = opt(x, mask).cpu()  # a graph's replay
     route = opt.last_route
-    assert route.name == ("graph" if graph else "triton") and route.split_layer and route.hopper_tail, str(route)
-    check_official(want, got, f"{route.name} route with the Hopper layer tail, {mask_kind}")
+    assert route.name == ("graph" if graph else "triton") and route.split_layer, str(route)
+    assert route.hopper_tail and route.hopper_ln_qkv, str(route)
+    check_official(want, got, f"{route.name} route with the Hopper layer tail and LayerNorm + QKV, {mask_kind}")
     assert torch.equal(got, again)
     with torch.no_grad():  # a weight edit reaches the tail's vector table too
         opt.layers[1].ffn_out.bias.add_(0.5)
         opt.final_norm.bias.sub_(0.25)
     with torch.inference_mode():
         edited = opt(x, mask).cpu()
-    _, off = build_pair(cfg, "auto", disable=("hopper_tail",))
+    _, off = build_pair(cfg, "auto", disable=("hopper_tail", "hopper_ln_qkv"))
     off.load_state_dict(opt.state_dict())
     with torch.inference_mode():
         reference = off.cuda()(x, mask).cpu()
-    assert not off.last_route.hopper_tail and off.last_route.split_layer, str(off.last_route)
+    assert off.last_route.split_layer and not (off.last_route.hopper_tail or off.last_route.hopper_ln_qkv)
     check_official(reference, edited, f"the Hopper layer tail after a weight edit, {mask_kind}")
 
 

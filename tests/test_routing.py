@@ -672,3 +672,11 @@ def test_hopper_tail_where_the_policy_says_so_on_sm90(monkeypatch):
     assert "hopper_tail" not in switches_used(off, torch.float32, "cuda")
     unsplit = route_triton.settle(r, x, {"split_layer"})
     assert not unsplit.split_layer and not unsplit.hopper_tail and "no split layer" in unsplit.reason
+    # the LayerNorm + QKV by its own policy entry and switch
+    assert not r.hopper_ln_qkv
+    monkeypatch.setitem(routing.POLICY, "split_layer", {**split, "hopper_ln_qkv_min_tokens": 4096})
+    both = select_route(row13, torch.float32, "cuda", capability=(9, 0))
+    assert both.hopper_ln_qkv and not both.hopper_tail and " hopper-ln-qkv" in str(both), both
+    assert "hopper_ln_qkv" in switches_used(both, torch.float32, "cuda")
+    off = route_triton.settle(both, x, {"hopper_ln_qkv"})
+    assert not off.hopper_ln_qkv and "hopper_ln_qkv disabled" in off.reason
