@@ -5,7 +5,7 @@ Per block of BLOCK_M tokens: qkv = LayerNorm 1 (x) @ Wqkv^T + b_qkv, [BLOCK_M, 3
 d_model 128) in every program. Here, as in kernels/layer_tail_hopper.py, one program per SM keeps the weight in shared
 memory for all its blocks, a TMA loader warp brings each block's residual into its consumer's slot, and two consumer
 warpgroups take the blocks in turns: the slot goes back once read, the LayerNorm and the three [BLOCK_M, d]
-products (q, k, v, each from the bias as its initial accumulator) run while the other consumer's do. Operands fp16
+products (q, k, v, each from the bias as its initial accumulator, out by TMA) run while the other consumer's do. Operands fp16
 or bf16, statistics and accumulation fp32. No mask: the rows of invalid tokens are projected like any other (the
 attention hides their keys, the tail zeroes them); the forward's first projection, which also writes the mask's
 summary, stays Triton's. `qkv_reference` is the computation in fp64.
@@ -21,7 +21,8 @@ from .linear_hopper import CONSUMER_REGISTERS, CONSUMERS, PRODUCER_REGISTERS, _d
 try:  # Gluon ships with Triton >= 3.5; without it (or without a Hopper GPU) `why_unsupported` says so
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
@@ -30,8 +31,9 @@ VECTOR_ORDER = ("n1_w", "n1_b", "q_b", "k_b", "v_b")
 
 
 def shared_bytes(d_model: int) -> int:
-    """Shared memory of a launch at most: the packed weight and each consumer's slot (a block's fp32 residual)."""
-    return 2 * 3 * d_model * d_model + CONSUMERS * BLOCK_M * d_model * 4
+    """Shared memory of a launch at most: the packed weight, each consumer's slot (a block's fp32 residual) and
+    output buffer (a [BLOCK_M, d] part of its q, k, v)."""
+    return 2 * 3 * d_model * d_model + CONSUMERS * BLOCK_M * d_model * (4 + 2)
 
 
 def why_unsupported(d_model: int, device=None) -> str | None:
@@ -74,7 +76,7 @@ if gluon is not None:
     @gluon.jit
     def _loader(x_desc, w_desc, bufs, n_blocks, D: gl.constexpr):
         """The weight once (q, k, v rows), then every block of the program, consumer by consumer, into its slot."""
-        x_s, w_s, ready, empty, w_ready = bufs
+        x_s, w_s, c_s, ready, empty, w_ready = bufs
         mbarrier.expect(w_ready, 3 * w_desc.block_type.nbytes)
         for part in gl.static_range(3):
             tma.async_copy_global_to_shared(w_desc, [part * D, 0], w_ready, w_s.index(part))
@@ -88,49 +90,54 @@ if gluon is not None:
             i += 1
 
     @gluon.jit
-    def _consumer(Out, VEC, bufs, n_tokens, n_blocks, eps, C: gl.constexpr, D: gl.constexpr):
-        """Consumer warpgroup C: blocks C, C + 2, ... of the program's list, each from its slot to Out."""
-        x_s, w_s, ready, empty, w_ready = bufs
+    def _consumer(out_desc, VEC, bufs, n_blocks, eps, C: gl.constexpr, D: gl.constexpr):
+        """Consumer warpgroup C: blocks C, C + 2, ... of the program's list, each from its slot to the output, a
+        [BLOCK_M, D] part at a time through the consumer's output buffer by TMA (a store from the wgmma's layout
+        writes 4 bytes a thread, half a sector a row: that ran at 1.17 TB/s)."""
+        x_s, w_s, c_s, ready, empty, w_ready = bufs
         L_D: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
         A_D: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_D, k_width=2)
         COL_D: gl.constexpr = gl.SliceLayout(0, L_D)
-        rows0 = gl.arange(0, _BM, layout=gl.SliceLayout(1, L_D))
-        cols = gl.arange(0, D, layout=COL_D)
         zeros = gl.zeros([_BM, D], gl.float32, L_D)
         x_buf = x_s.index(C)
+        c_buf = c_s.index(C)
         mbarrier.wait(w_ready, 0)
         nprog = gl.num_programs(0)
         use = 0
         for t in range(gl.program_id(0) + C * nprog, n_blocks, _CONSUMERS * nprog):
             mbarrier.wait(ready.index(C), use & 1)
             x = x_buf.load(L_D).to(gl.float32)
-            mbarrier.arrive(empty.index(C))  # the slot read: the loader brings this consumer's next block
             h = _layer_norm(x, _row(VEC, 0, D, D, COL_D), _row(VEC, 1, D, D, COL_D), D, eps)
+            # the slot read (h needs every element of x): the loader brings this consumer's next block
+            mbarrier.arrive(empty.index(C))
             h = gl.convert_layout(h.to(w_s.dtype), A_D)
-            rows = t * _BM + rows0
-            row_in = gl.expand_dims(rows < n_tokens, 1)
-            base = gl.expand_dims(rows.to(gl.int64) * (3 * D), 1) + gl.expand_dims(cols, 0)
             for part in gl.static_range(3):  # q, k, v: bias + LN1(x) @ W_part^T
                 acc = warpgroup_mma(h, w_s.index(part).permute((1, 0)),
                                     zeros + gl.expand_dims(_row(VEC, 2 + part, D, D, COL_D), 0), is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                gl.store(Out + base + part * D, acc.to(Out.dtype.element_ty), mask=row_in)
+                tma.store_wait(pendings=0)  # the previous part's store has read the buffer
+                c_buf.store(acc.to(c_buf.dtype))
+                fence_async_shared()  # the stores above before the TMA store reads the buffer (async proxy)
+                tma.async_copy_shared_to_global(out_desc, [t * _BM, part * D], c_buf)
             use += 1
+        tma.store_wait(pendings=0)
 
     @gluon.jit
     def _ln_qkv_hopper_fwd(
-        x_desc, w_desc,  # TMA: x [N, D] (fp32, or the input's dtype), Wqkv [3D, D] in [D, D] blocks
-        Out, VEC,  # qkv [N, 3D] in the weights' dtype; fp32 [len(VECTOR_ORDER), D]
+        x_desc, w_desc, out_desc,  # TMA: x [N, D] (fp32, or the input's dtype), Wqkv [3D, D] and qkv [N, 3D] in
+        # [D, D] and [BLOCK_M, D] blocks
+        VEC,  # fp32 [len(VECTOR_ORDER), D]
         n_tokens, eps,
         D: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
         n_blocks = gl.cdiv(n_tokens, _BM)
         x_s = gl.allocate_shared_memory(x_desc.dtype, [_CONSUMERS, _BM, D], x_desc.layout)
         w_s = gl.allocate_shared_memory(w_desc.dtype, [3, D, D], w_desc.layout)
+        c_s = gl.allocate_shared_memory(out_desc.dtype, [_CONSUMERS, _BM, D], out_desc.layout)
         ready, empty, w_ready = _slot_barriers()
-        bufs = (x_s, w_s, ready, empty, w_ready)
-        gl.warp_specialize([(_consumer, (Out, VEC, bufs, n_tokens, n_blocks, eps, 0, D)),
-                            (_consumer, (Out, VEC, bufs, n_tokens, n_blocks, eps, 1, D)),
+        bufs = (x_s, w_s, c_s, ready, empty, w_ready)
+        gl.warp_specialize([(_consumer, (out_desc, VEC, bufs, n_blocks, eps, 0, D)),
+                            (_consumer, (out_desc, VEC, bufs, n_blocks, eps, 1, D)),
                             (_loader, (x_desc, w_desc, bufs, n_blocks, D))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -167,7 +174,8 @@ def ln_qkv_hopper(x, w, *, eps, vecs=None, num_programs=None):
     if num_programs is None:
         num_programs = torch.cuda.get_device_properties(x.device).multi_processor_count
     _ln_qkv_hopper_fwd[(max(1, min(num_programs, -(-blocks // CONSUMERS))),)](
-        _descriptor(x.view(n_tokens, d), BLOCK_M, d), _descriptor(w["qkv_w"], d, d), out, vecs, n_tokens, eps,
+        _descriptor(x.view(n_tokens, d), BLOCK_M, d), _descriptor(w["qkv_w"], d, d),
+        _descriptor(out.view(n_tokens, 3 * d), BLOCK_M, d), vecs, n_tokens, eps,
         D=d, CONSUMER_REGS=CONSUMER_REGISTERS, PRODUCER_REGS=PRODUCER_REGISTERS, **kernel_options(),
     )
     return out

@@ -102,9 +102,10 @@ COMPILE = textwrap.dedent('''
                               (32, torch.float16, torch.float16)]:
         fn = qh._ln_qkv_hopper_fwd
         descs = {"x_desc": th._descriptor(torch.zeros(256, d, dtype=x_dtype), th.BLOCK_M, d),
-                 "w_desc": th._descriptor(torch.zeros(3 * d, d, dtype=dtype), d, d)}
+                 "w_desc": th._descriptor(torch.zeros(3 * d, d, dtype=dtype), d, d),
+                 "out_desc": th._descriptor(torch.zeros(256, 3 * d, dtype=dtype), th.BLOCK_M, d)}
         consts = dict(D=d, CONSUMER_REGS=th.CONSUMER_REGISTERS, PRODUCER_REGS=th.PRODUCER_REGISTERS)
-        ptrs = {"Out": "*fp16" if dtype == torch.float16 else "*bf16", "VEC": "*fp32", "eps": "fp32"}
+        ptrs = {"VEC": "*fp32", "eps": "fp32"}
         sig = {n: "constexpr" if n in consts else mangle_type(descs[n]) if n in descs else ptrs.get(n, "i32")
                for n in fn.arg_names}
         src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})

@@ -650,7 +650,7 @@ def test_hopper_tail_where_the_policy_says_so_on_sm90(monkeypatch):
     from shapewise.model.optimized import switches_used
 
     row13 = TransformerConfig(batch_size=64, seq_len=1024, d_model=128, num_heads=4, ffn_dim=128, num_layers=4)
-    split = dict(routing.POLICY["split_layer"])
+    split = {**routing.POLICY["split_layer"], "hopper_ln_qkv_min_tokens": None, "hopper_tail_min_tokens": None}
     monkeypatch.setitem(routing.POLICY, "split_layer", {**split, "hopper_tail_min_tokens": None})
     assert not select_route(row13, torch.float32, "cuda", capability=(9, 0)).hopper_tail  # null: never
     monkeypatch.setitem(routing.POLICY, "split_layer", {**split, "hopper_tail_min_tokens": 32768})
