@@ -215,14 +215,22 @@ def layer_tail_hopper(o, x, w, *, eps, mask=None, final=None, out_dtype=None, ve
                          f"{tuple(o.shape)} and x {tuple(x.shape)}")
     if w["o_w"].shape != (d, d) or w["in_w"].shape != (ffn, d) or w["out_w"].shape != (d, ffn):
         raise ValueError("layer_tail_hopper: weight shapes do not match d_model/ffn_dim")
+    for name in ("o_w", "in_w", "out_w"):  # TMA reads them as row-major blocks
+        if not w[name].is_contiguous() or w[name].device != x.device:
+            raise ValueError(f"layer_tail_hopper: weight {name} must be contiguous on {x.device}, got strides "
+                             f"{w[name].stride()} on {w[name].device}")
+    if o.device != x.device or (mask is not None and mask.device != x.device):
+        raise ValueError(f"layer_tail_hopper: o, x and mask must be on one device, got {o.device}, {x.device}"
+                         f"{'' if mask is None else f' and {mask.device}'}")
     if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, S)):
         raise ValueError(f"layer_tail_hopper: mask must be bool [B, S]={B, S}, got {mask.dtype} "
                          f"{tuple(mask.shape)}")
     if vecs is None:
         vecs = tail_vectors(w, final)
-    elif vecs.shape != (len(VECTOR_ORDER), max(d, ffn)) or vecs.dtype != torch.float32:
-        raise ValueError(f"layer_tail_hopper: vecs must be tail_vectors' fp32 [{len(VECTOR_ORDER)}, {max(d, ffn)}], "
-                         f"got {vecs.dtype} {tuple(vecs.shape)}")
+    elif (vecs.shape != (len(VECTOR_ORDER), max(d, ffn)) or vecs.dtype != torch.float32 or not vecs.is_contiguous()
+          or vecs.device != x.device):
+        raise ValueError(f"layer_tail_hopper: vecs must be tail_vectors' contiguous fp32 [{len(VECTOR_ORDER)}, "
+                         f"{max(d, ffn)}] on {x.device}, got {vecs.dtype} {tuple(vecs.shape)} on {vecs.device}")
     out = torch.empty((B, S, d), device=x.device,
                       dtype=torch.float32 if final is None else out_dtype or torch.float32)
     n_tokens = B * S

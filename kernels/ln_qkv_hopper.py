@@ -155,17 +155,20 @@ def ln_qkv_hopper(x, w, *, eps, vecs=None, num_programs=None):
     if why:
         raise ValueError(f"ln_qkv_hopper: {why}")
     op = w["qkv_w"].dtype
-    if op not in OPERAND_DTYPES or w["qkv_w"].shape != (3 * d, d) or not w["qkv_w"].is_contiguous():
-        raise ValueError(f"ln_qkv_hopper: qkv_w must be a contiguous float16/bfloat16 [3d, d] = [{3 * d}, {d}], got "
-                         f"{op} {tuple(w['qkv_w'].shape)}")
+    if (op not in OPERAND_DTYPES or w["qkv_w"].shape != (3 * d, d) or not w["qkv_w"].is_contiguous()
+            or w["qkv_w"].device != x.device):
+        raise ValueError(f"ln_qkv_hopper: qkv_w must be a contiguous float16/bfloat16 [3d, d] = [{3 * d}, {d}] on "
+                         f"{x.device}, got {op} {tuple(w['qkv_w'].shape)} strides {w['qkv_w'].stride()} on "
+                         f"{w['qkv_w'].device}")
     if x.dtype not in RESIDUAL_DTYPES or not x.is_contiguous():
         raise ValueError(f"ln_qkv_hopper: x must be a contiguous float32, float16 or bfloat16 [B, S, d], got "
                          f"{x.dtype} {tuple(x.shape)}")
     if vecs is None:
         vecs = qkv_vectors(w)
-    elif vecs.shape != (len(VECTOR_ORDER), d) or vecs.dtype != torch.float32:
-        raise ValueError(f"ln_qkv_hopper: vecs must be qkv_vectors' fp32 [{len(VECTOR_ORDER)}, {d}], got "
-                         f"{vecs.dtype} {tuple(vecs.shape)}")
+    elif (vecs.shape != (len(VECTOR_ORDER), d) or vecs.dtype != torch.float32 or not vecs.is_contiguous()
+          or vecs.device != x.device):
+        raise ValueError(f"ln_qkv_hopper: vecs must be qkv_vectors' contiguous fp32 [{len(VECTOR_ORDER)}, {d}] on "
+                         f"{x.device}, got {vecs.dtype} {tuple(vecs.shape)} on {vecs.device}")
     out = torch.empty((B, S, 3 * d), device=x.device, dtype=op)
     n_tokens = B * S
     if n_tokens == 0:

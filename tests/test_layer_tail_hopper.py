@@ -38,6 +38,44 @@ def test_what_it_cannot_serve_is_named(d, ffn, words):
         th.layer_tail_hopper(x.half(), x, w, eps=EPS)
 
 
+def _bad_tail_inputs():
+    """(what is wrong, the call's keyword changes, words the error names) for layer_tail_hopper's checks."""
+    w = weights(32, 64, torch.float16)
+    return [
+        ("bf16 attention output", dict(o=torch.zeros(2, 3, 32, dtype=torch.bfloat16)), "share a float16/bfloat16"),
+        ("fp64 residual", dict(x=torch.zeros(2, 3, 32, dtype=torch.float64)), "float32, float16 or bfloat16"),
+        ("o of another shape", dict(o=torch.zeros(2, 4, 32, dtype=torch.float16)), "one shape"),
+        ("a transposed weight", dict(w={**w, "o_w": w["o_w"].t()}), "weight o_w must be contiguous"),
+        ("a mask of another shape", dict(mask=torch.ones(2, 4, dtype=torch.bool)), "mask must be bool"),
+        ("a vector table of another width", dict(vecs=torch.zeros(7, 32)), "vecs must be"),
+    ]
+
+
+@pytest.mark.parametrize("what, change, words", _bad_tail_inputs(), ids=[c[0] for c in _bad_tail_inputs()])
+def test_bad_inputs_are_named_before_any_launch(monkeypatch, what, change, words):
+    """Past the device check (patched away here), each wrong argument is refused naming it."""
+    monkeypatch.setattr(th, "why_unsupported", lambda *a: None)
+    call = dict(o=torch.zeros(2, 3, 32, dtype=torch.float16), x=torch.zeros(2, 3, 32), w=weights(32, 64, torch.float16))
+    call.update(change)
+    with pytest.raises((ValueError, TypeError), match=words):
+        th.layer_tail_hopper(call.pop("o"), call.pop("x"), call.pop("w"), eps=EPS, **call)
+
+
+@pytest.mark.parametrize("what, x, w_change, vecs, words", [
+    ("fp64 x", torch.zeros(2, 3, 32, dtype=torch.float64), {}, None, "float32, float16 or bfloat16"),
+    ("a strided x", torch.zeros(2, 3, 64)[..., ::2], {}, None, "contiguous"),
+    ("a transposed qkv_w", torch.zeros(2, 3, 32), {"qkv_w": torch.zeros(32, 96, dtype=torch.float16).t()}, None,
+     "qkv_w must be a contiguous"),
+    ("a vector table of another width", torch.zeros(2, 3, 32), {}, torch.zeros(5, 64), "vecs must be"),
+])
+def test_ln_qkv_bad_inputs_are_named_before_any_launch(monkeypatch, what, x, w_change, vecs, words):
+    from shapewise.kernels import ln_qkv_hopper as qh
+
+    monkeypatch.setattr(qh, "why_unsupported", lambda *a: None)
+    with pytest.raises(ValueError, match=words):
+        qh.ln_qkv_hopper(x, {**weights(32, 64, torch.float16), **w_change}, eps=EPS, vecs=vecs)
+
+
 @pytest.mark.parametrize("d", th.WIDTHS)
 @pytest.mark.parametrize("ffn", th.WIDTHS)
 def test_every_width_pair_fits_an_sm90_cta(d, ffn):
@@ -54,6 +92,16 @@ def test_the_vector_table_rows_follow_the_order():
     assert torch.equal(rows["o_b"][:32], w["o_b"].cpu().float()) and not rows["o_b"][32:].any()
     assert torch.equal(rows["final_w"][:32], final[0]) and torch.equal(rows["final_b"][:32], final[1])
     assert not th.tail_vectors({k: v.cpu() for k, v in w.items()})[th.VECTOR_ORDER.index("final_w")].any()
+
+
+def test_the_qkv_vector_table_rows_follow_the_order():
+    from shapewise.kernels import ln_qkv_hopper as qh
+
+    w = {k: v.cpu() for k, v in weights(32, 64, torch.float16, seed=4).items()}
+    rows = dict(zip(qh.VECTOR_ORDER, qh.qkv_vectors(w)))
+    assert torch.equal(rows["n1_w"], w["n1_w"]) and torch.equal(rows["n1_b"], w["n1_b"])
+    for i, name in enumerate(("q_b", "k_b", "v_b")):
+        assert torch.equal(rows[name], w["qkv_b"][32 * i:32 * (i + 1)].float())
 
 
 COMPILE = textwrap.dedent('''
