@@ -304,3 +304,59 @@ def test_ln_qkv_matches_fp64(B, S, d, ffn, dtype, x_dtype, num_programs):
     atol, rtol = TOL[dtype]
     err = (got.double() - want).abs()
     assert not (err > atol + rtol * want.abs()).any(), f"max abs error {err.max().item():.3e}"
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the split layer's plumbing around both kernels (each stood in for by its fp64 reference)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mask_kind", ["none", "holes"])
+def test_the_split_layers_plumbing_around_them(monkeypatch, mask_kind):
+    """The triton route's split layer with both Hopper kernels (their fp64 references in their places): every
+    layer's tail and every LayerNorm + QKV but the first's under a mask go to them, each with the vector table of
+    its own layer (the last tail's with the final LayerNorm), also after a weight edit; the output within the
+    official tolerance of an fp64 forward, the caller's x untouched."""
+    import dataclasses
+
+    from model_helpers import build_pair, cfg_of, check_official, fp64_forward, make_inputs
+    from shapewise.kernels import ln_qkv_hopper as qh
+    from shapewise.model import route_triton
+
+    calls = []
+
+    def tail(o, x, w, *, eps, mask=None, final=None, out_dtype=None, vecs=None):
+        calls.append("tail+final" if final is not None else "tail")
+        assert torch.equal(vecs, th.tail_vectors(w, final)), "a stale or another layer's vector table"
+        return layer_tail_reference(o, x, w, eps=eps, mask=mask, final=final).to(out_dtype or torch.float32)
+
+    def ln_qkv(x, w, *, eps, vecs=None):
+        calls.append("ln_qkv")
+        assert torch.equal(vecs, qh.qkv_vectors(w)), "a stale or another layer's vector table"
+        return qh.qkv_reference(x, w, eps=eps).to(w["qkv_w"].dtype)
+
+    monkeypatch.setattr(th, "layer_tail_hopper", tail)
+    monkeypatch.setattr(qh, "ln_qkv_hopper", ln_qkv)
+    cfg = cfg_of((2, 24, 32, 2, 64, 3))
+    _, opt = build_pair(cfg, "triton")
+    x, mask = make_inputs(cfg, mask_kind)
+    with torch.inference_mode():
+        opt(x, mask)
+    route = dataclasses.replace(opt.last_route, hopper_tail=True, hopper_ln_qkv=True)
+    assert route.split_layer, str(route)
+    runner = route_triton.runner(opt, route)
+    before = x.clone()
+    for edit in (False, True):
+        if edit:
+            with torch.no_grad():
+                opt.layers[2].ffn_out.bias.add_(0.5)
+                opt.layers[1].norm1.weight.mul_(1.5)
+                opt.final_norm.bias.sub_(0.25)
+            opt.refresh_weights()
+        calls.clear()
+        with torch.inference_mode():
+            got = runner(opt, x, mask)
+        assert torch.equal(x, before)
+        layers = cfg.num_layers
+        assert calls.count("ln_qkv") == (layers - 1 if mask is not None else layers), calls
+        assert calls[-1] == "tail+final" and calls.count("tail") == layers - 1, calls
+        want = fp64_forward(opt.state_dict(), cfg, x, mask).nan_to_num(0.0).float()
+        check_official(want, got, f"the split layer with the Hopper kernels' references, {mask_kind}, edit {edit}")
