@@ -1,6 +1,7 @@
 """Where the Hopper forward's warps wait: Nsight Compute's warp-state sampling of one launch per official row.
 
 Usage (sm_90 GPU with `ncu`): python -m benchmarks.hopper_stalls OUT_DIR [--rows 1,9] [--batch B] [--producer] [--duo]
+       [--split tail|ln_qkv]
 Then, offline, again from the CSVs it left: python -m benchmarks.hopper_stalls OUT_DIR --summarize
 
 Per row: `ncu --clock-control none` (the clocks as the timing jobs see them) profiles the third launch of
@@ -10,7 +11,9 @@ per instruction) and its details page (duration, issue and stall summaries) are 
 (`OUT_DIR/summary.json`) gives per row the kernel's duration, the samples by stall reason, the samples by opcode, and
 the instructions that hold the most samples. `--batch` replaces the row's batch size (e.g. 132: one sequence per SM);
 `--producer`: the kernel with a loader warp (`hopper_forward(..., producer=True)`); `--duo`: a sequence's halves as two
-warpgroups beside the loader warp (`duo=True`).
+warpgroups beside the loader warp (`duo=True`). `--split tail` or `--split ln_qkv`: instead, one layer of the row's
+split layer on Hopper, `layer_tail_hopper` or `ln_qkv_hopper` (seeded random weights and inputs, as
+`benchmarks.split_parts` builds them).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from collections import Counter
 from pathlib import Path
 
 KERNEL = "_hopper_forward_fwd"
+SPLIT_KERNELS = {"tail": "_layer_tail_hopper_fwd", "ln_qkv": "_ln_qkv_hopper_fwd"}  # --split: the kernel sampled
 SKIP = 2  # launches of the kernel left unprofiled: the first compiles, the second finds every cache warm
 TOP = 60  # instructions listed per row
 
@@ -36,6 +40,30 @@ def ncu_path() -> str:
     if not found:
         raise SystemExit("hopper_stalls: no `ncu` on PATH or under /opt/nvidia/nsight-compute")
     return found if isinstance(found, str) else found[-1]
+
+
+def launch_split(row: int, batch: int | None, split: str) -> None:
+    """The profiled process of `--split`: one layer's Hopper tail or LayerNorm + QKV at the row's shape, launched
+    SKIP + 1 times."""
+    import torch
+
+    from benchmarks.common import kernel_weights, official
+    from shapewise.kernels import layer_tail_hopper, ln_qkv_hopper
+    from shapewise.model.reference import LAYER_NORM_EPS
+
+    r = official(row)
+    B, S, d = (batch or r["batch_size"]), r["seq_len"], r["d_model"]
+    w, _ = kernel_weights(d, r["ffn_dim"], "cuda")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, S, d, generator=g).cuda()
+    o = torch.randn(B, S, d, generator=g).cuda().half()
+    mask = torch.ones(B, S, dtype=torch.bool, device="cuda")
+    for _ in range(SKIP + 1):
+        if split == "tail":
+            layer_tail_hopper.layer_tail_hopper(o, x, w, eps=LAYER_NORM_EPS, mask=mask)
+        else:
+            ln_qkv_hopper.ln_qkv_hopper(x, w, eps=LAYER_NORM_EPS)
+    torch.cuda.synchronize()
 
 
 def launch(row: int, batch: int | None, producer: bool = False, duo: bool = False) -> None:
@@ -59,7 +87,8 @@ def launch(row: int, batch: int | None, producer: bool = False, duo: bool = Fals
     torch.cuda.synchronize()
 
 
-def profile(out_dir: Path, row: int, batch: int | None, producer: bool = False, duo: bool = False) -> None:
+def profile(out_dir: Path, row: int, batch: int | None, producer: bool = False, duo: bool = False,
+            split: str | None = None) -> None:
     ncu = ncu_path()
     rep = out_dir / f"row{row:02d}"
     inner = [sys.executable, "-m", "benchmarks.hopper_stalls", str(out_dir), "--launch", str(row)]
@@ -69,7 +98,10 @@ def profile(out_dir: Path, row: int, batch: int | None, producer: bool = False, 
         inner += ["--producer"]
     if duo:
         inner += ["--duo"]
-    cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:{KERNEL}", "--launch-skip", str(SKIP),
+    if split:
+        inner += ["--split", split]
+    kernel = SPLIT_KERNELS[split] if split else KERNEL
+    cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:{kernel}", "--launch-skip", str(SKIP),
            "--launch-count", "1", "--section", "SpeedOfLight", "--section", "LaunchStats", "--section",
            "WarpStateStats", "--section", "SourceCounters", "--section", "SchedulerStats", "-f", "-o", str(rep)] + inner
     subprocess.run(cmd, check=True)
@@ -121,9 +153,9 @@ def summarize_row(out_dir: Path, row: str) -> dict:
     return result
 
 
-def summarize(out_dir: Path) -> dict:
+def summarize(out_dir: Path, kernel: str = KERNEL) -> dict:
     rows = sorted(p.name[:-len("-source.csv")] for p in out_dir.glob("row*-source.csv"))
-    summary = {"kernel": KERNEL, "rows": [summarize_row(out_dir, r) for r in rows]}
+    summary = {"kernel": kernel, "rows": [summarize_row(out_dir, r) for r in rows]}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
@@ -135,17 +167,22 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--producer", action="store_true", help="the kernel with a loader warp")
     p.add_argument("--duo", action="store_true", help="the kernel with the warpgroup duo")
+    p.add_argument("--split", choices=sorted(SPLIT_KERNELS), help="one layer's Hopper tail or LayerNorm + QKV "
+                   "instead of the whole forward")
     p.add_argument("--launch", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--summarize", action="store_true", help="only summarize the CSVs already in OUT_DIR")
     a = p.parse_args()
     if a.launch is not None:
-        launch(a.launch, a.batch, a.producer, a.duo)
+        if a.split:
+            launch_split(a.launch, a.batch, a.split)
+        else:
+            launch(a.launch, a.batch, a.producer, a.duo)
         return 0
     a.out.mkdir(parents=True, exist_ok=True)
     if not a.summarize:
         for n in (int(v) for v in a.rows.split(",")):
-            profile(a.out, n, a.batch, a.producer, a.duo)
-    print(json.dumps(summarize(a.out), indent=1)[:6000])
+            profile(a.out, n, a.batch, a.producer, a.duo, a.split)
+    print(json.dumps(summarize(a.out, SPLIT_KERNELS[a.split] if a.split else KERNEL), indent=1)[:6000])
     return 0
 
 

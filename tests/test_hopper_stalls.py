@@ -30,3 +30,17 @@ def test_the_summary_counts_samples_by_reason_opcode_and_instruction(tmp_path):
     assert row["samples_by_reason"]["stall_long_sb"] == 86 and row["samples_by_reason"]["stall_barrier"] == 6
     assert row["top_instructions"][0]["sass"] == "FADD R185, R58, R28" and row["top_instructions"][0]["share"] == 0.9043
     assert json.loads((tmp_path / "summary.json").read_text()) == out
+
+
+def test_split_mode_samples_the_split_layers_kernel(tmp_path, monkeypatch):
+    """`--split tail`: Nsight Compute filters on the Hopper tail's kernel and the profiled process launches it."""
+    import benchmarks.hopper_stalls as hs
+
+    commands = []
+    monkeypatch.setattr(hs, "ncu_path", lambda: "ncu")
+    monkeypatch.setattr(hs.subprocess, "run", lambda cmd, **kw: commands.append(cmd))
+    hs.profile(tmp_path, 13, None, split="tail")
+    sample = commands[0]
+    assert sample[sample.index("--kernel-name") + 1] == "regex:_layer_tail_hopper_fwd"
+    assert sample[-2:] == ["--split", "tail"] and "--launch" in sample
+    assert hs.summarize(tmp_path, hs.SPLIT_KERNELS["ln_qkv"]) == {"kernel": "_ln_qkv_hopper_fwd", "rows": []}
