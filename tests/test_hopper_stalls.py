@@ -43,4 +43,6 @@ def test_split_mode_samples_the_split_layers_kernel(tmp_path, monkeypatch):
     sample = commands[0]
     assert sample[sample.index("--kernel-name") + 1] == "regex:_layer_tail_hopper_fwd"
     assert sample[-2:] == ["--split", "tail"] and "--launch" in sample
-    assert hs.summarize(tmp_path, hs.SPLIT_KERNELS["ln_qkv"]) == {"kernel": "_ln_qkv_hopper_fwd", "rows": []}
+    empty = tmp_path / "none"
+    empty.mkdir()
+    assert hs.summarize(empty, hs.SPLIT_KERNELS["ln_qkv"]) == {"kernel": "_ln_qkv_hopper_fwd", "rows": []}
