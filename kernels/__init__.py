@@ -1,6 +1,8 @@
 """shapewise Triton kernels, one op per file: attention, residual add + LayerNorm, the mask summary, the fused layer
 and the layer tail (tiles.py: the device functions the layer kernels share; pdl.py: how a kernel of a forward waits
-for the one before it under programmatic dependent launch).
+for the one before it under programmatic dependent launch); and for Hopper (sm_90) in Gluon: the whole forward
+(hopper_forward.py), attention (attention_hopper.py), the linear layer (linear_hopper.py), and the split layer's
+LayerNorm + QKV and tail (ln_qkv_hopper.py, layer_tail_hopper.py).
 
 Without a GPU, set TRITON_INTERPRET=1 before importing this package to run the kernels on the CPU.
 """
