@@ -22,10 +22,10 @@ import tempfile
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
 
 from benchmarks.attention_registers import usage
 from benchmarks.common import official, row_numbers, write_json
+from benchmarks.sm90 import compile_sm90
 from shapewise.kernels import hopper_forward as hf
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -36,9 +36,6 @@ SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)"
 def compile_hopper(S, d, H, F, causal=True, masked=True, pair=False, producer=False, duo=False):
     """The kernel compiled for sm_90 at this shape (with `pair`: two programs a sequence; with `producer`: a loader
     warp fills the weight ring), and its launch_config."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
     cfg = hf.launch_config(S, d, H, F, pair=pair, duo=duo)
     stream = torch.zeros(hf.stream_tiles(H, F, cfg["HD"]) * cfg["HD"], d, dtype=torch.float16)
     fn = hf._hopper_forward_fwd
@@ -46,15 +43,12 @@ def compile_hopper(S, d, H, F, causal=True, masked=True, pair=False, producer=Fa
                   NUM_SLOTS=cfg["NUM_SLOTS"], RING_GROUPS=cfg["RING_GROUPS"], V_PAD=cfg["V_PAD"], IS_CAUSAL=causal,
                   HAS_MASK=masked, OVERLAP=True,
                   PAIR=pair, PRODUCER=producer or duo, DUO=duo, num_warps=cfg["num_warps"])
-    sig = {n: "constexpr" if n in consts else mangle_type(hf.weight_descriptor(stream, cfg["HD"]))
-           if n == "w_desc" else "*i8" if n == "Mask" else "*fp16" if n == "KV" else "*i32" if n == "Flags"
-           else "fp32" if n in ("qk_scale", "eps")
-           else "*fp32" if n[0].isupper() else "i32" for n in fn.arg_names}
+    args = {n: hf.weight_descriptor(stream, cfg["HD"]) if n == "w_desc" else "*i8" if n == "Mask"
+            else "*fp16" if n == "KV" else "*i32" if n == "Flags" else "fp32" if n in ("qk_scale", "eps")
+            else "*fp32" if n[0].isupper() else "i32" for n in fn.arg_names if n not in consts}
     # the pair's scratch 16-byte aligned, as a launch specializes it (its copies move 16 bytes)
     attrs = {(fn.arg_names.index("KV"),): [["tt.divisibility", 16]]} if pair else None
-    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                         attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"])), cfg
+    return compile_sm90(fn, consts, args, dict(num_warps=cfg["num_warps"]), attrs), cfg
 
 
 def sass_opcodes(kernel):

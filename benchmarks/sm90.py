@@ -36,3 +36,20 @@ def ptxas_report(kernel, arch: str = "sm_90a") -> PtxasReport:
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     stores, loads = (int(spills[1]), int(spills[2])) if spills else (0, 0)
     return PtxasReport(int(re.search(r"Used (\d+) registers", text)[1]), stores, loads, text)
+
+
+def compile_sm90(fn, consts: dict, args: dict, options: dict, attrs=None):
+    """Gluon kernel `fn` compiled for sm_90a as a launch specializes it, no GPU needed: `consts` its constexprs,
+    `args` the type of each other argument by name (a TMA descriptor object, or a signature string such as "*fp16"
+    or "fp32"; "i32" for one not named), `options` the launch's (num_warps, maxnreg), `attrs` GluonASTSource's
+    (divisibility hints)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    types = {n: args.get(n, "i32") for n in fn.arg_names if n not in consts}
+    sig = {n: "constexpr" if n in consts else t if isinstance(t := types[n], str) else mangle_type(t)
+           for n in fn.arg_names}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                         attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

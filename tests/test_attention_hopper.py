@@ -249,29 +249,23 @@ def test_the_barrier_protocol_delivers_every_block_without_deadlock(config, caus
 # ----------------------------------------------------------------------------------------------
 COMPILE = textwrap.dedent('''
     import json, re, sys
-    import torch, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
+    import torch
     from shapewise.kernels import attention_hopper as ah
-    from benchmarks.sm90 import ptxas_report
+    from benchmarks.sm90 import compile_sm90, ptxas_report
 
 
     def build(head_dim, causal, cfg):
         """The kernel for sm_90a at the launch `hopper_attention` makes for this head dim, causal flag and config."""
         cfg = ah.check_config(head_dim, cfg)
-        fn = ah._attention_hopper_fwd
         view = torch.zeros(1, 256, 3, 2, head_dim, dtype=torch.float16).unbind(2)[0]  # a packed QKV's q
-        descs = {"q_desc": ah.descriptor(view, cfg["BLOCK_M"]), "k_desc": ah.descriptor(view, cfg["BLOCK_N"]),
-                 "v_desc": ah.descriptor(view, cfg["BLOCK_N"]), "o_desc": ah.descriptor(view, cfg["BLOCK_M"])}
+        args = {"q_desc": ah.descriptor(view, cfg["BLOCK_M"]), "k_desc": ah.descriptor(view, cfg["BLOCK_N"]),
+                "v_desc": ah.descriptor(view, cfg["BLOCK_N"]), "o_desc": ah.descriptor(view, cfg["BLOCK_M"]),
+                "qk_scale": "fp32"}
         consts = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"],
                       CONSUMERS=cfg["CONSUMERS"], PINGPONG=cfg["PINGPONG"], IS_CAUSAL=causal,
                       EXP2_POLY=cfg["EXP2_POLY"],
                       CONSUMER_REGS=ah.CONSUMER_REGISTERS[cfg["CONSUMERS"]], PRODUCER_REGS=ah.PRODUCER_REGISTERS)
-        sig = {n: "constexpr" if n in consts else mangle_type(descs[n]) if n in descs
-               else "fp32" if n == "qk_scale" else "i32" for n in fn.arg_names}
-        src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=ah.kernel_options(cfg)), cfg
+        return compile_sm90(ah._attention_hopper_fwd, consts, args, ah.kernel_options(cfg)), cfg
 
     def ptxas(kernel):
         """ptxas -v on the kernel's PTX: (registers per thread it allocates, spill bytes, its messages)."""

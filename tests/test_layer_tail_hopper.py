@@ -106,28 +106,22 @@ def test_the_qkv_vector_table_rows_follow_the_order():
 
 COMPILE = textwrap.dedent('''
     import json, re
-    import torch, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
+    import torch
     from shapewise.kernels import layer_tail_hopper as th
-    from benchmarks.sm90 import ptxas_report
+    from shapewise.kernels import ln_qkv_hopper as qh
+    from benchmarks.sm90 import compile_sm90, ptxas_report
 
     def build(d, f, dtype, mask, final, out):
         """The kernel for sm_90a as `layer_tail_hopper` launches it at these widths."""
-        fn = th._layer_tail_hopper_fwd
-        descs = {"o_desc": th._descriptor(torch.zeros(256, d, dtype=dtype), th.BLOCK_M, d),
-                 "x_desc": th._descriptor(torch.zeros(256, d), th.BLOCK_M, d),
-                 "wo_desc": th._descriptor(torch.zeros(d, d, dtype=dtype), d, d),
-                 "win_desc": th._descriptor(torch.zeros(f, d, dtype=dtype), f, d),
-                 "wout_desc": th._descriptor(torch.zeros(d, f, dtype=dtype), d, f)}
+        args = {"o_desc": th._descriptor(torch.zeros(256, d, dtype=dtype), th.BLOCK_M, d),
+                "x_desc": th._descriptor(torch.zeros(256, d), th.BLOCK_M, d),
+                "wo_desc": th._descriptor(torch.zeros(d, d, dtype=dtype), d, d),
+                "win_desc": th._descriptor(torch.zeros(f, d, dtype=dtype), f, d),
+                "wout_desc": th._descriptor(torch.zeros(d, f, dtype=dtype), d, f),
+                "Y": out, "Mask": "*i8", "VEC": "*fp32", "eps": "fp32"}
         consts = dict(D=d, F=f, WIDTH=max(d, f), HAS_MASK=mask, FINAL_NORM=final,
                       CONSUMER_REGS=th.CONSUMER_REGISTERS, PRODUCER_REGS=th.PRODUCER_REGISTERS)
-        ptrs = {"Y": out, "Mask": "*i8", "VEC": "*fp32", "eps": "fp32"}
-        sig = {n: "constexpr" if n in consts else mangle_type(descs[n]) if n in descs else ptrs.get(n, "i32")
-               for n in fn.arg_names}
-        src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=th.kernel_options())
+        return compile_sm90(th._layer_tail_hopper_fwd, consts, args, th.kernel_options())
 
     for d, f, dtype, mask, final, out in [(128, 128, torch.float16, True, False, "*fp32"),
                                           (128, 128, torch.float16, True, True, "*fp32"),
@@ -145,19 +139,14 @@ COMPILE = textwrap.dedent('''
         assert kernel.metadata.shared <= th.SMEM_BYTES, record
         assert th.CONSUMER_REGISTERS in record["setmaxnreg"], record
 
-    from shapewise.kernels import ln_qkv_hopper as qh
     for d, dtype, x_dtype in [(128, torch.float16, torch.float32), (64, torch.bfloat16, torch.bfloat16),
                               (32, torch.float16, torch.float16)]:
-        fn = qh._ln_qkv_hopper_fwd
-        descs = {"x_desc": th._descriptor(torch.zeros(256, d, dtype=x_dtype), th.BLOCK_M, d),
-                 "w_desc": th._descriptor(torch.zeros(3 * d, d, dtype=dtype), d, d),
-                 "out_desc": th._descriptor(torch.zeros(256, 3 * d, dtype=dtype), th.BLOCK_M, d)}
+        args = {"x_desc": th._descriptor(torch.zeros(256, d, dtype=x_dtype), th.BLOCK_M, d),
+                "w_desc": th._descriptor(torch.zeros(3 * d, d, dtype=dtype), d, d),
+                "out_desc": th._descriptor(torch.zeros(256, 3 * d, dtype=dtype), th.BLOCK_M, d),
+                "VEC": "*fp32", "eps": "fp32"}
         consts = dict(D=d, CONSUMER_REGS=th.CONSUMER_REGISTERS, PRODUCER_REGS=th.PRODUCER_REGISTERS)
-        ptrs = {"VEC": "*fp32", "eps": "fp32"}
-        sig = {n: "constexpr" if n in consts else mangle_type(descs[n]) if n in descs else ptrs.get(n, "i32")
-               for n in fn.arg_names}
-        src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=th.kernel_options())
+        kernel = compile_sm90(qh._ln_qkv_hopper_fwd, consts, args, th.kernel_options())
         report = ptxas_report(kernel)
         record = dict(op="ln_qkv", d=d, dtype=str(dtype), shared_bytes=kernel.metadata.shared,
                       spill_bytes=report.spill_bytes)

@@ -93,27 +93,21 @@ def test_the_unfused_layers_plumbing_around_it(monkeypatch, mask_kind):
 # ----------------------------------------------------------------------------------------------
 COMPILE = textwrap.dedent('''
     import json, re
-    import torch, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
+    import torch
     from shapewise.kernels import linear_hopper as lh
-    from benchmarks.sm90 import ptxas_report
+    from benchmarks.sm90 import compile_sm90, ptxas_report
 
     def build(epilogue, dtype):
         """The kernel for sm_90a at the launch `linear_hopper` makes for this epilogue and operand dtype."""
-        fn = lh._linear_hopper_fwd
         out_dtype = torch.float32 if epilogue == "residual" else dtype
         a, w, c = torch.zeros(256, 128, dtype=dtype), torch.zeros(256, 128, dtype=dtype), torch.zeros(256, 256,
                                                                                                        dtype=out_dtype)
-        descs = {"a_desc": lh._descriptor(a, lh.BLOCK_M, lh.BLOCK_K), "w_desc": lh._descriptor(w, lh.BLOCK_N, lh.BLOCK_K),
-                 "c_desc": lh._descriptor(c, lh.BLOCK_M, lh.BLOCK_N), "r_desc": lh._descriptor(c, lh.BLOCK_M, lh.BLOCK_N)}
+        args = {"a_desc": lh._descriptor(a, lh.BLOCK_M, lh.BLOCK_K), "w_desc": lh._descriptor(w, lh.BLOCK_N, lh.BLOCK_K),
+                "c_desc": lh._descriptor(c, lh.BLOCK_M, lh.BLOCK_N), "r_desc": lh._descriptor(c, lh.BLOCK_M, lh.BLOCK_N),
+                "bias_ptr": "*fp16", "mask_ptr": "*i8"}
         consts = dict(STAGES=lh.stages_for(out_dtype), EPILOGUE=lh.EPILOGUES.index(epilogue),
                       ROW_MASK=epilogue == "residual", CONSUMER_REGS=lh.CONSUMER_REGISTERS, PRODUCER_REGS=lh.PRODUCER_REGISTERS)
-        sig = {n: "constexpr" if n in consts else mangle_type(descs[n]) if n in descs
-               else "*fp16" if n == "bias_ptr" else "*i8" if n == "mask_ptr" else "i32" for n in fn.arg_names}
-        src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=lh.kernel_options())
+        return compile_sm90(lh._linear_hopper_fwd, consts, args, lh.kernel_options())
 
     for epilogue in lh.EPILOGUES:
         for dtype in (torch.float16, torch.bfloat16):

@@ -64,7 +64,7 @@ def test_torch_internals_the_model_reads():
 
 
 def test_triton_compile_internals_the_sass_benchmark_uses():
-    """benchmarks/hopper_sass.py compiles the Hopper kernel for sm_90 without a GPU: GluonASTSource(fn, signature,
+    """benchmarks/sm90.py compiles the Gluon kernels for sm_90 without a GPU: GluonASTSource(fn, signature,
     constexprs, attrs) and mangle_type(arg) give Triton's compiler the signature a launch would."""
     runtime = pytest.importorskip("triton.experimental.gluon._runtime")
     from triton.runtime.jit import mangle_type
