@@ -192,10 +192,27 @@ if gluon is not None:
 # ----------------------------------------------------------------------------------------------
 # Launcher and public function
 # ----------------------------------------------------------------------------------------------
+def check_vectors(where: str, vecs: torch.Tensor, shape: tuple, device) -> None:
+    """A caller's vector table (this module's `tail_vectors`, ln_qkv_hopper's `qkv_vectors`) as the kernel reads it:
+    contiguous fp32 of `shape` on `device`, else a ValueError naming `where`."""
+    if vecs.shape != shape or vecs.dtype != torch.float32 or not vecs.is_contiguous() or vecs.device != device:
+        raise ValueError(f"{where}: vecs must be a contiguous fp32 {list(shape)} on {device}, got {vecs.dtype} "
+                         f"{tuple(vecs.shape)} on {vecs.device}")
+
+
+def persistent_grid(n_tokens: int, device, num_programs=None) -> tuple:
+    """The launch grid of a persistent split-layer kernel over n_tokens: one program per SM (or `num_programs`), no
+    more than its BLOCK_M-token blocks keep busy with CONSUMERS consumers each, at least one."""
+    if num_programs is None:
+        num_programs = torch.cuda.get_device_properties(device).multi_processor_count
+    blocks = -(-n_tokens // BLOCK_M)
+    return (max(1, min(num_programs, -(-blocks // CONSUMERS))),)
+
+
 def layer_tail_hopper(o, x, w, *, eps, mask=None, final=None, out_dtype=None, vecs=None, num_programs=None):
     """`layer_tail.layer_tail` on Hopper: `o` [B, S, d] (the attention output, the weights' fp16/bf16 dtype) and `x`
-    [B, S, d] (the residual into the layer: fp32, or the input's dtype into layer 0), both contiguous; `w` with o_w, o_b, in_w, in_b, out_w, out_b and
-    n2_w, n2_b. Returns the fp32 residual [B, S, d], or with `final=(weight, bias)` the final LayerNorm of it in
+    [B, S, d] (the residual into the layer: fp32, or the input's dtype into layer 0), both contiguous; `w` with o_w,
+    o_b, in_w, in_b, out_w, out_b and n2_w, n2_b. Returns the fp32 residual [B, S, d], or with `final=(weight, bias)` the final LayerNorm of it in
     `out_dtype` (default fp32). Rows where `mask` (bool [B, S]) is False are 0. `eps`: the LayerNorms' epsilon.
     vecs: `tail_vectors(w, final)`, made once by a caller that calls often. num_programs: the persistent grid
     (default: one program per SM)."""
@@ -227,10 +244,7 @@ def layer_tail_hopper(o, x, w, *, eps, mask=None, final=None, out_dtype=None, ve
                          f"{tuple(mask.shape)}")
     if vecs is None:
         vecs = tail_vectors(w, final)
-    elif (vecs.shape != (len(VECTOR_ORDER), max(d, ffn)) or vecs.dtype != torch.float32 or not vecs.is_contiguous()
-          or vecs.device != x.device):
-        raise ValueError(f"layer_tail_hopper: vecs must be tail_vectors' contiguous fp32 [{len(VECTOR_ORDER)}, "
-                         f"{max(d, ffn)}] on {x.device}, got {vecs.dtype} {tuple(vecs.shape)} on {vecs.device}")
+    check_vectors("layer_tail_hopper", vecs, (len(VECTOR_ORDER), max(d, ffn)), x.device)
     out = torch.empty((B, S, d), device=x.device,
                       dtype=torch.float32 if final is None else out_dtype or torch.float32)
     n_tokens = B * S
@@ -238,10 +252,7 @@ def layer_tail_hopper(o, x, w, *, eps, mask=None, final=None, out_dtype=None, ve
         return out
     o2, x2 = o.view(n_tokens, d), x.view(n_tokens, d)
     m = mask.contiguous().view(-1).view(torch.int8) if mask is not None else out
-    blocks = -(-n_tokens // BLOCK_M)
-    if num_programs is None:
-        num_programs = torch.cuda.get_device_properties(x.device).multi_processor_count
-    _layer_tail_hopper_fwd[(max(1, min(num_programs, -(-blocks // CONSUMERS))),)](
+    _layer_tail_hopper_fwd[persistent_grid(n_tokens, x.device, num_programs)](
         _descriptor(o2, BLOCK_M, d), _descriptor(x2, BLOCK_M, d), _descriptor(w["o_w"], d, d),
         _descriptor(w["in_w"], ffn, d), _descriptor(w["out_w"], d, ffn), out, m, vecs, n_tokens, eps,
         D=d, F=ffn, WIDTH=max(d, ffn), HAS_MASK=mask is not None, FINAL_NORM=final is not None,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .attention_hopper import SMEM_BYTES  # sm_90's, one owner
-from .layer_tail_hopper import BLOCK_M, OPERAND_DTYPES, RESIDUAL_DTYPES, WIDTHS
+from .layer_tail_hopper import BLOCK_M, OPERAND_DTYPES, RESIDUAL_DTYPES, WIDTHS, check_vectors, persistent_grid
 from .linear_hopper import CONSUMER_REGISTERS, CONSUMERS, PRODUCER_REGISTERS, _descriptor, kernel_options
 
 try:  # Gluon ships with Triton >= 3.5; without it (or without a Hopper GPU) `why_unsupported` says so
@@ -165,18 +165,12 @@ def ln_qkv_hopper(x, w, *, eps, vecs=None, num_programs=None):
                          f"{x.dtype} {tuple(x.shape)}")
     if vecs is None:
         vecs = qkv_vectors(w)
-    elif (vecs.shape != (len(VECTOR_ORDER), d) or vecs.dtype != torch.float32 or not vecs.is_contiguous()
-          or vecs.device != x.device):
-        raise ValueError(f"ln_qkv_hopper: vecs must be qkv_vectors' contiguous fp32 [{len(VECTOR_ORDER)}, {d}] on "
-                         f"{x.device}, got {vecs.dtype} {tuple(vecs.shape)} on {vecs.device}")
+    check_vectors("ln_qkv_hopper", vecs, (len(VECTOR_ORDER), d), x.device)
     out = torch.empty((B, S, 3 * d), device=x.device, dtype=op)
     n_tokens = B * S
     if n_tokens == 0:
         return out
-    blocks = -(-n_tokens // BLOCK_M)
-    if num_programs is None:
-        num_programs = torch.cuda.get_device_properties(x.device).multi_processor_count
-    _ln_qkv_hopper_fwd[(max(1, min(num_programs, -(-blocks // CONSUMERS))),)](
+    _ln_qkv_hopper_fwd[persistent_grid(n_tokens, x.device, num_programs)](
         _descriptor(x.view(n_tokens, d), BLOCK_M, d), _descriptor(w["qkv_w"], d, d),
         _descriptor(out.view(n_tokens, 3 * d), BLOCK_M, d), vecs, n_tokens, eps,
         D=d, CONSUMER_REGS=CONSUMER_REGISTERS, PRODUCER_REGS=PRODUCER_REGISTERS, **kernel_options(),

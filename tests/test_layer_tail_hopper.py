@@ -76,6 +76,13 @@ def test_ln_qkv_bad_inputs_are_named_before_any_launch(monkeypatch, what, x, w_c
         qh.ln_qkv_hopper(x, {**weights(32, 64, torch.float16), **w_change}, eps=EPS, vecs=vecs)
 
 
+@pytest.mark.parametrize("n_tokens, programs, want", [(1, 132, 1), (5 * th.BLOCK_M, 132, 3),
+                                                      (5 * th.BLOCK_M - 1, 132, 3), (1024 * th.BLOCK_M, 132, 132),
+                                                      (1024 * th.BLOCK_M, 1, 1)])
+def test_the_persistent_grid_keeps_each_program_two_blocks_busy(n_tokens, programs, want):
+    assert th.persistent_grid(n_tokens, None, programs) == (want,)
+
+
 @pytest.mark.parametrize("d", th.WIDTHS)
 @pytest.mark.parametrize("ffn", th.WIDTHS)
 def test_every_width_pair_fits_an_sm90_cta(d, ffn):
