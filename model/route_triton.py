@@ -167,6 +167,12 @@ def qkv_vector_rows(model, dtype) -> dict:
     return {f"{i}.qkv_vecs": qkv_vectors(layer_weights(w, i)) for i in range(len(model.layers))}
 
 
+def _per_layer_rows(model, precision, layout, name) -> list:
+    """Each layer's "{i}.{name}" of the derived-weights table `layout` (built on first use, refreshed in place)."""
+    rows = model._weights.table(model, precision, layout)
+    return [rows[f"{i}.{name}"] for i in range(model.config.num_layers)]
+
+
 class SplitLayerForward:
     """Each layer as three kernels: LayerNorm 1 with the packed QKV projection, our attention, and the rest of the
     layer (out-projection, residual, LayerNorm 2, FFN, residual, zeroed rows; the final LayerNorm last): the Triton
@@ -184,20 +190,17 @@ class SplitLayerForward:
         w = model._weights.table(model, route.precision, per_layer)
         self.layers = [layer_weights(w, i) for i in range(model.config.num_layers)]
         self.final = (w["final_w"], w["final_b"])
-        self.tail_vecs = None
+        self.tail_vecs = self.qkv_vecs = None  # the Hopper kernels' vector tables per layer, where the route asks
         if route.hopper_tail:
             from shapewise.kernels.layer_tail_hopper import layer_tail_hopper  # deferred: Gluon, where the route asks
 
             self.layer_tail_hopper = layer_tail_hopper
-            vecs = model._weights.table(model, route.precision, tail_vector_rows)
-            self.tail_vecs = [vecs[f"{i}.tail_vecs"] for i in range(model.config.num_layers)]
-        self.qkv_vecs = None
+            self.tail_vecs = _per_layer_rows(model, route.precision, tail_vector_rows, "tail_vecs")
         if route.hopper_ln_qkv:
             from shapewise.kernels.ln_qkv_hopper import ln_qkv_hopper  # deferred: Gluon, where the route asks
 
             self.ln_qkv_hopper = ln_qkv_hopper
-            vecs = model._weights.table(model, route.precision, qkv_vector_rows)
-            self.qkv_vecs = [vecs[f"{i}.qkv_vecs"] for i in range(model.config.num_layers)]
+            self.qkv_vecs = _per_layer_rows(model, route.precision, qkv_vector_rows, "qkv_vecs")
 
     def tail(self, i, o, res, mask, pdl, final=None, out_dtype=None):
         """Layer i's tail: the Hopper kernel (no PDL: the kernel after it waits for its end) or the Triton one."""

@@ -230,6 +230,12 @@ def _with_hopper_linear(route: Route, shape: TransformerConfig, capability) -> R
         f"; Hopper linear layers, GELU in FFN-in's epilogue (d_model >= {least}, sm_90)"))
 
 
+def _with_hopper_kernels(route: Route, shape: TransformerConfig, capability) -> Route:
+    """The triton/graph `route` with the Hopper linear layers and the split layer's Hopper kernels where the policy
+    says so (`_with_hopper_linear`, `_with_hopper_split`)."""
+    return _with_hopper_split(_with_hopper_linear(route, shape, capability), shape, capability)
+
+
 def _with_hopper_split(route: Route, shape: TransformerConfig, capability) -> Route:
     """The split-layer `route` with its layers' tails as kernels/layer_tail_hopper.py, and its LayerNorm 1 + QKV as
     kernels/ln_qkv_hopper.py, each where the policy's `split_layer.hopper_tail_min_tokens` or
@@ -337,8 +343,7 @@ def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none
                                  allow_duo=allow_duo)
         route = _with_split_layer(Route(forced, _precision_for(forced, dt, shape), "forced by the caller",
                                         forced=True), shape)
-        return _with_eager_tail(_with_hopper_split(_with_hopper_linear(route, shape, capability), shape, capability),
-                                shape)
+        return _with_eager_tail(_with_hopper_kernels(route, shape, capability), shape)
 
     dev = _device_type(device)
     if dev != "cuda":
@@ -360,8 +365,7 @@ def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none
         route = _with_split_layer(Route(
             "graph", _precision_for("graph", dt, shape),
             f"launch-bound (tokens*d = {shape.tokens * shape.d_model} <= {graph['max_tokens_x_d_model']})"), shape)
-        return _with_eager_tail(_with_hopper_split(_with_hopper_linear(route, shape, capability), shape, capability),
-                                shape)
+        return _with_eager_tail(_with_hopper_kernels(route, shape, capability), shape)
     route = Route("triton", _precision_for("triton", dt, shape),
                   f"compute/memory-bound (tokens*d = {shape.tokens * shape.d_model})")
     how = "" if mask_kind == "none" else " (causal prefix masks; other masks: our kernel, decided per call)"
@@ -372,8 +376,7 @@ def select_route(shape: TransformerConfig, dtype, device, mask_kind: str = "none
     elif attention_without_hopper(shape.seq_len) == "sdpa":
         route = replace(route, attention="sdpa", reason=route.reason + (
             f"; SDPA attention from seq_len {POLICY['attention']['sdpa_from_seq_len']}{how}"))
-    return _with_hopper_split(_with_hopper_linear(_with_split_layer(route, shape), shape, capability), shape,
-                             capability)
+    return _with_hopper_kernels(_with_split_layer(route, shape), shape, capability)
 
 
 def _hopper_attention_pays(shape: TransformerConfig, precision: str, capability, hopper_from) -> bool:
