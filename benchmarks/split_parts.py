@@ -4,7 +4,8 @@ Usage (CUDA machine): python -m benchmarks.split_parts [OUT.json] [--rows 6,13,1
        [--ln BLOCK_T/COL_BLOCKS/WARPS,...] [--programs 0,66]
 
 Per official row: one layer's `ln_qkv` under each launch of LN_CONFIGS (0 or None: the launcher's default), then
-`ln_qkv`, `flash_attention` (with the all-True mask and without) at their default launches, and `layer_tail`
+`ln_qkv`, `flash_attention` (with the all-True mask and without) at their default launches, the attention with
+one (batch, head) pair a group of its launch order against `attention.L2_GROUP_BYTES`, and `layer_tail`
 under each configuration of TAIL_CONFIGS, each timed as a CUDA graph of 10 launches (replay time / 10, median),
 with the bytes it moves and its GB/s; each tail configuration's max abs error against the tail's fp64 reference on
 the first 64 sequences. On sm_90 also the Hopper LayerNorm + QKV (`kernels/ln_qkv_hopper.py`) and the Hopper tail
@@ -16,6 +17,7 @@ every record.
 from __future__ import annotations
 
 import torch
+from shapewise.kernels import attention
 from shapewise.kernels.attention import flash_attention
 from shapewise.kernels.fused_layer import ln_qkv
 from shapewise.kernels import layer_tail_hopper as th
@@ -64,6 +66,21 @@ def parts(row, tail_configs, out, save, ln_configs=LN_CONFIGS, programs=(None,))
         ms = graph_ms(fn, reps)
         rec[name] = {"ms": ms, "bytes": nbytes, "GB_per_s": nbytes / ms / 1e6}
         print(row, name, rec[name], flush=True)
+    # the attention's launch order: one (batch, head) pair a group against kernels.attention.L2_GROUP_BYTES, in
+    # alternation, each output against the default launch's bit for bit
+    default_bytes = attention.L2_GROUP_BYTES
+    want_o = flash_attention(q, k, v, causal=True, key_mask=mask)
+    rec["attention_order"] = []
+    try:
+        for budget in (0, default_bytes, 0, default_bytes):
+            attention.L2_GROUP_BYTES = budget
+            t = {"l2_group_bytes": budget, "pairs_per_group": attention.pairs_per_group(B * H, S, d // H, 2, True),
+                 "bitwise_equal": torch.equal(flash_attention(q, k, v, causal=True, key_mask=mask), want_o),
+                 "ms": graph_ms(lambda: flash_attention(q, k, v, causal=True, key_mask=mask), reps)}
+            rec["attention_order"].append(t)
+            print(row, "attention_order", t, flush=True)
+    finally:
+        attention.L2_GROUP_BYTES = default_bytes
     rec["tail"] = []
     sample = slice(0, min(B, 64))
     want = layer_tail_reference(o[sample], x[sample], wref, eps=LAYER_NORM_EPS, mask=mask[sample])

@@ -147,6 +147,7 @@ def _attention_fwd(
     stride_ob, stride_os, stride_oh,  # output strides
     stride_mb,  # key-mask stride between batch elements
     num_heads, seq_len, qk_scale,  # qk_scale = head_dim**-0.5 * log2(e)
+    group_bh,  # (batch, head) pairs whose query blocks run together (pairs_per_group)
     S_BUCKET,  # next power of two of seq_len: the autotune key (one tuning per bucket)
     BH_BUCKET,  # next power of two of batch x heads: the autotune key too, so that a tuning persisted on disk for one
     # grid size (official row 2: 4 programs a query block) is not served to a very different one (row 6: 40 000)
@@ -161,10 +162,17 @@ def _attention_fwd(
 ):
     pdl_release_start(PDL)
     pdl_wait(PDL)
-    pid_m = tl.program_id(0)
+    # A 1-D grid of (query block, batch x head) programs, taken group_bh pairs at a time, query blocks outermost in
+    # a group: its keys and values stay in L2 while its query blocks pass (the launcher's `pairs_per_group`)
+    n_m = tl.cdiv(seq_len, BLOCK_M)
+    pid = tl.program_id(0)
+    first = pid // (group_bh * n_m) * group_bh
+    size = tl.minimum(group_bh, tl.num_programs(0) // n_m - first)  # the last group may be smaller
+    r = pid - first * n_m
+    pid_m = r // size
+    pid_bh = first + r - pid_m * size
     if IS_CAUSAL:  # the longest query blocks (the last ones) first: the short ones fill the last wave
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
+        pid_m = n_m - 1 - pid_m
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     start_m = pid_m * BLOCK_M
@@ -371,6 +379,21 @@ _attention_fwd_tuned = triton.autotune(
 # ----------------------------------------------------------------------------------------------
 # Launcher and public function
 # ----------------------------------------------------------------------------------------------
+# A causal launch takes its (batch, head) pairs in groups whose keys and values together take at most this many
+# bytes, each group's query blocks longest first across its pairs, so that the last wave holds short blocks only
+# while the keys and values it reads stay in L2 (50 MB on H100 and H200); 0: one pair a group, each pair's query
+# blocks longest first (docs/decisions.md#attention-order).
+L2_GROUP_BYTES = 16 * 2**20
+
+
+def pairs_per_group(pairs: int, seq_len: int, head_dim: int, element_bytes: int, causal: bool) -> int:
+    """The (batch, head) pairs a launch takes together (L2_GROUP_BYTES), at least one, at most `pairs`."""
+    if not causal:  # every query block does the same work: no order to gain
+        return 1
+    per_pair = 2 * seq_len * head_dim * element_bytes  # one pair's keys and values
+    return max(1, min(pairs, L2_GROUP_BYTES // max(1, per_pair)))
+
+
 def _check(q, k, v, key_lengths, key_mask, precision, mask_prefix_lengths=None):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -451,7 +474,8 @@ def flash_attention(q, k, v, *, causal: bool, key_lengths=None, key_mask=None, p
             v.stride(0), v.stride(1), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             mask.stride(0) if key_mask is not None else 0,
-            H, S, D**-0.5 * 1.4426950408889634, s_bucket, triton.next_power_of_2(B * H))
+            H, S, D**-0.5 * 1.4426950408889634, pairs_per_group(B * H, S, D, q.element_size(), causal), s_bucket,
+            triton.next_power_of_2(B * H))
     consts = dict(HEAD_DIM=D, BLOCK_D=block_d, IS_CAUSAL=bool(causal),
                   HAS_KEY_LEN=key_lengths is not None or mask_prefix_lengths is not None,
                   HAS_KEY_MASK=key_mask is not None, PRECISION=_PRECISION_CODE[precision],
@@ -464,13 +488,13 @@ def flash_attention(q, k, v, *, causal: bool, key_lengths=None, key_mask=None, p
         bm, bn = config["BLOCK_M"], config["BLOCK_N"]
         warps, stages = config.get("num_warps", 4), config.get("num_stages", 2)
         cap = masked_register_cap(bm, bn, block_d, warps, stages) if key_mask is not None else None
-        grid = (triton.cdiv(S, bm), B * H)
+        grid = (triton.cdiv(S, bm) * B * H,)
         _attention_fwd[grid](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, EVEN_N=S % bn == 0, num_warps=warps,
                              num_stages=stages, maxnreg=cap)
         return out
 
     def grid(meta):
-        return (triton.cdiv(S, meta["BLOCK_M"]), B * H)
+        return (triton.cdiv(S, meta["BLOCK_M"]) * B * H,)
 
     _attention_fwd_tuned[grid](*args, **consts)
     return out

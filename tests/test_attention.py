@@ -424,6 +424,32 @@ def test_masked_tiles_carry_their_register_cap(monkeypatch):
     assert launched == [None, cap]
 
 
+@pytest.mark.parametrize("mask_kind", ["none", "lengths", "holes"])
+@pytest.mark.parametrize("budget", [0, 1, 3, None], ids=["one-pair", "tiny", "three-pairs", "all-pairs"])
+def test_pairs_taken_in_groups_match_fp64(budget, mask_kind, monkeypatch, assert_close):
+    """Every (query block, batch x head) program runs once whatever the groups of the launch's order: one pair a
+    group, groups of three pairs of eight (the last one of two), all pairs in one; a ragged last query block."""
+    from shapewise.kernels import attention
+
+    B, S, H, D = 2, 45, 4, 16
+    per_pair = 2 * S * D * 4  # fp32 keys and values
+    monkeypatch.setattr(attention, "L2_GROUP_BYTES", {None: 10**9}.get(budget, (budget or 0) * per_pair))
+    want = {0: 1, 1: 1, 3: 3, None: B * H}[budget]
+    assert attention.pairs_per_group(B * H, S, D, 4, True) == want
+    assert attention.pairs_per_group(B * H, S, D, 4, False) == 1
+    run_case(B, S, H, D, True, mask_kind, "fp32", torch.float32, assert_close)
+
+
+def test_pairs_per_group_follows_the_l2_budget():
+    """The official row 13's 256 pairs of 1 024 tokens at head_dim 32 in fp16 (128 KB of keys and values each)
+    go 128 at a time; row 14's pairs (25.6 MB each) one at a time; short rows all together."""
+    from shapewise.kernels import attention
+
+    assert attention.pairs_per_group(256, 1024, 32, 2, True) == 128
+    assert attention.pairs_per_group(512, 100_000, 64, 2, True) == 1
+    assert attention.pairs_per_group(256, 128, 32, 2, True) == 256
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_all_true_mask_is_the_unmasked_call(causal):
     """The official harness passes an all-True mask: the kernel takes the unmasked path for it (the per-batch
