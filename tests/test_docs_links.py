@@ -57,7 +57,9 @@ def tracked_files() -> list:
     except (OSError, subprocess.CalledProcessError):
         paths = [p.relative_to(ROOT) for p in ROOT.rglob("*")
                  if p.is_file() and not SKIPPED_DIRS.intersection(p.relative_to(ROOT).parts)]
-    return sorted(p for p in paths if (p.suffix in SUFFIXES or p.name in NAMES) and (ROOT / p).is_file())
+    this = Path(__file__).resolve().relative_to(ROOT)  # its own made-up references are examples
+    return sorted(p for p in paths
+                  if (p.suffix in SUFFIXES or p.name in NAMES) and (ROOT / p).is_file() and p != this)
 
 
 def references(relative: Path, text: str, docs: dict):
