@@ -12,8 +12,8 @@ per instruction) and its details page (duration, issue and stall summaries) are 
 the instructions that hold the most samples. `--batch` replaces the row's batch size (e.g. 132: one sequence per SM);
 `--producer`: the kernel with a loader warp (`hopper_forward(..., producer=True)`); `--duo`: a sequence's halves as two
 warpgroups beside the loader warp (`duo=True`). `--split tail`, `tail-ahead` or `ln_qkv`: instead, one layer of the
-row's split layer on Hopper, `layer_tail_hopper` (with `ahead` for tail-ahead) or `ln_qkv_hopper` (seeded random weights and inputs, as
-`benchmarks.split_parts` builds them).
+row's split layer on Hopper, `layer_tail_hopper` (with `ahead` for tail-ahead) or `ln_qkv_hopper` (seeded random
+weights and inputs, as `benchmarks.split_parts` builds them).
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ from pathlib import Path
 
 KERNEL = "_hopper_forward_fwd"
 # --split: the kernel sampled ("tail-ahead": the tail with `ahead`)
-SPLIT_KERNELS = {"tail": "_layer_tail_hopper_fwd", "tail-ahead": "_layer_tail_hopper_fwd", "ln_qkv": "_ln_qkv_hopper_fwd"}
+SPLIT_KERNELS = {"tail": "_layer_tail_hopper_fwd", "tail-ahead": "_layer_tail_hopper_fwd",
+                 "ln_qkv": "_ln_qkv_hopper_fwd"}
 SKIP = 2  # launches of the kernel left unprofiled: the first compiles, the second finds every cache warm
 TOP = 60  # instructions listed per row
 

@@ -10,8 +10,9 @@ under each configuration of TAIL_CONFIGS, each timed as a CUDA graph of 10 launc
 with the bytes it moves and its GB/s; each tail configuration's max abs error against the tail's fp64 reference on
 the first 64 sequences. On sm_90 also the Hopper LayerNorm + QKV (`kernels/ln_qkv_hopper.py`) and the Hopper tail
 (`kernels/layer_tail_hopper.py`, twice each with `ahead` off and on), each at its default launch and, with
-`--programs`, other persistent grids: its time, and its largest difference from the Triton kernel's output (the tail's error against fp64 too). The bytes per layer (x in fp32 read twice and written once, q/k/v in fp16 written and read,
-the attention output written and read) set the layer's floor at the copy bandwidth. OUT.json is written after
+`--programs`, other persistent grids: its time, and its largest difference from the Triton kernel's output (the
+tail's error against fp64 too). The bytes per layer (x in fp32 read twice and written once, q/k/v in fp16 written
+and read, the attention output written and read) set the layer's floor at the copy bandwidth. OUT.json is written after
 every record.
 """
 from __future__ import annotations

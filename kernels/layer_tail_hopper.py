@@ -132,11 +132,17 @@ if gluon is not None:
         return gl.load(VEC + R * WIDTH + gl.arange(0, N, layout=layout))
 
     @gluon.jit
+    def _block_offsets(t, rows0, cols, D: gl.constexpr):
+        """Block t's token indices and its [BLOCK_M, D] element offsets in a row-major [n_tokens, D] tensor, in the
+        layout of rows0/cols."""
+        rows = t * _BM + rows0
+        return rows, gl.expand_dims(rows.to(gl.int64) * D, 1) + gl.expand_dims(cols, 0)
+
+    @gluon.jit
     def _block_rows(P, t, rows0, cols, n_tokens, D: gl.constexpr):
         """Block t's [BLOCK_M, D] rows of the row-major [n_tokens, D] tensor P in the layout of rows0/cols (rows past
         n_tokens 0: a block past the last reads nothing)."""
-        rows = t * _BM + rows0
-        offs = gl.expand_dims(rows.to(gl.int64) * D, 1) + gl.expand_dims(cols, 0)
+        rows, offs = _block_offsets(t, rows0, cols, D)
         return gl.load(P + offs, mask=gl.expand_dims(rows < n_tokens, 1), other=0.0)
 
     @gluon.jit
@@ -186,7 +192,7 @@ if gluon is not None:
             y = warpgroup_mma(gl.convert_layout(a, A_D), wout_s.permute((1, 0)),
                               x1 + gl.expand_dims(_row(VEC, 4, WIDTH, D, COL_D), 0), is_async=True)
             y = warpgroup_mma_wait(num_outstanding=0, deps=(y,))
-            rows = t * _BM + rows0
+            rows, offs = _block_offsets(t, rows0, cols, D)
             row_in = rows < n_tokens
             if HAS_MASK:  # the rows of invalid tokens become 0
                 keep = gl.load(Mask + rows, mask=row_in, other=0) != 0
@@ -195,7 +201,6 @@ if gluon is not None:
                 y = _layer_norm(y, _row(VEC, 5, WIDTH, D, COL_D), _row(VEC, 6, WIDTH, D, COL_D), D, eps)
                 if HAS_MASK:
                     y = gl.where(gl.expand_dims(keep, 1), y, 0.0)
-            offs = gl.expand_dims(rows.to(gl.int64) * D, 1) + gl.expand_dims(cols, 0)
             gl.store(Y + offs, y.to(Y.dtype.element_ty), mask=gl.expand_dims(row_in, 1))
             use += 1
 
@@ -254,8 +259,9 @@ def layer_tail_hopper(o, x, w, *, eps, mask=None, final=None, out_dtype=None, ve
                       ahead=False):
     """`layer_tail.layer_tail` on Hopper: `o` [B, S, d] (the attention output, the weights' fp16/bf16 dtype) and `x`
     [B, S, d] (the residual into the layer: fp32, or the input's dtype into layer 0), both contiguous; `w` with o_w,
-    o_b, in_w, in_b, out_w, out_b and n2_w, n2_b. Returns the fp32 residual [B, S, d], or with `final=(weight, bias)` the final LayerNorm of it in
-    `out_dtype` (default fp32). Rows where `mask` (bool [B, S]) is False are 0. `eps`: the LayerNorms' epsilon.
+    o_b, in_w, in_b, out_w, out_b and n2_w, n2_b. Returns the fp32 residual [B, S, d], or with
+    `final=(weight, bias)` the final LayerNorm of it in `out_dtype` (default fp32). Rows where `mask` (bool [B, S])
+    is False are 0. `eps`: the LayerNorms' epsilon.
     vecs: `tail_vectors(w, final)`, made once by a caller that calls often. num_programs: the persistent grid
     (default: one program per SM). ahead: the next block's attention output read into registers during this one,
     two residual slots per consumer (off until measured faster)."""
@@ -299,10 +305,11 @@ def layer_tail_hopper(o, x, w, *, eps, mask=None, final=None, out_dtype=None, ve
         _descriptor(o2, BLOCK_M, d), _descriptor(x2, BLOCK_M, d), _descriptor(w["o_w"], d, d),
         _descriptor(w["in_w"], ffn, d), _descriptor(w["out_w"], d, ffn), out, o2, m, vecs, n_tokens, eps,
         D=d, F=ffn, WIDTH=max(d, ffn), HAS_MASK=mask is not None, FINAL_NORM=final is not None, AHEAD=bool(ahead),
-        X_SLOTS=AHEAD_X_SLOTS if ahead else 1, CONSUMER_REGS=CONSUMER_REGISTERS, PRODUCER_REGS=PRODUCER_REGISTERS, **kernel_options(),
+        X_SLOTS=AHEAD_X_SLOTS if ahead else 1, CONSUMER_REGS=CONSUMER_REGISTERS, PRODUCER_REGS=PRODUCER_REGISTERS,
+        **kernel_options(),
     )
     return out
 
 
-__all__ = ["AHEAD_X_SLOTS", "BLOCK_M", "VECTOR_ORDER", "WIDTHS", "layer_tail_hopper", "shared_bytes", "tail_vectors",
-           "why_unsupported"]
+__all__ = ["AHEAD_X_SLOTS", "BLOCK_M", "VECTOR_ORDER", "WIDTHS", "layer_tail_hopper", "shared_bytes",
+           "tail_vectors", "why_unsupported"]
