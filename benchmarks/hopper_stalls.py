@@ -1,7 +1,7 @@
 """Where the Hopper forward's warps wait: Nsight Compute's warp-state sampling of one launch per official row.
 
 Usage (sm_90 GPU with `ncu`): python -m benchmarks.hopper_stalls OUT_DIR [--rows 1,9] [--batch B] [--producer] [--duo]
-       [--split tail|tail-ahead|ln_qkv]
+       [--split tail|ln_qkv]
 Then, offline, again from the CSVs it left: python -m benchmarks.hopper_stalls OUT_DIR --summarize
 
 Per row: `ncu --clock-control none` (the clocks as the timing jobs see them) profiles the third launch of
@@ -11,9 +11,9 @@ per instruction) and its details page (duration, issue and stall summaries) are 
 (`OUT_DIR/summary.json`) gives per row the kernel's duration, the samples by stall reason, the samples by opcode, and
 the instructions that hold the most samples. `--batch` replaces the row's batch size (e.g. 132: one sequence per SM);
 `--producer`: the kernel with a loader warp (`hopper_forward(..., producer=True)`); `--duo`: a sequence's halves as two
-warpgroups beside the loader warp (`duo=True`). `--split tail`, `tail-ahead` or `ln_qkv`: instead, one layer of the
-row's split layer on Hopper, `layer_tail_hopper` (with `ahead` for tail-ahead) or `ln_qkv_hopper` (seeded random
-weights and inputs, as `benchmarks.split_parts` builds them).
+warpgroups beside the loader warp (`duo=True`). `--split tail` or `--split ln_qkv`: instead, one layer of the row's
+split layer on Hopper, `layer_tail_hopper` or `ln_qkv_hopper` (seeded random weights and inputs, as
+`benchmarks.split_parts` builds them).
 """
 from __future__ import annotations
 
@@ -30,9 +30,7 @@ from collections import Counter
 from pathlib import Path
 
 KERNEL = "_hopper_forward_fwd"
-# --split: the kernel sampled ("tail-ahead": the tail with `ahead`)
-SPLIT_KERNELS = {"tail": "_layer_tail_hopper_fwd", "tail-ahead": "_layer_tail_hopper_fwd",
-                 "ln_qkv": "_ln_qkv_hopper_fwd"}
+SPLIT_KERNELS = {"tail": "_layer_tail_hopper_fwd", "ln_qkv": "_ln_qkv_hopper_fwd"}  # --split: the kernel sampled
 SKIP = 2  # launches of the kernel left unprofiled: the first compiles, the second finds every cache warm
 TOP = 60  # instructions listed per row
 
@@ -61,8 +59,8 @@ def launch_split(row: int, batch: int | None, split: str) -> None:
     o = torch.randn(B, S, d, generator=g).cuda().half()
     mask = torch.ones(B, S, dtype=torch.bool, device="cuda")
     for _ in range(SKIP + 1):
-        if split.startswith("tail"):
-            layer_tail_hopper.layer_tail_hopper(o, x, w, eps=LAYER_NORM_EPS, mask=mask, ahead=split == "tail-ahead")
+        if split == "tail":
+            layer_tail_hopper.layer_tail_hopper(o, x, w, eps=LAYER_NORM_EPS, mask=mask)
         else:
             ln_qkv_hopper.ln_qkv_hopper(x, w, eps=LAYER_NORM_EPS)
     torch.cuda.synchronize()

@@ -9,11 +9,10 @@ one (batch, head) pair a group of its launch order against `attention.L2_GROUP_B
 under each configuration of TAIL_CONFIGS, each timed as a CUDA graph of 10 launches (replay time / 10, median),
 with the bytes it moves and its GB/s; each tail configuration's max abs error against the tail's fp64 reference on
 the first 64 sequences. On sm_90 also the Hopper LayerNorm + QKV (`kernels/ln_qkv_hopper.py`) and the Hopper tail
-(`kernels/layer_tail_hopper.py`, twice each with `ahead` off and on), each at its default launch and, with
-`--programs`, other persistent grids: its time, and its largest difference from the Triton kernel's output (the
-tail's error against fp64 too). The bytes per layer (x in fp32 read twice and written once, q/k/v in fp16 written
-and read, the attention output written and read) set the layer's floor at the copy bandwidth. OUT.json is written after
-every record.
+(`kernels/layer_tail_hopper.py`), each at its default launch and, with `--programs`, other persistent grids: its
+time, and its largest difference from the Triton kernel's output (the tail's error against fp64 too). The bytes per
+layer (x in fp32 read twice and written once, q/k/v in fp16 written and read, the attention output written and read)
+set the layer's floor at the copy bandwidth. OUT.json is written after every record.
 """
 from __future__ import annotations
 
@@ -114,12 +113,9 @@ def parts(row, tail_configs, out, save, ln_configs=LN_CONFIGS, programs=(None,))
         rec["hopper_tail"] = []
         triton_tail = layer_tail(o, x, w, eps=LAYER_NORM_EPS, mask=mask)
         vecs = th.tail_vectors(w)
-        # each grid with one slot of attention output and residual per consumer and with `ahead`, in alternation
-        for n, ahead in [(n, ahead) for n in programs for ahead in (False, True, False, True)]:
-            if th.why_unsupported(d, ffn, x.device, ahead) is not None:
-                continue
-            t = {"num_programs": n, "ahead": ahead}
-            run = dict(eps=LAYER_NORM_EPS, mask=mask, vecs=vecs, num_programs=n, ahead=ahead)
+        for n in programs:  # None: one program per SM
+            t = {"num_programs": n}
+            run = dict(eps=LAYER_NORM_EPS, mask=mask, vecs=vecs, num_programs=n)
             got = th.layer_tail_hopper(o, x, w, **run)
             t["max_abs_error"] = (got[sample].double() - want).abs().max().item()
             t["max_abs_diff_to_triton_tail"] = (got - triton_tail).abs().max().item()

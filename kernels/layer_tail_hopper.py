@@ -10,9 +10,6 @@ shared memory for all its blocks, and `gl.warp_specialize` splits it into:
   - two consumer warpgroups taking the program's blocks in turns, each with its own slot, so one's loads and
     LayerNorm / GELU run under the other's wgmmas. A consumer hands its slot back as soon as the out-projection has
     read it, so the next block's loads run under the rest of this one.
-With `ahead` (off by default until measured: docs/decisions.md#hopper-tail) a consumer reads its next block's attention
-output into registers while it works on this one, and the loader keeps two residual slots per consumer filled, so
-about twice the bytes are in flight (row 13's tail waited on its loads at 47 % of the DRAM's peak).
 The residual adds ride in the wgmma accumulators (x + b_o is the out-projection's initial accumulator, x1 + b_out
 the FFN-out's), so a consumer holds x1 and one product at a time. GELU is the Hopper forward's (erf to 1.5e-7).
 Operands fp16 or bf16, accumulation and statistics fp32; the output fp32 (the residual) or, with the final
@@ -41,24 +38,20 @@ RESIDUAL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # x: fp32, or 
 VECTOR_ORDER = ("o_b", "n2_w", "n2_b", "in_b", "out_b", "final_w", "final_b")
 
 
-AHEAD_X_SLOTS = 2  # residual slots per consumer with `ahead` (its attention outputs travel in registers)
-
-
-def shared_bytes(d_model: int, ffn_dim: int, ahead: bool = False) -> int:
-    """Shared memory of a launch at most: the three weights and each consumer's slot (a block's attention output and
-    fp32 residual; with `ahead` AHEAD_X_SLOTS residuals), the mbarriers' few bytes aside."""
+def shared_bytes(d_model: int, ffn_dim: int) -> int:
+    """Shared memory of a launch at most: the three weights, each consumer's slot (a block's attention output and
+    fp32 residual), the mbarriers' few bytes aside."""
     weights = 2 * (d_model * d_model + 2 * ffn_dim * d_model)
-    slot = BLOCK_M * d_model * (AHEAD_X_SLOTS * 4 if ahead else 2 + 4)
-    return weights + CONSUMERS * slot
+    return weights + CONSUMERS * BLOCK_M * d_model * (2 + 4)
 
 
-def why_unsupported(d_model: int, ffn_dim: int, device=None, ahead: bool = False) -> str | None:
+def why_unsupported(d_model: int, ffn_dim: int, device=None) -> str | None:
     """Why `layer_tail_hopper` cannot serve this layer (device: where it would run; None: any), or None."""
     if gluon is None:
         return "the Hopper layer tail needs Triton's Gluon (triton >= 3.5)"
     if d_model not in WIDTHS or ffn_dim not in WIDTHS:
         return f"the Hopper layer tail serves d_model and ffn_dim in {WIDTHS}, got {d_model} and {ffn_dim}"
-    if shared_bytes(d_model, ffn_dim, ahead) + 1024 > SMEM_BYTES:  # pragma: no cover - every WIDTHS pair fits
+    if shared_bytes(d_model, ffn_dim) + 1024 > SMEM_BYTES:  # pragma: no cover - every WIDTHS pair fits
         return f"the Hopper layer tail's weights and slots exceed an sm_90 CTA's {SMEM_BYTES} bytes"
     if device is not None and (device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0)):
         return f"the Hopper layer tail needs an sm_90 GPU (wgmma, TMA), got {device}"
@@ -89,10 +82,8 @@ if gluon is not None:
     _CONSUMERS = gl.constexpr(CONSUMERS)
 
     @gluon.jit
-    def _loader(o_desc, x_desc, wo_desc, win_desc, wout_desc, bufs, n_blocks, X_SLOTS: gl.constexpr,
-                AHEAD: gl.constexpr):
-        """The weights once, then every block of the program, consumer by consumer in turn, into the consumer's
-        next slot (X_SLOTS each): its attention output and residual, or with AHEAD the residual alone."""
+    def _loader(o_desc, x_desc, wo_desc, win_desc, wout_desc, bufs, n_blocks):
+        """The weights once, then every block of the program, consumer by consumer in turn, into its slot."""
         o_s, x_s, wo_s, win_s, wout_s, ready, empty, w_ready = bufs
         mbarrier.expect(w_ready, wo_desc.block_type.nbytes + win_desc.block_type.nbytes
                         + wout_desc.block_type.nbytes)
@@ -101,26 +92,22 @@ if gluon is not None:
         tma.async_copy_global_to_shared(wout_desc, [0, 0], w_ready, wout_s)
         i = 0
         for t in range(gl.program_id(0), n_blocks, gl.num_programs(0)):
-            use = i // _CONSUMERS  # the consumer's blocks so far
-            s = (i % _CONSUMERS) * X_SLOTS + use % X_SLOTS
-            fill = use // X_SLOTS  # the slot's fills so far
-            mbarrier.wait(empty.index(s), (fill - 1) & 1, pred=fill > 0)
-            if AHEAD:
-                mbarrier.expect(ready.index(s), x_desc.block_type.nbytes)
-            else:
-                mbarrier.expect(ready.index(s), o_desc.block_type.nbytes + x_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(o_desc, [t * _BM, 0], ready.index(s), o_s.index(s))
-            tma.async_copy_global_to_shared(x_desc, [t * _BM, 0], ready.index(s), x_s.index(s))
+            c = i % _CONSUMERS
+            use = i // _CONSUMERS  # the slot's fills so far
+            mbarrier.wait(empty.index(c), (use - 1) & 1, pred=use > 0)
+            mbarrier.expect(ready.index(c), o_desc.block_type.nbytes + x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(o_desc, [t * _BM, 0], ready.index(c), o_s.index(c))
+            tma.async_copy_global_to_shared(x_desc, [t * _BM, 0], ready.index(c), x_s.index(c))
             i += 1
 
     @gluon.jit
-    def _slot_barriers(SLOTS: gl.constexpr):
-        """The mbarriers of a program's SLOTS slots, initialized: each slot's "ready" (the loader's bytes landed) and
-        "empty" (its consumer handed it back), and "w_ready" (the weights landed)."""
-        ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    def _slot_barriers():
+        """The mbarriers of a program's slots, initialized: each consumer's "ready" (the loader's bytes landed) and
+        "empty" (the consumer handed it back), and "w_ready" (the weights landed)."""
+        ready = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
         w_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(SLOTS):
+        for i in gl.static_range(_CONSUMERS):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         mbarrier.init(w_ready, count=1)
@@ -132,25 +119,9 @@ if gluon is not None:
         return gl.load(VEC + R * WIDTH + gl.arange(0, N, layout=layout))
 
     @gluon.jit
-    def _block_offsets(t, rows0, cols, D: gl.constexpr):
-        """Block t's token indices and its [BLOCK_M, D] element offsets in a row-major [n_tokens, D] tensor, in the
-        layout of rows0/cols."""
-        rows = t * _BM + rows0
-        return rows, gl.expand_dims(rows.to(gl.int64) * D, 1) + gl.expand_dims(cols, 0)
-
-    @gluon.jit
-    def _block_rows(P, t, rows0, cols, n_tokens, D: gl.constexpr):
-        """Block t's [BLOCK_M, D] rows of the row-major [n_tokens, D] tensor P in the layout of rows0/cols (rows past
-        n_tokens 0: a block past the last reads nothing)."""
-        rows, offs = _block_offsets(t, rows0, cols, D)
-        return gl.load(P + offs, mask=gl.expand_dims(rows < n_tokens, 1), other=0.0)
-
-    @gluon.jit
-    def _consumer(Y, Attn, Mask, VEC, bufs, n_tokens, n_blocks, eps, C: gl.constexpr, D: gl.constexpr,
-                  F: gl.constexpr, WIDTH: gl.constexpr, HAS_MASK: gl.constexpr, FINAL_NORM: gl.constexpr,
-                  X_SLOTS: gl.constexpr, AHEAD: gl.constexpr):
-        """Consumer warpgroup C: blocks C, C + 2, ... of the program's list, each from its slot (with AHEAD: its
-        residual from the slot, its attention output read from Attn a block ahead) to Y."""
+    def _consumer(Y, Mask, VEC, bufs, n_tokens, n_blocks, eps, C: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
+                  WIDTH: gl.constexpr, HAS_MASK: gl.constexpr, FINAL_NORM: gl.constexpr):
+        """Consumer warpgroup C: blocks C, C + 2, ... of the program's list, each from its slot to Y."""
         o_s, x_s, wo_s, win_s, wout_s, ready, empty, w_ready = bufs
         L_D: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
         L_F: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, F, 16])
@@ -161,38 +132,26 @@ if gluon is not None:
         rows0 = gl.arange(0, _BM, layout=gl.SliceLayout(1, L_D))
         cols = gl.arange(0, D, layout=COL_D)
         zeros_f = gl.zeros([_BM, F], gl.float32, L_F)
-        op_dtype: gl.constexpr = wo_s.dtype
+        o_buf = o_s.index(C)
+        x_buf = x_s.index(C)
         mbarrier.wait(w_ready, 0)
         nprog = gl.num_programs(0)
-        stride = _CONSUMERS * nprog
-        first = gl.program_id(0) + C * nprog
-        if AHEAD:
-            o_next = _block_rows(Attn, first, rows0, cols, n_tokens, D)
-        use = 0  # this consumer's blocks so far
-        for t in range(first, n_blocks, stride):
-            s = C * X_SLOTS + use % X_SLOTS
-            if AHEAD:  # this block's attention output came a block ago
-                o_now = gl.convert_layout(o_next, A_D)
-            mbarrier.wait(ready.index(s), (use // X_SLOTS) & 1)
-            acc = x_s.index(s).load(L_D).to(gl.float32) + gl.expand_dims(_row(VEC, 0, WIDTH, D, COL_D), 0)
-            if AHEAD:
-                acc = warpgroup_mma(o_now, wo_s.permute((1, 0)), acc, is_async=True)
-            else:
-                acc = warpgroup_mma(o_s.index(s), wo_s.permute((1, 0)), acc, is_async=True)
+        use = 0  # this consumer's blocks so far: its slot's fills
+        for t in range(gl.program_id(0) + C * nprog, n_blocks, _CONSUMERS * nprog):
+            mbarrier.wait(ready.index(C), use & 1)
+            acc = x_buf.load(L_D).to(gl.float32) + gl.expand_dims(_row(VEC, 0, WIDTH, D, COL_D), 0)
+            acc = warpgroup_mma(o_buf, wo_s.permute((1, 0)), acc, is_async=True)
             x1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            # the slot read (the warpgroup's wgmma took every row of it): the loader refills it
-            mbarrier.arrive(empty.index(s))
-            if AHEAD:  # the next block's attention output: its loads go out now, under this block's work
-                o_next = _block_rows(Attn, t + stride, rows0, cols, n_tokens, D)
+            mbarrier.arrive(empty.index(C))  # the slot read: the loader brings this consumer's next block
             h = _layer_norm(x1, _row(VEC, 1, WIDTH, D, COL_D), _row(VEC, 2, WIDTH, D, COL_D), D, eps)
-            f = warpgroup_mma(gl.convert_layout(h.to(op_dtype), A_F), win_s.permute((1, 0)), zeros_f,
+            f = warpgroup_mma(gl.convert_layout(h.to(o_buf.dtype), A_F), win_s.permute((1, 0)), zeros_f,
                               use_acc=False, is_async=True)
             f = warpgroup_mma_wait(num_outstanding=0, deps=(f,))
-            a = _gelu(f + gl.expand_dims(_row(VEC, 3, WIDTH, F, COL_F), 0)).to(op_dtype)
+            a = _gelu(f + gl.expand_dims(_row(VEC, 3, WIDTH, F, COL_F), 0)).to(o_buf.dtype)
             y = warpgroup_mma(gl.convert_layout(a, A_D), wout_s.permute((1, 0)),
                               x1 + gl.expand_dims(_row(VEC, 4, WIDTH, D, COL_D), 0), is_async=True)
             y = warpgroup_mma_wait(num_outstanding=0, deps=(y,))
-            rows, offs = _block_offsets(t, rows0, cols, D)
+            rows = t * _BM + rows0
             row_in = rows < n_tokens
             if HAS_MASK:  # the rows of invalid tokens become 0
                 keep = gl.load(Mask + rows, mask=row_in, other=0) != 0
@@ -201,37 +160,32 @@ if gluon is not None:
                 y = _layer_norm(y, _row(VEC, 5, WIDTH, D, COL_D), _row(VEC, 6, WIDTH, D, COL_D), D, eps)
                 if HAS_MASK:
                     y = gl.where(gl.expand_dims(keep, 1), y, 0.0)
+            offs = gl.expand_dims(rows.to(gl.int64) * D, 1) + gl.expand_dims(cols, 0)
             gl.store(Y + offs, y.to(Y.dtype.element_ty), mask=gl.expand_dims(row_in, 1))
             use += 1
 
     @gluon.jit
     def _layer_tail_hopper_fwd(
         o_desc, x_desc, wo_desc, win_desc, wout_desc,  # TMA: o [N, D], x [N, D], Wo [D, D], Win [F, D], Wout [D, F]
-        Y, Attn, Mask, VEC,  # out [N, D]; o [N, D] (read with AHEAD); int8 [N] (read where HAS_MASK); fp32
-        # [len(VECTOR_ORDER), WIDTH]
+        Y, Mask, VEC,  # out [N, D]; int8 [N] (read where HAS_MASK); fp32 [len(VECTOR_ORDER), WIDTH]
         n_tokens, eps,
         D: gl.constexpr, F: gl.constexpr, WIDTH: gl.constexpr, HAS_MASK: gl.constexpr, FINAL_NORM: gl.constexpr,
-        AHEAD: gl.constexpr, X_SLOTS: gl.constexpr,  # X_SLOTS: residual slots per consumer (AHEAD_X_SLOTS or 1)
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
         n_blocks = gl.cdiv(n_tokens, _BM)
-        x_s = gl.allocate_shared_memory(x_desc.dtype, [_CONSUMERS * X_SLOTS, _BM, D], x_desc.layout)
-        if AHEAD:  # the attention outputs travel in registers (x_s only holds the slots' tuple place)
-            o_s = x_s
-        else:
-            o_s = gl.allocate_shared_memory(o_desc.dtype, [_CONSUMERS, _BM, D], o_desc.layout)
+        o_s = gl.allocate_shared_memory(o_desc.dtype, [_CONSUMERS, _BM, D], o_desc.layout)
+        x_s = gl.allocate_shared_memory(x_desc.dtype, [_CONSUMERS, _BM, D], x_desc.layout)
         wo_s = gl.allocate_shared_memory(wo_desc.dtype, [D, D], wo_desc.layout)
         win_s = gl.allocate_shared_memory(win_desc.dtype, [F, D], win_desc.layout)
         wout_s = gl.allocate_shared_memory(wout_desc.dtype, [D, F], wout_desc.layout)
-        ready, empty, w_ready = _slot_barriers(_CONSUMERS * X_SLOTS)
+        ready, empty, w_ready = _slot_barriers()
         bufs = (o_s, x_s, wo_s, win_s, wout_s, ready, empty, w_ready)
         # the first consumer is the default partition (num_warps = 4); the second and the loader are workers
-        gl.warp_specialize([(_consumer, (Y, Attn, Mask, VEC, bufs, n_tokens, n_blocks, eps, 0, D, F, WIDTH, HAS_MASK,
-                                         FINAL_NORM, X_SLOTS, AHEAD)),
-                            (_consumer, (Y, Attn, Mask, VEC, bufs, n_tokens, n_blocks, eps, 1, D, F, WIDTH, HAS_MASK,
-                                         FINAL_NORM, X_SLOTS, AHEAD)),
-                            (_loader, (o_desc, x_desc, wo_desc, win_desc, wout_desc, bufs, n_blocks, X_SLOTS,
-                                       AHEAD))],
+        gl.warp_specialize([(_consumer, (Y, Mask, VEC, bufs, n_tokens, n_blocks, eps, 0, D, F, WIDTH, HAS_MASK,
+                                         FINAL_NORM)),
+                            (_consumer, (Y, Mask, VEC, bufs, n_tokens, n_blocks, eps, 1, D, F, WIDTH, HAS_MASK,
+                                         FINAL_NORM)),
+                            (_loader, (o_desc, x_desc, wo_desc, win_desc, wout_desc, bufs, n_blocks))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -255,19 +209,17 @@ def persistent_grid(n_tokens: int, device, num_programs=None) -> tuple:
     return (max(1, min(num_programs, -(-blocks // CONSUMERS))),)
 
 
-def layer_tail_hopper(o, x, w, *, eps, mask=None, final=None, out_dtype=None, vecs=None, num_programs=None,
-                      ahead=False):
+def layer_tail_hopper(o, x, w, *, eps, mask=None, final=None, out_dtype=None, vecs=None, num_programs=None):
     """`layer_tail.layer_tail` on Hopper: `o` [B, S, d] (the attention output, the weights' fp16/bf16 dtype) and `x`
     [B, S, d] (the residual into the layer: fp32, or the input's dtype into layer 0), both contiguous; `w` with o_w,
     o_b, in_w, in_b, out_w, out_b and n2_w, n2_b. Returns the fp32 residual [B, S, d], or with
     `final=(weight, bias)` the final LayerNorm of it in `out_dtype` (default fp32). Rows where `mask` (bool [B, S])
     is False are 0. `eps`: the LayerNorms' epsilon.
     vecs: `tail_vectors(w, final)`, made once by a caller that calls often. num_programs: the persistent grid
-    (default: one program per SM). ahead: the next block's attention output read into registers during this one,
-    two residual slots per consumer (off until measured faster)."""
+    (default: one program per SM)."""
     B, S, d = x.shape
     ffn = w["in_w"].shape[0]
-    why = why_unsupported(d, ffn, x.device, ahead)
+    why = why_unsupported(d, ffn, x.device)
     if why:
         raise ValueError(f"layer_tail_hopper: {why}")
     op = w["o_w"].dtype
@@ -303,13 +255,12 @@ def layer_tail_hopper(o, x, w, *, eps, mask=None, final=None, out_dtype=None, ve
     m = mask.contiguous().view(-1).view(torch.int8) if mask is not None else out
     _layer_tail_hopper_fwd[persistent_grid(n_tokens, x.device, num_programs)](
         _descriptor(o2, BLOCK_M, d), _descriptor(x2, BLOCK_M, d), _descriptor(w["o_w"], d, d),
-        _descriptor(w["in_w"], ffn, d), _descriptor(w["out_w"], d, ffn), out, o2, m, vecs, n_tokens, eps,
-        D=d, F=ffn, WIDTH=max(d, ffn), HAS_MASK=mask is not None, FINAL_NORM=final is not None, AHEAD=bool(ahead),
-        X_SLOTS=AHEAD_X_SLOTS if ahead else 1, CONSUMER_REGS=CONSUMER_REGISTERS, PRODUCER_REGS=PRODUCER_REGISTERS,
-        **kernel_options(),
+        _descriptor(w["in_w"], ffn, d), _descriptor(w["out_w"], d, ffn), out, m, vecs, n_tokens, eps,
+        D=d, F=ffn, WIDTH=max(d, ffn), HAS_MASK=mask is not None, FINAL_NORM=final is not None,
+        CONSUMER_REGS=CONSUMER_REGISTERS, PRODUCER_REGS=PRODUCER_REGISTERS, **kernel_options(),
     )
     return out
 
 
-__all__ = ["AHEAD_X_SLOTS", "BLOCK_M", "VECTOR_ORDER", "WIDTHS", "layer_tail_hopper", "shared_bytes",
-           "tail_vectors", "why_unsupported"]
+__all__ = ["BLOCK_M", "VECTOR_ORDER", "WIDTHS", "layer_tail_hopper", "shared_bytes", "tail_vectors",
+           "why_unsupported"]

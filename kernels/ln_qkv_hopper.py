@@ -134,7 +134,7 @@ if gluon is not None:
         x_s = gl.allocate_shared_memory(x_desc.dtype, [_CONSUMERS, _BM, D], x_desc.layout)
         w_s = gl.allocate_shared_memory(w_desc.dtype, [3, D, D], w_desc.layout)
         c_s = gl.allocate_shared_memory(out_desc.dtype, [_CONSUMERS, _BM, D], out_desc.layout)
-        ready, empty, w_ready = _slot_barriers(_CONSUMERS)
+        ready, empty, w_ready = _slot_barriers()
         bufs = (x_s, w_s, c_s, ready, empty, w_ready)
         gl.warp_specialize([(_consumer, (out_desc, VEC, bufs, n_blocks, eps, 0, D)),
                             (_consumer, (out_desc, VEC, bufs, n_blocks, eps, 1, D)),

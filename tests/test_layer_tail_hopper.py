@@ -86,9 +86,7 @@ def test_the_persistent_grid_keeps_each_program_two_blocks_busy(n_tokens, progra
 @pytest.mark.parametrize("d", th.WIDTHS)
 @pytest.mark.parametrize("ffn", th.WIDTHS)
 def test_every_width_pair_fits_an_sm90_cta(d, ffn):
-    """With one slot of attention output and residual per consumer, and with two residual slots (`ahead`)."""
     assert th.shared_bytes(d, ffn) + 1024 <= th.SMEM_BYTES
-    assert th.shared_bytes(d, ffn, ahead=True) + 1024 <= th.SMEM_BYTES
 
 
 def test_the_vector_table_rows_follow_the_order():
@@ -120,35 +118,32 @@ COMPILE = textwrap.dedent('''
     from shapewise.kernels import ln_qkv_hopper as qh
     from benchmarks.sm90 import compile_sm90, ptxas_report
 
-    def build(d, f, dtype, mask, final, out, ahead=False):
+    def build(d, f, dtype, mask, final, out):
         """The kernel for sm_90a as `layer_tail_hopper` launches it at these widths."""
         args = {"o_desc": th._descriptor(torch.zeros(256, d, dtype=dtype), th.BLOCK_M, d),
                 "x_desc": th._descriptor(torch.zeros(256, d), th.BLOCK_M, d),
                 "wo_desc": th._descriptor(torch.zeros(d, d, dtype=dtype), d, d),
                 "win_desc": th._descriptor(torch.zeros(f, d, dtype=dtype), f, d),
                 "wout_desc": th._descriptor(torch.zeros(d, f, dtype=dtype), d, f),
-                "Y": out, "Attn": "*fp16" if dtype == torch.float16 else "*bf16", "Mask": "*i8", "VEC": "*fp32",
-                "eps": "fp32"}
-        consts = dict(D=d, F=f, WIDTH=max(d, f), HAS_MASK=mask, FINAL_NORM=final, AHEAD=ahead,
-                      X_SLOTS=th.AHEAD_X_SLOTS if ahead else 1,
+                "Y": out, "Mask": "*i8", "VEC": "*fp32", "eps": "fp32"}
+        consts = dict(D=d, F=f, WIDTH=max(d, f), HAS_MASK=mask, FINAL_NORM=final,
                       CONSUMER_REGS=th.CONSUMER_REGISTERS, PRODUCER_REGS=th.PRODUCER_REGISTERS)
         names = th._layer_tail_hopper_fwd.arg_names  # 16-byte aligned pointers, as a launch specializes them
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("Y", "Attn", "Mask", "VEC")}
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("Y", "Mask", "VEC")}
         return compile_sm90(th._layer_tail_hopper_fwd, consts, args, th.kernel_options(), attrs)
 
-    # (d, ffn, dtype, mask, final, out, ahead, spill bytes allowed): the one-slot design's d_model-128 layer spills
-    # one register as a launch specializes it (a 4-byte store and load a block, in the 40.8 us it was measured at)
-    for d, f, dtype, mask, final, out, ahead, spill in [(128, 128, torch.float16, True, False, "*fp32", False, 8),
-                                                        (128, 128, torch.float16, True, True, "*fp32", False, 0),
-                                                        (64, 32, torch.bfloat16, False, True, "*bf16", False, 0),
-                                                        (32, 128, torch.float16, False, False, "*fp32", False, 0),
-                                                        (128, 128, torch.float16, True, False, "*fp32", True, 0),
-                                                        (128, 128, torch.bfloat16, False, True, "*bf16", True, 0)]:
-        kernel = build(d, f, dtype, mask, final, out, ahead)
-        assert kernel.metadata.shared <= th.shared_bytes(d, f, ahead) + 1024, kernel.metadata.shared
+    # (d, ffn, dtype, mask, final, out, spill bytes allowed): the d_model-128 layer with the mask and without the
+    # final LayerNorm spills one register as a launch specializes it (a 4-byte store and load a block, in the 40.8 us
+    # it was measured at)
+    for d, f, dtype, mask, final, out, spill in [(128, 128, torch.float16, True, False, "*fp32", 8),
+                                                 (128, 128, torch.float16, True, True, "*fp32", 0),
+                                                 (64, 32, torch.bfloat16, False, True, "*bf16", 0),
+                                                 (32, 128, torch.float16, False, False, "*fp32", 0)]:
+        kernel = build(d, f, dtype, mask, final, out)
+        assert kernel.metadata.shared <= th.shared_bytes(d, f) + 1024, kernel.metadata.shared
         report = ptxas_report(kernel)
         ptx = kernel.asm["ptx"]
-        record = dict(d=d, ffn=f, dtype=str(dtype), ahead=ahead, shared_bytes=kernel.metadata.shared,
+        record = dict(d=d, ffn=f, dtype=str(dtype), shared_bytes=kernel.metadata.shared,
                       spill_bytes=report.spill_bytes,
                       setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\\.inc\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)}))
         print("compiled", json.dumps(record), flush=True)
@@ -176,17 +171,16 @@ COMPILE = textwrap.dedent('''
 
 @needs_gluon
 def test_the_kernel_builds_for_sm90_without_spills():
-    """Four width pairs, both operand dtypes, with and without the mask and the final LayerNorm, and with `ahead`,
-    compile for sm_90a as a launch specializes them (16-byte aligned pointers) with no register spill beyond the one
-    listed and no serialized wgmma, within an sm_90 CTA's shared memory; so does kernels/ln_qkv_hopper.py at three
-    widths."""
+    """Four width pairs, both operand dtypes, with and without the mask and the final LayerNorm, compile for sm_90a
+    as a launch specializes them (16-byte aligned pointers) with no register spill beyond the one listed and no
+    serialized wgmma, within an sm_90 CTA's shared memory; so does kernels/ln_qkv_hopper.py at three widths."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "workflow"), str(ROOT), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
     print(done.stdout)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
-    assert done.stdout.count("compiled") == 9
+    assert done.stdout.count("compiled") == 7
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,17 +202,16 @@ def _inputs(B, S, d, ffn, dtype, seed=0):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("ahead", [False, True], ids=["slots", "ahead"])
 @pytest.mark.parametrize("last", [False, True], ids=["layer", "last-layer"])
 @pytest.mark.parametrize("mask_kind", ["none", "holes", "one_empty"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("B, S, d, ffn", GPU_SHAPES, ids=str)
-def test_kernel_matches_fp64(B, S, d, ffn, dtype, mask_kind, last, ahead):
+def test_kernel_matches_fp64(B, S, d, ffn, dtype, mask_kind, last):
     o, x, w, final = _inputs(B, S, d, ffn, dtype)
     mask = make_mask(mask_kind, B, S)
     mask = mask.cuda() if mask is not None else None
     norm = final if last else None
-    y = th.layer_tail_hopper(o, x, w, eps=EPS, mask=mask, final=norm, ahead=ahead)
+    y = th.layer_tail_hopper(o, x, w, eps=EPS, mask=mask, final=norm)
     assert y.dtype == torch.float32 and y.shape == (B, S, d)
     want = layer_tail_reference(o, x, w, eps=EPS, mask=mask, final=norm)
     atol, rtol = TOL[dtype]
@@ -231,13 +224,11 @@ def test_kernel_matches_fp64(B, S, d, ffn, dtype, mask_kind, last, ahead):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("ahead", [False, True], ids=["slots", "ahead"])
 @pytest.mark.parametrize("num_programs", [1, 3])
-def test_few_programs_take_every_block(num_programs, ahead):
+def test_few_programs_take_every_block(num_programs):
     """One program (its two consumers taking every block in turn, each slot refilled many times) and three."""
     o, x, w, final = _inputs(3, 700, 128, 128, torch.float16, seed=2)
-    y = th.layer_tail_hopper(o, x, w, eps=EPS, final=final, out_dtype=torch.float16, num_programs=num_programs,
-                             ahead=ahead)
+    y = th.layer_tail_hopper(o, x, w, eps=EPS, final=final, out_dtype=torch.float16, num_programs=num_programs)
     assert y.dtype == torch.float16
     want = layer_tail_reference(o, x, w, eps=EPS, final=final)
     atol, rtol = TOL[torch.float16]
