@@ -90,6 +90,27 @@ def test_the_stable_protocols_time_budget_is_a_positive_number_or_null(budget, o
         assert list(caught.value.absolute_path) == ["timing", "stable", "max_seconds"], caught.value
 
 
+@pytest.mark.parametrize("field,value,ok", [
+    ("round_seconds", 0.5, True), ("round_seconds", 2, True), ("round_seconds", None, True),
+    ("round_seconds", 0, False), ("round_seconds", -0.5, False), ("round_seconds", "0.5", False),
+    ("round_seconds", True, False), ("min_calls", 1, True), ("min_calls", 10, True), ("min_calls", None, True),
+    ("min_calls", 0, False), ("min_calls", -2, False), ("min_calls", 2.5, False), ("min_calls", True, False),
+    ("min_calls", "10", False)])
+def test_the_stable_protocols_round_bound_is_a_positive_number_or_null(field, value, ok):
+    """timing.stable.round_seconds (absent or null: `calls` every round) and min_calls (absent or null:
+    shapewise.jobs.timing.MIN_ROUND_CALLS); an error names the field. The shipped GPU protocol bounds its rounds'
+    calls, the CPU smoke protocol does not."""
+    cfg = config()
+    assert cfg["timing"]["stable"]["round_seconds"] > 0 and "round_seconds" not in cfg["timing"]["cpu"]
+    cfg["timing"]["stable"][field] = value
+    if ok:
+        jsonschema.validate(cfg, schema())
+    else:
+        with pytest.raises(jsonschema.ValidationError) as caught:
+            jsonschema.validate(cfg, schema())
+        assert list(caught.value.absolute_path) == ["timing", "stable", field], caught.value
+
+
 def test_one_definition_of_a_heavy_row():
     """Heavy rows (by GFLOP) take heavy.resources; there is no second, token-count based `large` entry."""
     cfg = config()

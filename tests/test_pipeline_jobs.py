@@ -467,6 +467,138 @@ def test_a_bad_time_budget_is_named(budget):
     assert timing.describe("stable", dict(stable, max_seconds=2.5), torch.device("cpu"))["max_seconds"] == 2.5
 
 
+def test_round_seconds_cuts_a_slow_models_calls_a_round(monkeypatch):
+    """round_seconds: a model's seconds per call, its warm-up's wall time over the warm-up's calls, sets its calls a
+    round, max(min_calls, min(calls, floor(round_seconds / seconds per call))), for a model of another process
+    (a Timed, as the candidate's Remote) as for one of this one; each entry records its count and its estimate, and
+    the mask cost pairs rounds of different lengths by their medians. Without round_seconds, with no warm-up, and in
+    the official protocol, every model gets `calls`."""
+    from shapewise.analysis import stats
+    from shapewise.jobs import timing
+
+    clock = [0.0]
+    monkeypatch.setattr(timing, "clock", lambda: clock[0])
+    # this process: the reference 20 ms a call, the unmasked call 80 ms
+    monkeypatch.setattr(timing, "time_calls", clocked_time_calls(
+        {"reference": lambda r: 20.0, "optimized_unmasked": lambda r: 80.0}, clock))
+
+    class Elsewhere(timing.Timed):  # the optimized model, 1 ms a call, timed in its own process
+        def __init__(self):
+            self.asked = []
+
+        def first_call(self):
+            return 1.0
+
+        def warmup(self, count):
+            clock[0] += count * 1e-3
+            return None
+
+        def round(self, count, gc_off):
+            self.asked.append(count)
+            clock[0] += count * 1e-3
+            return [1.0] * count, None
+
+    def run(name, protocol):
+        clock[0] = 0.0
+        optimized = Elsewhere()
+        calls = {"optimized": optimized, "reference": lambda: "reference",
+                 "optimized_unmasked": lambda: "optimized_unmasked"}
+        result = {"gpu": None}
+        rounds, seen = timing.time_protocol(calls, {"id": "r"}, torch.device("cpu"), name, protocol, result)
+        summary = stats.summarize(rounds)
+        entries = timing.model_entries(rounds, summary, seen, 1, {"id": "r"})
+        assert optimized.asked == [len(r) for r in rounds["optimized"]]
+        assert all(entries[which]["calls_per_round"] == len(r) for which in rounds for r in rounds[which])
+        return rounds, summary, entries, result["stopping"]
+
+    stable = {"warmup": 4, "calls": 10, "min_rounds": 2, "max_rounds": 3, "ci_half_width": 0.5, "gc_off": False,
+              "cpus": "inherit", "round_seconds": 0.1, "min_calls": 2}
+    rounds, summary, entries, stopping = run("stable", stable)
+    # 0.1 s over 20 ms: 5 calls; over 1 ms: 100, at most calls (10); over 80 ms: 1, at least min_calls (2)
+    assert {which: entry["calls_per_round"] for which, entry in entries.items()} == \
+        {"reference": 5, "optimized": 10, "optimized_unmasked": 2}
+    assert {which: entry["seconds_per_call_estimate"] for which, entry in entries.items()} == \
+        {"reference": pytest.approx(0.02), "optimized": pytest.approx(0.001), "optimized_unmasked": pytest.approx(0.08)}
+    assert stopping["reason"] == "settled" and stopping["rounds_run"] == 2
+    assert summary["speedup"] == pytest.approx(20.0) and stats.settled_width(rounds) == pytest.approx(0.0)
+    cost = timing.mask_cost(rounds, summary, "all-true", {})
+    assert cost["ratio"] == pytest.approx(1 / 80) and cost["round_ratios"] == [pytest.approx(1 / 80)] * 2
+
+    # min_calls absent: min(MIN_ROUND_CALLS, calls)
+    no_floor = {k: v for k, v in stable.items() if k != "min_calls"}
+    _, _, entries, _ = run("stable", dict(no_floor, calls=20))
+    assert {which: entry["calls_per_round"] for which, entry in entries.items()} == \
+        {"reference": timing.MIN_ROUND_CALLS, "optimized": 20, "optimized_unmasked": timing.MIN_ROUND_CALLS}
+
+    unbounded = {k: v for k, v in stable.items() if k not in ("round_seconds", "min_calls")}
+    official = {"warmup": 4, "rounds": 2, "calls": 10, "round_seconds": 0.1}  # the official protocol never reads it
+    for name, protocol in (("stable", unbounded), ("stable", dict(unbounded, round_seconds=None)),
+                           ("stable", dict(stable, warmup=0)), ("official", official)):
+        rounds, _, entries, _ = run(name, protocol)
+        assert all(len(r) == 10 for model_rounds in rounds.values() for r in model_rounds), (name, protocol)
+        assert {entry["calls_per_round"] for entry in entries.values()} == {10}
+        estimates = {which: entry["seconds_per_call_estimate"] for which, entry in entries.items()}
+        assert estimates == (dict.fromkeys(entries) if protocol["warmup"] == 0 else
+                             {"reference": pytest.approx(0.02), "optimized": pytest.approx(0.001),
+                              "optimized_unmasked": pytest.approx(0.08)})
+
+
+def test_run_rounds_takes_each_models_calls_a_round():
+    """calls_per_round: a model it names gets its count every round, one it does not name (or no dict) `calls`."""
+    from shapewise.jobs import timing
+
+    stable = {"warmup": 0, "calls": 4, "min_rounds": 2, "max_rounds": 2, "ci_half_width": 0.5, "gc_off": False,
+              "cpus": "inherit"}
+    calls = {"reference": lambda: None, "optimized": lambda: None}
+    rounds, _, _ = timing.run_rounds(calls, torch.device("cpu"), "stable", stable, calls_per_round={"reference": 2})
+    assert [len(r) for r in rounds["reference"]] == [2, 2] and [len(r) for r in rounds["optimized"]] == [4, 4]
+    rounds, _, _ = timing.run_rounds(calls, torch.device("cpu"), "stable", stable)
+    assert {len(r) for model_rounds in rounds.values() for r in model_rounds} == {4}
+
+
+@pytest.mark.parametrize("field,value", [("round_seconds", 0), ("round_seconds", -0.5), ("round_seconds", "0.5"),
+                                         ("round_seconds", True), ("round_seconds", [1]), ("min_calls", 0),
+                                         ("min_calls", -1), ("min_calls", 2.5), ("min_calls", True),
+                                         ("min_calls", "2"), ("min_calls", 5)])
+def test_a_bad_round_bound_is_named(field, value):
+    """The job refuses what the schema refuses (tests/test_config.py), and a min_calls above calls, which the
+    schema cannot compare, naming the field and the value; a min_calls is checked without round_seconds too."""
+    import re
+
+    from shapewise.jobs import timing
+
+    stable = {"warmup": 0, "calls": 4, "min_rounds": 3, "max_rounds": 5, "ci_half_width": 0.02, "gc_off": True,
+              "cpus": "inherit", "round_seconds": 0.5, field: value}
+    words = rf"{field} {re.escape(repr(value))}: expected "
+    with pytest.raises(SystemExit, match=words):
+        timing.run_rounds({"optimized": lambda: None}, torch.device("cpu"), "stable", stable)
+    with pytest.raises(SystemExit, match=words):
+        timing.describe("stable", stable, torch.device("cpu"))
+    if field == "min_calls":
+        with pytest.raises(SystemExit, match=words):
+            timing.round_seconds_of({k: v for k, v in stable.items() if k != "round_seconds"})
+
+
+def test_the_round_bound_is_recorded_with_the_protocol():
+    """describe: round_seconds and the min_calls it uses (absent: min(MIN_ROUND_CALLS, calls)); both None without
+    a bound; the official protocol has neither."""
+    from shapewise.jobs import timing
+
+    cpu = torch.device("cpu")
+    stable = {"warmup": 0, "calls": 50, "min_rounds": 3, "max_rounds": 5, "ci_half_width": 0.02, "gc_off": True,
+              "cpus": "inherit"}
+    recorded = timing.describe("stable", dict(stable, round_seconds=0.5), cpu)
+    assert (recorded["round_seconds"], recorded["min_calls"]) == (0.5, timing.MIN_ROUND_CALLS)
+    recorded = timing.describe("stable", dict(stable, round_seconds=0.5, calls=4), cpu)
+    assert recorded["min_calls"] == 4
+    recorded = timing.describe("stable", dict(stable, round_seconds=1, min_calls=3.0), cpu)
+    assert (recorded["round_seconds"], recorded["min_calls"]) == (1, 3) and type(recorded["min_calls"]) is int
+    for unbounded in (stable, dict(stable, round_seconds=None), dict(stable, min_calls=3)):
+        recorded = timing.describe("stable", unbounded, cpu)
+        assert (recorded["round_seconds"], recorded["min_calls"]) == (None, None)
+    assert "round_seconds" not in timing.describe("official", {"warmup": 20, "rounds": 3, "calls": 100}, cpu)
+
+
 FAKE_UUID = "GPU-58f2a1b0-0000-1111-2222-333344445555"
 OTHER_UUID = "GPU-99999999-0000-1111-2222-333344445555"
 

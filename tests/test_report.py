@@ -327,6 +327,25 @@ def test_rows_stopped_on_the_time_budget_are_marked_and_counted(tmp_path, monkey
         assert "before a round that would take the rounds past 3 s" in flat
 
 
+def test_the_method_names_the_bound_of_a_rounds_calls(tmp_path, monkeypatch):
+    """Where the timing protocol sets round_seconds, the method section says a slow model's round is cut to what
+    fits in it, at least min_calls; without it (results of a protocol without the bound) it says nothing of it."""
+    monkeypatch.chdir(tmp_path)
+    rows = [(_row(f"t-0{i}", 128, 128, 128), "timed") for i in range(1, 3)]
+    inputs = make_run(tmp_path, rows=rows)
+    clause = "a model whose calls are slow: as many as fit in 0.5 s, at least 10, its time a call estimated from its"
+    for bound, shown in (({"round_seconds": 0.5, "min_calls": 10}, True), ({}, False)):
+        for row, _ in rows:
+            timing = _results(row, "timed")["timing"]
+            timing["protocol"].update(bound)
+            write_json(tmp_path / paths.result("timing", row["id"]), timing)
+        shutil.rmtree(tmp_path / "results/report", ignore_errors=True)
+        report.render(inputs, "results/report")
+        for name in ("report.md", "report.html"):
+            flat = " ".join((tmp_path / "results/report" / name).read_text().split())
+            assert (clause in flat) is shown, (name, bound)
+
+
 def test_stopping_note():
     official = {"protocol": {"name": "official"}, "stopping": {"rounds_run": 3, "reason": "fixed"}}
     assert report_data.stopping_note([official, {}]) is None

@@ -78,6 +78,21 @@ def test_settled_width_uses_the_speedup_or_each_models_median():
     assert stats.settled_width({"reference": ref[:1]}) is None
 
 
+def test_models_with_their_own_calls_a_round_are_resampled_apart():
+    """Each model's rounds may hold their own number of calls (shapewise.jobs.timing round_seconds): the speedup's
+    interval resamples the same round indices of both, each model's drawn rounds pooled on their own, so over an
+    optimized model of constant time it is the reference's own median interval, and settled_width its half-width."""
+    ref = rounds_of(100.0, 0.02, 8, 10, seed=11, round_sigma=0.01)
+    opt = [[2.0] * 50 for _ in range(8)]
+    out = stats.summarize({"reference": ref, "optimized": opt})
+    low, high = out["reference"]["median_ci_ms"]
+    assert out["speedup"] == pytest.approx(out["reference"]["median_ms"] / 2.0)
+    ci = out["speedup_ci"]
+    assert (ci["low"], ci["high"]) == (pytest.approx(low / 2.0), pytest.approx(high / 2.0))
+    width = stats.settled_width({"reference": ref, "optimized": opt})
+    assert width == pytest.approx(stats.rel_half_width(low, high, out["reference"]["median_ms"]))
+
+
 def test_paired_round_ratio_is_the_median_of_round_ratios_and_needs_paired_rounds():
     num = [[1.1, 1.2, 1.0], [2.2, 2.0], [3.3]]
     den = [[1.0], [2.0, 2.0], [3.0, 3.0]]

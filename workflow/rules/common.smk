@@ -164,13 +164,15 @@ HEAVY_SHARED_FIRST = 10**6
 
 def step_priority(step):
     """The priority function of `step`'s jobs: the step's order (shapewise.inputs.steps says why) first, then the row's
-    (heavy.shared_first: a heavy row's shared steps first)."""
+    (the cheapest first, or the costliest where the step says so; heavy.shared_first: a heavy row's shared steps
+    first)."""
     order = sw_steps.STEPS[step].order
 
     def priority(wildcards):
         shared = sw_steps.STEPS[step].gpu == sw_steps.SHARED
         first = config["heavy"]["shared_first"] and shared and _is_heavy(wildcards.shape)
-        return order * 1000 + row_priority(wildcards) + (HEAVY_SHARED_FIRST if first else 0)
+        row = -row_priority(wildcards) if sw_steps.STEPS[step].costliest_first else row_priority(wildcards)
+        return order * 1000 + row + (HEAVY_SHARED_FIRST if first else 0)
 
     return priority
 

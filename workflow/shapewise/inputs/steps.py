@@ -63,7 +63,8 @@ class Step:
     but the fingerprints, which make those digests). `reported`: the report reads its results (a row's warm-up
     only compiles). `values`: options whose value differs from OPTIONS/JOB_WIDE for this step. `out`: the output
     its --out names. `profiles`: its job records kernel durations, so it never shares its GPU with a job that takes
-    several parts of it (shapewise.execution.gpuslots)."""
+    several parts of it (shapewise.execution.gpuslots). `costliest_first`: within the step the costliest rows start
+    first, not the cheapest."""
 
     name: str
     per: str
@@ -76,6 +77,7 @@ class Step:
     values: dict = field(default_factory=dict)
     out: str = "{output}"
     profiles: bool = False
+    costliest_first: bool = False
 
     def value(self, option):
         if option in self.values:
@@ -93,7 +95,9 @@ def _step(name, per, gpu, order, options, **kwargs):
 
 
 # The order in which ready jobs start (`order`, Snakemake priorities; workflow/rules/common.smk adds the row's): every
-# job that times nothing before any job that times, and within each step the cheapest rows first. On a GPU run the
+# job that times nothing before any job that times, and within each step the cheapest rows first, except the warm-ups:
+# they compile side by side on the CPU and their costliest rows take the longest, so those start first (the last
+# warm-up to end is then not one that started last). On a GPU run the
 # jobs that time nothing then run side by side on shared GPUs, the warm-ups compile the kernels before the jobs that
 # time would, and the jobs that time follow one another with their kernels compiled; a run stopped at a time limit
 # has every row's accuracy and the cheapest rows' timings. A candidate's job starts with shapewise's job of the same
@@ -105,7 +109,8 @@ STEPS = {step.name: step for step in (
           values={"device": "{DEVICE_ARG}"}),
     _step("microbench", RUN, EXCLUSIVE, None, ("settings", "threads")),
     _step("preflight", SHAPE, SHARED, 4, ("row", "headroom", "chunked")),
-    _step("warmup", SHAPE, SHARED, 3, ("row", "preflight", "protocol", "threads"), reported=False),
+    _step("warmup", SHAPE, SHARED, 3, ("row", "preflight", "protocol", "threads"), reported=False,
+          costliest_first=True),
     _step("accuracy", SHAPE, SHARED, 2, ("row", "preflight", "chunked", "threads")),
     _step("timing", SHAPE, EXCLUSIVE, 1, ("row", "preflight", "microbench", "protocol", "threads")),
     _step("profile", SHAPE, SHARED, 2, ("row", "preflight", "capture", "threads", "csv", "trace"),

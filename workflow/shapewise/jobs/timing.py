@@ -3,8 +3,9 @@
 Inputs in the row's dtype with torch.set_float32_matmul_precision('high'), called as the row says
 (`call`: model(x, mask) or model(x)). First the very first call of each model is timed alone (wall clock,
 synchronized: compile, autotune and graph capture of the optimized model land here), then `warmup` calls each,
-then rounds alternating reference and optimized, `calls` calls per model per round. On a GPU every call is timed
-by its own pair of CUDA events (so p90 is a per-call figure); on a CPU by time.perf_counter.
+then rounds alternating reference and optimized, `calls` calls per model per round (stable: fewer for a slow
+model where `round_seconds` is set). On a GPU every call is timed by its own pair of CUDA events (so p90 is a
+per-call figure); on a CPU by time.perf_counter.
 
 - "official": exactly `rounds` rounds, nothing else touched (the official harness's protocol).
 - "stable": Python's garbage collector collected before each round and disabled during it (what the job held
@@ -14,11 +15,15 @@ by its own pair of CUDA events (so p90 is a per-call figure); on a CPU by time.p
   `max_seconds` is set, not beyond it: from `min_rounds` on, the rounds stop before one that would take them past
   `max_seconds` seconds, a round's time estimated as the mean of the rounds so far (a host that never settles
   otherwise pays every row the full `max_rounds`). `stopping.reason` records the rule that stopped them: settled, cap,
-  time (fixed: the official protocol). With
-  `core_pick: fastest-launch` (GPU only) the launching thread is pinned before every round to the core of its
-  allowed set on which a tiny kernel launch costs least at that moment (shapewise.jobs.device.pick_core): on a
-  virtual machine a core's launch cost switches between levels within a minute (docs/decisions.md#core-pick), and
-  a launch-bound model's time with it. Each round's core and launch cost are recorded (`core_pick`).
+  time (fixed: the official protocol). Where `round_seconds` is set, a model whose calls are slow gets fewer calls a
+  round: max(`min_calls`, min(`calls`, floor(round_seconds / its seconds per call))), its seconds per call estimated
+  as its warm-up's wall time over the warm-up's calls (no warm-up: `calls`): a GPU-bound 100 ms call's round median
+  is stable to well under 1 % with 10 calls, where 50 a round spend most of such a row's job. Each model's entry
+  records its `calls_per_round` and `seconds_per_call_estimate` (model_entries; the official protocol always runs
+  `calls`). With `core_pick: fastest-launch` (GPU only) the launching thread is pinned before every round to the
+  core of its allowed set on which a tiny kernel launch costs least at that moment (shapewise.jobs.device.pick_core):
+  on a virtual machine a core's launch cost switches between levels within a minute (docs/decisions.md#core-pick),
+  and a launch-bound model's time with it. Each round's core and launch cost are recorded (`core_pick`).
 
 Both record the GPU's clocks, temperature and power before and after, and the other processes on the GPU
 (`contention`). Reported per model: the median over all timed calls, its bootstrap interval over rounds, the
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import time
 
@@ -61,6 +67,9 @@ clock = time.perf_counter
 MODELS = ("reference", "optimized", "optimized_unmasked")
 # What the official harness's all-True mask may cost the optimized model against no mask, as a fraction.
 MASK_COST_LIMIT = 0.03
+# The fewest calls of a model in a stable round cut by `round_seconds` where the protocol sets no `min_calls` (at
+# most `calls`): a GPU-bound ~100 ms call's round median is stable to well under 1 % with 10 calls.
+MIN_ROUND_CALLS = 10
 
 
 def resolve_protocol(settings, device_type):
@@ -106,6 +115,38 @@ def max_seconds_of(protocol):
     return budget
 
 
+def round_seconds_of(protocol):
+    """(round_seconds, min_calls) of the stable protocol, checked: `round_seconds` absent or null = (None, None), every
+    round `calls` calls of each model; `min_calls` absent or null = min(MIN_ROUND_CALLS, calls). A `min_calls` is
+    checked even without `round_seconds`, so that a bad value never waits for the bound to be switched on."""
+    seconds = protocol.get("round_seconds")
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
+        raise SystemExit(f"timing protocol round_seconds {seconds!r}: expected a number of seconds above 0, or null "
+                         "for rounds of `calls` calls of every model")
+    floor = protocol.get("min_calls")
+    if floor is not None and (isinstance(floor, bool) or not isinstance(floor, (int, float))
+                              or (isinstance(floor, float) and not floor.is_integer())
+                              or not 1 <= floor <= protocol["calls"]):
+        raise SystemExit(f"timing protocol min_calls {floor!r}: expected a whole number of calls from 1 to calls "
+                         f"({protocol['calls']}), or null for min({MIN_ROUND_CALLS}, calls)")
+    if seconds is None:
+        return None, None
+    # 2.0 is a whole number to the config schema (JSON Schema's integer) and so to the job
+    return seconds, min(MIN_ROUND_CALLS, protocol["calls"]) if floor is None else int(floor)
+
+
+def round_calls(name, protocol, seconds_per_call):
+    """A model's calls in each round: `calls`, or in the stable protocol with `round_seconds` set and an estimate of
+    the model's seconds per call (None: no warm-up to estimate it from), as many as fit in round_seconds, at least
+    min_calls and at most `calls`."""
+    if name != "stable":
+        return protocol["calls"]
+    seconds, floor = round_seconds_of(protocol)
+    if seconds is None or not seconds_per_call:  # none, or a clock too coarse to see the warm-up
+        return protocol["calls"]
+    return max(floor, min(protocol["calls"], math.floor(seconds / seconds_per_call)))
+
+
 def describe(name, protocol, device):
     """The protocol as the result records it: the configured parameters only (the same for every row that ran
     it; what happened in a row is recorded beside it)."""
@@ -117,6 +158,7 @@ def describe(name, protocol, device):
         out.update(min_rounds=protocol["min_rounds"], max_rounds=protocol["max_rounds"],
                    ci_half_width=protocol["ci_half_width"], gc_off=protocol["gc_off"], cpus=protocol["cpus"],
                    core_pick=core_pick_of(protocol), max_seconds=max_seconds_of(protocol))
+        out["round_seconds"], out["min_calls"] = round_seconds_of(protocol)
     return out
 
 
@@ -173,16 +215,21 @@ def timed(calls, device):
     return {which: fn if isinstance(fn, Timed) else Local(fn, device) for which, fn in calls.items()}
 
 
-def run_rounds(calls, device, name, protocol, tag=""):
-    """Alternating timed rounds of `calls` ({model: function or Timed}). Returns ({model: [round times]}, {model:
-    peak bytes}, stopping) where stopping says how many rounds ran and why they stopped (`reason`: fixed, settled,
-    cap or time; the stable protocol's interval and time budget beside it)."""
+def run_rounds(calls, device, name, protocol, tag="", calls_per_round=None):
+    """Alternating timed rounds of `calls` ({model: function or Timed}), `calls_per_round[model]` calls of each model
+    a round (a model it does not name, or None for all: protocol["calls"]; shapewise.analysis.stats resamples each
+    model's rounds apart and pairs rounds by their medians, so the models' counts may differ). Returns ({model:
+    [round times]}, {model: peak bytes}, stopping) where stopping says how many rounds ran and why they stopped
+    (`reason`: fixed, settled, cap or time; the stable protocol's interval and time budget beside it)."""
     models = timed(calls, device)
     rounds = {which: [] for which in MODELS if which in models}
+    counts = {which: (calls_per_round or {}).get(which, protocol["calls"]) for which in rounds}
     peaks_seen = {which: None for which in rounds}
     stable = name == "stable"
     limit = protocol["max_rounds"] if stable else protocol["rounds"]
     budget = max_seconds_of(protocol) if stable else None
+    if stable:
+        round_seconds_of(protocol)  # a bad value stops the job before any round, as the schema would
     width = None
     reason = "fixed"
     pick = core_pick_of(protocol) if stable else CORE_PICKS[0]
@@ -207,7 +254,7 @@ def run_rounds(calls, device, name, protocol, tag=""):
             gc.disable()
         try:
             for which in rounds:
-                times, peak = models[which].round(protocol["calls"], gc_off)
+                times, peak = models[which].round(counts[which], gc_off)
                 rounds[which].append(times)
                 if peak is not None:
                     peaks_seen[which] = max(peaks_seen[which] or 0, peak)
@@ -265,9 +312,11 @@ def job_snapshot(gpu, at, models):
 def time_protocol(calls, row, device, name, protocol, result, after_warmup=None):
     """Run the protocol on `calls` ({model: function or Timed}): the job's cores pinned as the protocol says, the
     GPU's state and the other processes on it read before and after, then for each model in the dict's order its
-    very first call (timed alone) and its warm-up (`after_warmup(model)` after it), then the alternating rounds.
-    Records cpu_affinity, gpu_state, contention, core_pick and stopping in `result`; returns (rounds, seen) with
-    seen = {"first", "compiled", "warm_peak", "round_peak"}, each {model: value}."""
+    very first call (timed alone) and its warm-up (`after_warmup(model)` after it; the warm-up's wall time over its
+    calls is the model's seconds per call, from which round_calls takes its calls a round), then the alternating
+    rounds. Records cpu_affinity, gpu_state, contention, core_pick and stopping in `result`; returns (rounds, seen)
+    with seen = {"first", "compiled", "warm_peak", "round_peak", "seconds_per_call_estimate", "calls_per_round"},
+    each {model: value}."""
     models = timed(calls, device)
     gpu = result["gpu"]
     result["cpu_affinity"] = pin_cpus(protocol["cpus"]) if name == "stable" else \
@@ -278,7 +327,7 @@ def time_protocol(calls, row, device, name, protocol, result, after_warmup=None)
     snapshots = [job_snapshot(gpu, "before", models)] if gpu else []
     result["gpu_state"] = {"before": gpu_state(gpu)}
     first, compiled = {}, {}  # compiled: kernels the first call compiled (new entries in Triton's disk cache)
-    warm_peak = {}
+    warm_peak, estimate, counts = {}, {}, {}
     with torch.inference_mode():
         for which, model in models.items():  # the first model's very first call is the one of its process
             cached = triton_cache_entries()
@@ -286,11 +335,18 @@ def time_protocol(calls, row, device, name, protocol, result, after_warmup=None)
             after = triton_cache_entries()
             compiled[which] = None if cached is None or after is None else after - cached
             log(f"{row['id']}: first {which} call {first[which]:.2f} ms; warm-up x{protocol['warmup']}")
+            t0 = clock()  # a warm-up ends synchronized (time_calls on CUDA; a Remote's answer after its calls)
             warm_peak[which] = model.warmup(protocol["warmup"])
+            estimate[which] = (clock() - t0) / protocol["warmup"] if protocol["warmup"] > 0 else None
+            counts[which] = round_calls(name, protocol, estimate[which])
+            if counts[which] != protocol["calls"]:
+                log(f"{row['id']}: {which} {estimate[which] * 1e3:.2f} ms a warm-up call: {counts[which]} calls a "
+                    f"round (round_seconds {protocol['round_seconds']} s)")
             if after_warmup is not None:
                 after_warmup(which)
         t0 = time.perf_counter()
-        rounds, round_peak, stopping = run_rounds(models, device, name, protocol, tag=f"{row['id']}: ")
+        rounds, round_peak, stopping = run_rounds(models, device, name, protocol, tag=f"{row['id']}: ",
+                                                  calls_per_round=counts)
         stopping["seconds"] = round(time.perf_counter() - t0, 3)
     result["gpu_state"]["after"] = gpu_state(gpu)
     if gpu:
@@ -300,13 +356,14 @@ def time_protocol(calls, row, device, name, protocol, result, after_warmup=None)
         log(f"{row['id']}: WARNING other processes on the GPU: {result['contention']['other_processes']}")
     result["core_pick"] = stopping.pop("core_pick", None)
     result["stopping"] = stopping
-    return rounds, {"first": first, "compiled": compiled, "warm_peak": warm_peak, "round_peak": round_peak}
+    return rounds, {"first": first, "compiled": compiled, "warm_peak": warm_peak, "round_peak": round_peak,
+                    "seconds_per_call_estimate": estimate, "calls_per_round": counts}
 
 
 def model_entries(rounds, summary, seen, tokens, row, warm_peak_only=()):
     """{model: entry} of the timed models: every call's time, the per-call and per-round figures, the first call,
-    peak memory (the peak of warm-up and rounds; for the models in `warm_peak_only` the warm-up's alone) and
-    tokens per second."""
+    peak memory (the peak of warm-up and rounds; for the models in `warm_peak_only` the warm-up's alone), tokens
+    per second, and the model's calls a round with the seconds per call they were cut by (time_protocol)."""
     entries = {}
     for which, model_rounds in rounds.items():
         times = [t for r in model_rounds for t in r]
@@ -319,6 +376,8 @@ def model_entries(rounds, summary, seen, tokens, row, warm_peak_only=()):
         peaks_known = [p for p in peaks if p is not None]
         entry["peak_memory_bytes"] = max(peaks_known) if peaks_known else None
         entry["tokens_per_s"] = tokens / (entry["median_ms"] * 1e-3)
+        entry["calls_per_round"] = seen["calls_per_round"][which]
+        entry["seconds_per_call_estimate"] = seen["seconds_per_call_estimate"][which]
         entry["times_ms"] = times
         entries[which] = entry
         ci = entry["median_ci_ms"]
