@@ -106,23 +106,25 @@ def core_pick_of(protocol):
     return pick
 
 
+def _seconds_of(protocol, key, null_means):
+    """`protocol[key]`, a number of seconds above 0, or None where absent or null (`null_means` what that is)."""
+    seconds = protocol.get(key)
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
+        raise SystemExit(f"timing protocol {key} {seconds!r}: expected a number of seconds above 0, or null "
+                         f"for {null_means}")
+    return seconds
+
+
 def max_seconds_of(protocol):
     """The stable protocol's time budget in seconds, `max_seconds` (absent or null = None: no bound), checked."""
-    budget = protocol.get("max_seconds")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
-        raise SystemExit(f"timing protocol max_seconds {budget!r}: expected a number of seconds above 0, or null "
-                         "for no time bound")
-    return budget
+    return _seconds_of(protocol, "max_seconds", "no time bound")
 
 
 def round_seconds_of(protocol):
     """(round_seconds, min_calls) of the stable protocol, checked: `round_seconds` absent or null = (None, None), every
     round `calls` calls of each model; `min_calls` absent or null = min(MIN_ROUND_CALLS, calls). A `min_calls` is
     checked even without `round_seconds`, so that a bad value never waits for the bound to be switched on."""
-    seconds = protocol.get("round_seconds")
-    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0):
-        raise SystemExit(f"timing protocol round_seconds {seconds!r}: expected a number of seconds above 0, or null "
-                         "for rounds of `calls` calls of every model")
+    seconds = _seconds_of(protocol, "round_seconds", "rounds of `calls` calls of every model")
     floor = protocol.get("min_calls")
     if floor is not None and (isinstance(floor, bool) or not isinstance(floor, (int, float))
                               or (isinstance(floor, float) and not floor.is_integer())
