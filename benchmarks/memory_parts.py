@@ -2,7 +2,8 @@
 
 Usage: python -m benchmarks.memory_parts RESULTS_DIR [OUT.json]
 
-Per result of a job that shared its GPU (its lock's `mode` shared): the step, the row, the shares it held
+Per result of a job that shared its GPU (its lock's `mode` shared, or a job that prepared sharing it until
+`shared_until`, then held it alone: config gpu_prepare_shared): the step, the row, the shares it held
 (`share_slots`, else one), the estimate they came from (its row's preflight `job_bytes[step]`,
 shapewise.execution.gpuslots.memory_parts) and its allocator's peaks (`gpu.peak_allocated_bytes`, what its tensors
 took, the estimate's measure; `gpu.peak_reserved_bytes`, what it held with its cache; neither counts the CUDA
@@ -41,20 +42,22 @@ def sharers(results_dir):
         if data["step"] == "preflight":
             preflights[(data.get("row") or {}).get("id")] = data
         lock = (data.get("gpu") or {}).get("lock") or {}
-        if lock.get("mode") == gpuslots.SHARED and not lock.get("shared_since"):
+        if (lock.get("mode") == gpuslots.SHARED and not lock.get("shared_since")) or lock.get("alone_since"):
             jobs.append((path, data))
     out = []
     for path, data in jobs:
         row = (data.get("row") or {}).get("id")
         lock = data["gpu"]["lock"]
         estimate = ((preflights.get(row) or {}).get("job_bytes") or {}).get(data["step"])
-        peak = data["gpu"].get("peak_allocated_bytes")
+        # a job that prepared sharing: its peak until then (its result's own is its last timed round's)
+        peak = lock["shared_peak_allocated_bytes"] if lock.get("alone_since") else data["gpu"].get("peak_allocated_bytes")
         out.append({"job": str(path.relative_to(results_dir)), "step": data["step"], "row": row,
                     "gpu": data["gpu"].get("uuid"), "parts": len(lock.get("share_slots") or [0]),
                     "parts_because": lock.get("parts_because"), "estimate_bytes": estimate,
                     "peak_allocated_bytes": peak, "peak_reserved_bytes": data["gpu"].get("peak_reserved_bytes"),
                     "peak_over_estimate": None if not estimate or peak is None else round(peak / estimate, 3),
-                    "start": gpuslots._parse_time(lock["acquired"]), "end": gpuslots._parse_time(data["finished"])})
+                    "start": gpuslots._parse_time(lock["acquired"]),
+                    "end": gpuslots._parse_time(lock.get("shared_until") or data["finished"])})
     totals = {p.get("environment", {}).get("cuda_visible_devices"): p.get("total_bytes") for p in preflights.values()}
     return out, preflights, totals
 

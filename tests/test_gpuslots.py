@@ -321,6 +321,101 @@ def test_downgrade_lets_sharers_in_and_keeps_exclusive_jobs_out_until_then(tmp_p
         slot.release()
 
 
+PREPARER = textwrap.dedent("""
+    import json, sys, time
+    from shapewise.execution import gpuslots
+    lock_dir, prepare_s, time_s, out = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+    slot = gpuslots.acquire(gpuslots.list_gpus(), lock_dir, label=out, poll_s=0.02, mode=gpuslots.SHARED)
+    start = time.time()
+    print("held", slot.gpu["index"], flush=True)
+    time.sleep(prepare_s)
+    released = time.time()
+    slot.upgrade(reserved_bytes=123, poll_s=0.02)
+    alone = time.time()
+    others = slot.others_now()
+    time.sleep(time_s)
+    end = time.time()
+    record = slot.record()
+    slot.release()
+    json.dump({"start": start, "released": released, "alone": alone, "end": end, "others_alone": others,
+               "record": record}, open(out, "w"))
+""")
+
+
+def test_preparing_sharers_hold_the_gpu_alone_one_after_another(tmp_path):
+    """Three jobs that prepare sharing the GPU, then upgrade: each waits for the others' shares without holding
+    one itself (no deadlock), holds the GPU alone with nobody beside it, and records when it shared and when it
+    held it alone; a sharer that comes meanwhile waits for them."""
+    (tmp_path / "prep.py").write_text(PREPARER)
+    env = _env(**{gpuslots.FAKE_VAR: "1"})
+    procs = []
+    for k, prepare_s in enumerate((0.2, 0.6, 0.4)):
+        out = tmp_path / f"p{k}.json"
+        procs.append((out, subprocess.Popen([sys.executable, str(tmp_path / "prep.py"), str(tmp_path / "locks"),
+                                             str(prepare_s), "0.4", str(out)], env=env, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True)))
+    for _, proc in procs:
+        assert proc.stdout.readline().split()[:1] == ["held"], proc.stderr.read()
+    results = []
+    for out, proc in procs:
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0, stderr
+        results.append(json.loads(out.read_text()))
+    alone = sorted((r["alone"], r["end"]) for r in results)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(alone, alone[1:])), alone
+    assert max(r["released"] for r in results) <= alone[0][0]  # the first alone once every share was let go
+    for r in results:
+        assert r["others_alone"] == []
+        rec = r["record"]
+        assert rec["mode"] == gpuslots.EXCLUSIVE and "share_slot" not in rec
+        assert rec["shared_until"] <= rec["alone_since"] and rec["alone_waited_s"] >= 0
+    assert not list((tmp_path / "locks").glob("gpu-0.waiting/*.json"))
+
+
+def test_a_preparer_waiting_to_hold_the_gpu_alone_is_listed_as_waiting_not_as_a_holder(tmp_path):
+    """While it waits for this process's share to go, the preparer holds nothing: its note is a waiting one (with its
+    allocator's memory), which the contention check of a job timing meanwhile reads."""
+    pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
+    slot = gpuslots.acquire(pool, tmp_path / "locks", mode=gpuslots.SHARED)
+    (tmp_path / "prep.py").write_text(PREPARER)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "prep.py"), str(tmp_path / "locks"), "0", "0",
+                             str(tmp_path / "p.json")], env=_env(**{gpuslots.FAKE_VAR: "1"}),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().split()[:1] == ["held"], proc.stderr.read()
+        deadline = time.time() + 20
+        while not slot.waiting_now() and time.time() < deadline:
+            time.sleep(0.02)
+        (waiting,) = slot.waiting_now()
+        assert waiting["pid"] == proc.pid and waiting["reserved_bytes"] == 123
+        assert slot.others_now() == [] and proc.poll() is None  # no holder note: it holds nothing, and waits
+    finally:
+        slot.release()
+    proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert json.loads((tmp_path / "p.json").read_text())["record"]["alone_waited_s"] > 0
+
+
+def test_a_holder_alone_stays_alone_where_waiting_jobs_keep_every_share(tmp_path):
+    """Jobs waiting to hold the GPU alone keep their shares (their memory stays counted): a holder that would share
+    the GPU after its kernel choice then keeps holding it alone instead of failing."""
+    import fcntl
+
+    pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
+    lock_dir = tmp_path / "locks"
+    slot = gpuslots.acquire(pool, lock_dir, mode=gpuslots.EXCLUSIVE)
+    shares = [gpuslots._open(gpuslots._share_file(lock_dir, pool[0], k)) for k in range(gpuslots.SHARED_PER_GPU)]
+    try:
+        for fd in shares:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        slot.downgrade()
+        assert slot.mode == gpuslots.EXCLUSIVE and slot.record()["mode"] == gpuslots.EXCLUSIVE
+    finally:
+        gpuslots._close(*shares)
+    slot.downgrade()
+    assert slot.mode == gpuslots.SHARED
+
+
 # ---- what a job process gets ------------------------------------------------------------------------
 
 def _job(tmp_path, device="cuda", cuda=True, **env):
@@ -582,6 +677,36 @@ def test_a_sharing_job_of_a_wide_row_takes_several_parts_and_says_why(tmp_path):
             slot.release()
 
 
+@pytest.mark.parametrize("estimate, first", [
+    (5.0e9, "prepares sharing its GPU, then holds it alone for what it times"),
+    (55.0e9, "holds its GPU alone from the start: its timing job may take 55.0 GB (1.35 x that): 3 parts"),
+])
+def test_with_prepare_shared_a_timing_job_shares_its_gpu_while_its_estimate_takes_one_part(tmp_path, estimate,
+                                                                                           first):
+    pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
+    preflight = _preflight(tmp_path / "preflight.json", {"timing": estimate})
+    sharer = gpuslots.acquire(pool, _job_lock_dir(tmp_path), mode=gpuslots.SHARED)
+    args = ("--row", "{}", "--preflight", str(preflight), "--microbench", "m.json", "--protocol", "{}", "--out",
+            str(tmp_path / "t.json"))
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "shapewise", "job", "timing", "--device", "cuda", *args],
+                                env=_env(**{gpuslots.FAKE_VAR: "1", gpuslots.POOL_VAR: "0",
+                                            gpuslots.PREPARE_VAR: "1"}),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+        try:
+            line = proc.stdout.readline()
+            assert first in line, line
+            if estimate > 10e9:  # alone: it waits for the sharer
+                assert "waiting for a free GPU (exclusive)" in proc.stdout.readline()
+            else:  # a sharer beside the other: it gets in
+                assert "sharing GPU 0" in proc.stdout.readline()
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+    finally:
+        sharer.release()
+
+
 def test_the_lock_records_why_a_job_of_a_sharing_step_holds_it_alone(tmp_path):
     pool = gpuslots.list_gpus({gpuslots.FAKE_VAR: "1"})
     slot = gpuslots.acquire(pool, tmp_path, mode=gpuslots.EXCLUSIVE, why="its row's memory")
@@ -623,6 +748,7 @@ sys.path.insert(0, {workflow!r})
 DEVICE_ARG = "auto"
 config.setdefault("gpus", "all")
 config.setdefault("gpu_memory_parts", True)
+config.setdefault("gpu_prepare_shared", False)
 include: {gpus_smk!r}
 
 rule all:
@@ -682,6 +808,7 @@ sys.path.insert(0, {workflow!r})
 DEVICE_ARG = "auto"
 config.setdefault("gpus", "all")
 config.setdefault("gpu_memory_parts", True)
+config.setdefault("gpu_prepare_shared", False)
 include: {gpus_smk!r}
 
 rule all:
@@ -709,6 +836,43 @@ time.sleep(1.0)
 json.dump({"slot": os.environ[gpuslots.SLOT_VAR], "mode": sys.argv[3], "start": start, "end": time.time()},
           open(sys.argv[1], "w"))
 """
+
+
+PREPARING_JOB = """
+import json, os, sys, time
+from shapewise.execution import gpuslots
+mode = sys.argv[3]
+device = gpuslots.enter_job("cuda", directory=sys.argv[2], mode=gpuslots.SHARED if mode == "prepare" else mode)
+start = time.time()
+intervals = []
+if mode == "prepare":  # builds sharing the GPU, then times holding it alone
+    time.sleep(0.6)
+    intervals.append({{"mode": "shared", "start": start, "end": time.time()}})
+    gpuslots.held().upgrade(poll_s=0.02)
+    start = time.time()
+time.sleep(0.6)
+intervals.append({{"mode": "exclusive" if mode != "shared" else "shared", "start": start, "end": time.time()}})
+json.dump({{"slot": os.environ[gpuslots.SLOT_VAR], "intervals": intervals}}, open(sys.argv[1], "w"))
+"""
+
+
+def test_with_prepare_shared_jobs_that_time_build_beside_sharers_and_time_alone(tmp_path):
+    """config gpu_prepare_shared: Snakemake starts the jobs of a preparing step as sharers; each builds beside the
+    others, then holds the GPU alone, never beside another job."""
+    (tmp_path / "job.py").write_text(PREPARING_JOB.format())
+    snakefile = MIXED.format(workflow=str(WORKFLOW), python=sys.executable, gpus_smk=str(WORKFLOW / "rules" / "gpus.smk"),
+                             job=tmp_path / "job.py").replace("locks exclusive", "locks prepare")
+    (tmp_path / "Snakefile").write_text(snakefile.replace('config.setdefault("gpu_prepare_shared", False)',
+                                                          'config.setdefault("gpu_prepare_shared", True)'))
+    done = _snakemake("--cores", "8", "--workflow-profile", "none", env=_env(**{gpuslots.FAKE_VAR: "1"}),
+                      cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    spans = [dict(i, job=p.stem) for p in sorted((tmp_path / "out").glob("*.json"))
+             for i in json.loads(p.read_text())["intervals"]]
+    pairs = [(a, b) for i, a in enumerate(spans) for b in spans[i + 1:] if a["job"] != b["job"] and _overlap(a, b)]
+    assert all(a["mode"] == b["mode"] == "shared" for a, b in pairs), "a job timed beside another"
+    preparing = [s for s in spans if s["job"].startswith("alone") and s["mode"] == "shared"]
+    assert len(preparing) == 3 and any(_overlap(p, s) for p in preparing for s in spans if s is not p)
 
 
 @pytest.mark.parametrize("gpus", [1, 2])
@@ -843,6 +1007,24 @@ def test_a_holder_that_shared_its_gpu_from_some_time_on_is_alone_only_until_then
     _held(tmp_path / "accuracy" / "a.json", "00:10", "00:25", mode=gpuslots.SHARED)  # while the profile was alone
     summary = gpuslots.check_intervals(gpuslots.job_intervals(tmp_path), min_gpus=1)
     assert len(summary["shared"]) == 1 and "profile" in summary["shared"][0] and "accuracy" in summary["shared"][0]
+
+
+def test_a_job_that_prepared_sharing_is_alone_only_from_when_it_held_the_gpu_alone(tmp_path):
+    # a timing job that shared until 00:20, waited, and held the GPU alone from 00:25; an accuracy job sharing
+    # 00:10-00:24 beside its preparation, one 00:21-00:26 that overlaps its time alone
+    _held(tmp_path / "timing" / "a.json", "00:00", "01:00", mode=gpuslots.EXCLUSIVE,
+         acquired="2026-11-30T10:00:00.500+00:00", shared_until="2026-11-30T10:00:20.000+00:00",
+         alone_since="2026-11-30T10:00:25.000+00:00")
+    _held(tmp_path / "accuracy" / "a.json", "00:10", "00:24", mode=gpuslots.SHARED)
+    records = gpuslots.job_intervals(tmp_path)
+    timing = sorted((r for r in records if "timing" in r["file"]), key=lambda r: r["start"])
+    assert [(r["mode"], f"{r['start']:%M:%S}", f"{r['end']:%M:%S}") for r in timing] == [
+        (gpuslots.SHARED, "00:00", "00:20"), (gpuslots.EXCLUSIVE, "00:25", "01:00")]
+    summary = gpuslots.check_intervals(records, min_gpus=1)
+    assert summary["problems"] == [] and summary["sharing_pairs"] == 1
+    _held(tmp_path / "profile" / "a.json", "00:21", "00:26", mode=gpuslots.SHARED)
+    summary = gpuslots.check_intervals(gpuslots.job_intervals(tmp_path), min_gpus=1)
+    assert len(summary["shared"]) == 1 and "timing" in summary["shared"][0] and "profile" in summary["shared"][0]
 
 
 def test_a_result_under_the_lock_without_its_mode_held_the_gpu_as_its_step_does(tmp_path, capsys):

@@ -308,10 +308,11 @@ def test_preflight_job_records_the_plan(tmp_path, monkeypatch):
 
 
 def test_the_chunked_check_counts_its_score_blocks_not_the_whole_scores():
-    """Official row 14: two sampled elements' score blocks (2 x 13.1 GB) dominate; the input and output beside them
-    make the accuracy job's 62.5 GB, three of an H200's six parts."""
+    """Official row 14: two sampled elements' score blocks (2 x 13.1 GB at query_block 1024) dominate the chunked
+    reference, which runs beside the sampled output alone (not the whole input and output, 26 GB): at query_block
+    512 the optimized run (28.4 GB) sets the accuracy job's peak, at 1024 the reference (37 GB)."""
     from shapewise.jobs.preflight import job_bytes
-    from shapewise.model.config import TransformerConfig
+    from shapewise.model.config import TransformerConfig, parameter_count
 
     row14 = TransformerConfig(batch_size=32, seq_len=100_000, d_model=1024, num_heads=16, ffn_dim=1024,
                               num_layers=2, causal=True)
@@ -321,8 +322,13 @@ def test_the_chunked_check_counts_its_score_blocks_not_the_whole_scores():
     assert memory.chunked_reference_bytes(row14, 1, 1024) < got / 1.9  # per sampled element
     assert memory.chunked_reference_bytes(row14, 2, 10**6) == memory.chunked_reference_bytes(row14, 2, 100_000)
     models = {"optimized": {"fits": True, "estimate_bytes": 28.4e9}, "reference": {"fits": False}}
+    weights = 2 * parameter_count(1024, 1024, 2) * 4
+    jobs = job_bytes({"dtype": "float32"}, row14, models, {"batch_samples": 2, "query_block": 512})
+    assert jobs["profile"] == 28.4e9 and jobs["accuracy"] == 28.4e9 + weights
+    sampled_out = 2 * 100_000 * 1024 * 4
     jobs = job_bytes({"dtype": "float32"}, row14, models, {"batch_samples": 2, "query_block": 1024})
-    assert jobs["profile"] == 28.4e9 and 62e9 < jobs["accuracy"] < 63e9
+    assert jobs["accuracy"] == sampled_out + memory.chunked_reference_bytes(row14, 2, 1024) + weights
+    assert 36e9 < jobs["accuracy"] < 38e9
     assert job_bytes({"dtype": "float32"}, row14, {**models, "optimized": {"fits": False}}, {}) == {}
 
 

@@ -44,3 +44,17 @@ def test_parts_estimates_peaks_and_the_worst_moment(tmp_path):
     assert worst["most_estimate_bytes"] == 63e9
     assert worst["jobs_at_most_estimate_bytes"] == ["accuracy/big.json", "accuracy/small.json"]
     assert worst["most_peak_reserved_bytes"] == 65e9
+
+
+def test_a_job_that_prepared_sharing_counts_as_a_sharer_until_it_held_the_gpu_alone(tmp_path):
+    r = tmp_path / "results"
+    write(r, "preflight/small.json", "preflight", "small", "shared", 0, 1, total_bytes=150e9,
+          environment={"cuda_visible_devices": GPU}, job_bytes={"timing": 3e9})
+    write(r, "timing/small.json", "timing", "small", "exclusive", 2, 30, peak=2e9)
+    data = json.loads((r / "timing/small.json").read_text())
+    data["gpu"]["lock"].update(shared_until=stamp(8), alone_since=stamp(12), shared_peak_allocated_bytes=1.5e9)
+    (r / "timing/small.json").write_text(json.dumps(data))
+    jobs, _, _ = sharers(r)
+    (timing,) = [j for j in jobs if j["step"] == "timing"]
+    assert timing["parts"] == 1 and timing["estimate_bytes"] == 3e9
+    assert (timing["start"].second, timing["end"].second) == (2, 8) and timing["peak_over_estimate"] == 0.5

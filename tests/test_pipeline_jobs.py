@@ -140,6 +140,41 @@ def test_ablation_records_switches_the_route_does_not_use_and_configured_time_sk
     assert by["reduced_precision"]["route_detail"]["precision"] == "fp32"
 
 
+@pytest.mark.parametrize("ahead", [True, False], ids=["prepares", "alone"])
+def test_a_preparing_ablation_builds_and_checks_every_variant_before_it_times_any(tmp_path, monkeypatch, ahead):
+    """gpu_prepare_shared: the job builds and checks every variant (sharing its GPU), then holds the GPU alone and
+    times them; otherwise it builds, checks and times one variant after another. The results are the same either
+    way."""
+    from types import SimpleNamespace
+
+    from shapewise.jobs import ablation
+
+    row = normalize_row({"id": "abl-row", "batch_size": 2, "seq_len": 7, "d_model": 32, "num_heads": 2,
+                         "ffn_dim": 32, "num_layers": 1, "trials": 1, "route": "triton"})
+    job(tmp_path, "preflight", "--device", "cpu", "--row", row_json(row), "--headroom", "0.85",
+        "--chunked", CHUNKED, "--out", "pre.json")
+    events = []
+    build, time_calls = ablation.build_optimized, ablation.time_calls
+    monkeypatch.setattr(ablation, "build_optimized", lambda *a, **k: events.append("build") or build(*a, **k))
+    monkeypatch.setattr(ablation, "time_calls", lambda *a: events.append("time") or time_calls(*a))
+    monkeypatch.setattr(ablation, "preparing", lambda device: ahead)
+    monkeypatch.setattr(ablation, "hold_alone", lambda device: events.append("alone") or ahead)
+    monkeypatch.setattr(ablation, "shared_first", lambda device: ahead)
+    args = SimpleNamespace(device="cpu", threads=1, row=row_json(row), preflight=str(tmp_path / "pre.json"),
+                           protocol=json.dumps({"cpu": {"warmup": 1, "rounds": 1, "calls": 2}}), chunked=CHUNKED,
+                           out=str(tmp_path / "abl.json"))
+    assert ablation.main(args) == 0
+    abl = json.loads((tmp_path / "abl.json").read_text())
+    ran = [v for v in abl["variants"] if "median_ms" in v]
+    n = len(ran)  # all on and the four switches the forced triton route uses
+    assert n == 5 and all(v["passed"] and v["slowdown_vs_all_on"] > 0 for v in ran)
+    assert events.count("build") == n and events.count("time") == n * 2  # warm-up and one round each
+    if ahead:
+        assert events == ["build"] * n + ["alone"] + ["time"] * 2 * n and abl["prepared_sharing"] is True
+    else:
+        assert events[:3] == ["build", "time", "time"] and "prepared_sharing" not in abl
+
+
 @pytest.mark.parametrize("fits", [True, False], ids=["full", "chunked"])
 def test_the_expected_output_is_computed_once_and_compares_as_the_check(monkeypatch, fits):
     """The ablation's variants run one input: `Expected` computes the reference once (full, or chunked on sampled
@@ -166,6 +201,33 @@ def test_the_expected_output_is_computed_once_and_compares_as_the_check(monkeypa
         assert checked["method"] == ("full" if fits else "chunked")
         assert checked["elements_compared"] == (out.numel() if fits else 2 * (16 + 8) * 32)  # first, last block
     assert len(calls) == 2  # the two `check` calls' references; `compare` computed none
+
+
+@pytest.mark.parametrize("mask_kind", ["holes", "none"])
+def test_a_chunked_check_keeps_only_its_samples(mask_kind):
+    """The accuracy job's chunked check (Sampled) holds neither the whole input nor the whole output once the job
+    lets go of them, and gives `check`'s answer; a full check keeps both and gives it too."""
+    import weakref
+
+    from shapewise.jobs import check as checks
+    from shapewise.model import TransformerConfig
+
+    from model_helpers import build_pair, make_inputs
+
+    cfg = TransformerConfig(batch_size=4, seq_len=40, d_model=32, num_heads=2, ffn_dim=32, num_layers=1, causal=True)
+    ref, _ = build_pair(cfg)
+    settings = {"batch_samples": 2, "query_block": 16, "query_samples": "all"}
+    for fits in (False, True):
+        x, mask = make_inputs(cfg, mask_kind)
+        out = checks.full_reference(ref, x, mask) + 1e-4
+        want = checks.check(ref, out, x, mask, fits, settings)
+        sampled = checks.Sampled(out, x, mask, fits, settings)
+        gone = [weakref.ref(x), weakref.ref(out)]
+        del x, out
+        assert [r() is None for r in gone] == [not fits, not fits]
+        got = sampled.check(ref)
+        assert got == want
+        assert got[1]["elements_compared"] == (4 if fits else 2) * 40 * 32 and got[1]["elements_total"] == 4 * 40 * 32
 
 
 def test_roofline_peak_is_the_fastest_rate_the_row_may_use():
@@ -683,6 +745,80 @@ def test_contention_by_memory_when_no_process_is_listed_not_even_ours(monkeypatc
     quiet = dev.contention(fake_gpu(), [{"at": "before", "processes": [], "memory_used_bytes": 2 * gib,
                                          "own_reserved_bytes": gib}])
     assert quiet["checked"] and not quiet["contended"] and "pid namespace" in quiet["note"]
+
+
+def test_a_preparing_timing_job_makes_its_first_calls_before_it_holds_the_gpu_alone(monkeypatch):
+    """gpu_prepare_shared: the optimized and reference models' first calls come first (sharing the GPU), then the
+    job holds its GPU alone and reads the GPU's state, then the warm-ups, the unmasked call's first call after the
+    official call's warm-up (whose peak memory would hold its graph), and the rounds. Each model's peak memory is
+    its own first call's and warm-up's."""
+    from shapewise.jobs import timing
+
+    events = []
+
+    class Model(timing.Timed):
+        def __init__(self, which, peak):
+            self.which, self.peak = which, peak
+
+        def first_call(self):
+            events.append(f"first {self.which}")
+            return 1.0
+
+        def warmup(self, count):
+            events.append(f"warm {self.which}")
+            return self.peak
+
+        def round(self, count, gc_off):
+            return [1.0] * count, self.peak
+
+    monkeypatch.setattr(timing, "hold_alone", lambda device: events.append("alone") or True)
+    monkeypatch.setattr(timing, "shared_first", lambda device: True)
+    waited = iter([0.0, 0.0, 0.0, 2.5])  # the reference's first call waited 2.5 s for the GPU alone (a kernel choice)
+    monkeypatch.setattr(timing, "alone_waited_s", lambda: next(waited, 2.5))
+    monkeypatch.setattr(timing, "gpu_state", lambda gpu: events.append("state") or {})
+    calls = {"optimized": Model("optimized", 1), "reference": Model("reference", 2),
+             "optimized_unmasked": Model("optimized_unmasked", 3)}
+    result = {"gpu": None}
+    protocol = {"warmup": 2, "calls": 3, "min_rounds": 2, "max_rounds": 2, "ci_half_width": 0.5, "gc_off": False,
+                "cpus": "inherit"}
+    _, seen = timing.time_protocol(calls, {"id": "r"}, torch.device("cpu"), "stable", protocol, result,
+                                   prepared=["optimized", "reference"])
+    assert events == ["first optimized", "first reference", "alone", "state", "warm optimized", "warm reference",
+                      "first optimized_unmasked", "warm optimized_unmasked", "state"]
+    assert result["first_calls_shared"] == ["optimized", "reference"] and seen["warm_peak"]["optimized"] == 1
+    assert seen["first"] == {"optimized": 1.0, "reference": 1.0 - 2500.0, "optimized_unmasked": 1.0}
+
+
+def test_a_run_job_waiting_to_hold_the_gpu_alone_is_idle_not_contention(monkeypatch):
+    """A job of the run waiting to hold the GPU alone (its waiting note) runs nothing there: its process is listed
+    as idle, and its memory counted as the run's, whether the check goes by pid or by memory; any other process
+    still makes the job contended."""
+    from shapewise.jobs import device as dev
+
+    me, gib = os.getpid(), 2**30
+    waiting = [{"pid": 5151, "job": "ablation results/ablation/x.json", "reserved_bytes": 3 * gib}]
+    ours = {"pid": me, "name": "python", "used_memory_bytes": gib}
+    idle = {"pid": 5151, "name": "python", "used_memory_bytes": 4 * gib}
+    by_pid = dev.contention(fake_gpu(), [{"at": "before", "processes": [ours, idle], "run_waiting": waiting},
+                                         {"at": "after", "processes": [ours], "run_waiting": []}])
+    assert by_pid["method"] == "pid" and not by_pid["contended"] and by_pid["other_processes"] == []
+    assert [(j["pid"], j["seen"]) for j in by_pid["idle_run_jobs"]] == [(5151, ["before"])]
+    other = {"pid": 4242, "name": "trainer", "used_memory_bytes": gib}
+    assert dev.contention(fake_gpu(), [{"at": "before", "processes": [ours, idle, other],
+                                        "run_waiting": waiting}])["contended"]
+    by_memory = dev.contention(fake_gpu(), [{"at": "before", "processes": [], "memory_used_bytes": 9 * gib,
+                                             "own_reserved_bytes": 2 * gib, "run_waiting": waiting}])
+    assert by_memory["method"] == "memory" and not by_memory["contended"]
+    assert by_memory["memory_beyond_own_bytes"] == {"before": 9 * gib - 2 * gib - 3 * gib - dev.IDLE_CONTEXT_BYTES}
+    assert dev.contention(fake_gpu(), [{"at": "before", "processes": [], "memory_used_bytes": 9 * gib,
+                                        "own_reserved_bytes": 2 * gib}])["contended"]
+    # another pid namespace: neither our pid nor the waiting job's is listed; two listed processes are the two
+    unlisted = [{"pid": 1, "name": "python", "used_memory_bytes": gib}, {"pid": 2, "name": "python",
+                                                                         "used_memory_bytes": 4 * gib}]
+    ns = dev.contention(fake_gpu(), [{"at": "before", "processes": unlisted, "run_waiting": waiting}])
+    assert not ns["contended"] and not ns["own_pid_listed"]
+    third = [*unlisted, {"pid": 3, "name": "trainer", "used_memory_bytes": gib}]
+    assert dev.contention(fake_gpu(), [{"at": "before", "processes": third, "run_waiting": waiting}])["contended"]
 
 
 def test_cpu_pinning_per_slot_inherit_and_explicit(monkeypatch, tmp_path):

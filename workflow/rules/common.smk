@@ -146,6 +146,11 @@ def _is_heavy(shape):
     return row is not None and roofline.flops(**row)["total"] >= config["heavy"]["min_gflop"] * 1e9
 
 
+def is_heavy_row(wildcards):
+    """Whether the job's row is heavy (config `heavy`), as a function of its wildcards."""
+    return _is_heavy(wildcards.shape)
+
+
 def row_priority(wildcards):
     """Cheaper rows first (higher priority runs first): a run stopped early (a time limit, a GPU gone) has
     finished the most rows it could. Priority = -log2(FLOPs of one forward)."""

@@ -65,7 +65,12 @@ if workflow.is_main_process:
 
 onstart:
     try:
-        sw_runs.begin(GPU_POOL, sys.argv, memory_parts=config["gpu_memory_parts"])
+        sw_runs.begin(
+            GPU_POOL,
+            sys.argv,
+            memory_parts=config["gpu_memory_parts"],
+            prepare_shared=config["gpu_prepare_shared"],
+        )
     except sw_runs.RunConflict as exc:
         raise WorkflowError(str(exc)) from None
 
@@ -81,16 +86,26 @@ onerror:
     print(sw_runs.error_message(log), file=sys.stderr)
 
 
-def gpu_resources(step, uses_gpu=None):
+def gpu_resources(step, uses_gpu=None, heavy=None):
     """The `gpu` and `gpu_share` resources of a job of `step` (its GPU use in shapewise.inputs.steps; `gpu` of a step
     whose jobs may run without a GPU: a function of the wildcards). A local run with GPUs: a job that times takes one
     GPU and all of its share (gpu=1, gpu_share=SHARED_PER_GPU), one that times nothing one share and no GPU of its
     own (gpu=0, gpu_share=1), so Snakemake starts nothing beside a job that times on a one-GPU machine and up to
-    SHARED_PER_GPU jobs that time nothing per GPU; the GPU locks place them (shapewise.execution.gpuslots). Elsewhere (a
+    SHARED_PER_GPU jobs that time nothing per GPU; the GPU locks place them (shapewise.execution.gpuslots). With
+    config gpu_prepare_shared a job of a step that prepares (timing, ablation) asks as one that times nothing, but
+    on a heavy row: it builds its models sharing its GPU, and its lock, not Snakemake, keeps every other job off
+    the GPU while it times.
+    Elsewhere (a
     cluster executor, no GPU here) every GPU job asks for one GPU, as SLURM is to give it. Functions: the
     executor is known once the DAG is built, after this file is read. `uses_gpu(wildcards)`: False for a job of
-    the step that runs without a GPU (neither resource)."""
+    the step that runs without a GPU (neither resource); `heavy(wildcards)`: True for a job of a step that prepares
+    which holds its GPU alone from its start (a heavy row)."""
     exclusive = sw_steps.STEPS[step].gpu == sw_steps.EXCLUSIVE
+    prepares = exclusive and sw_steps.STEPS[step].prepares and config["gpu_prepare_shared"]
+
+    def alone(wildcards):
+        # a heavy row's job holds its GPU alone from its start (its estimate is above one part): the whole GPU
+        return exclusive and not (prepares and not (heavy is not None and heavy(wildcards)))
 
     def sharing():
         return workflow.is_main_process and workflow.local_exec and bool(GPU_POOL)
@@ -98,11 +113,11 @@ def gpu_resources(step, uses_gpu=None):
     def gpu(wildcards):
         if uses_gpu is not None and not uses_gpu(wildcards):
             return 0
-        return (1 if exclusive else 0) if sharing() else 1
+        return (1 if alone(wildcards) else 0) if sharing() else 1
 
     def gpu_share(wildcards):
         if uses_gpu is not None and not uses_gpu(wildcards):
             return 0
-        return (sw_gpuslots.SHARED_PER_GPU if exclusive else 1) if sharing() else 0
+        return (sw_gpuslots.SHARED_PER_GPU if alone(wildcards) else 1) if sharing() else 0
 
     return {"gpu": gpu, "gpu_share": gpu_share}

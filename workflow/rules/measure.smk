@@ -117,7 +117,7 @@ rule timing:
     threads: res("threads")
     resources:
         **MEASURE_RESOURCES,
-        **gpu_resources("timing"),
+        **gpu_resources("timing", heavy=is_heavy_row),
     params:
         **ROW_PARAMS,
         protocol=protocol_of("timing"),
@@ -156,7 +156,7 @@ rule ablation:
     threads: res("threads")
     resources:
         **MEASURE_RESOURCES,
-        **gpu_resources("ablation"),
+        **gpu_resources("ablation", heavy=is_heavy_row),
     params:
         **ROW_PARAMS,
         protocol=protocol_of("ablation"),

@@ -9,8 +9,10 @@ candidates is never made:
 - any other job compiles the candidates the same way, then stops with NeedsExclusiveGPU: it runs again from the
   start, as a new process holding its GPU alone, where the choice is timed and written. Such a job
   (`alone_until_chosen`) shares its GPU again once the choice is made (gpuslots.Slot.downgrade).
-A choice with one candidate cannot depend on what else runs, and is made as Triton makes it. Jobs that hold their
-GPU alone and jobs SLURM placed (a GPU of their own, no slot) choose as Triton does.
+A job that prepares sharing its GPU (gpuslots.PREPARING) holds it alone at such a choice instead (`hold_alone`),
+and keeps it so for the timing it prepares. A choice with one candidate cannot depend on what else runs, and is
+made as Triton makes it. Jobs that hold their GPU alone and jobs SLURM placed (a GPU of their own, no slot) choose
+as Triton does.
 
 The autotuner's methods are wrapped in this process only (triton.runtime.autotuner.Autotuner.check_disk_cache,
 which receives the candidates and decides about the cache, and Autotuner._bench, which times one candidate): Triton's
@@ -66,10 +68,26 @@ class _Compiled(BaseException):
     """Raised out of a warm-up's benchmark so that Triton writes no choice to its cache."""
 
 
-def decide(tuner, tuning_key, configs, bench_fn, original, slot, warm, alone_until_chosen):
+def hold_alone(slot):
+    """Hold `slot`'s GPU alone from here on (gpuslots.Slot.upgrade), this process's queued GPU work finished
+    first and its allocator's cached blocks given back: while it waits for the GPU it runs nothing there and holds
+    only what its models keep."""
+    import torch  # deferred: torch, in a job that runs on its GPU
+
+    torch.cuda.synchronize()
+    peak = int(torch.cuda.max_memory_allocated())
+    torch.cuda.empty_cache()
+    slot.upgrade(reserved_bytes=int(torch.cuda.memory_reserved()), peak_allocated_bytes=peak)
+
+
+def decide(tuner, tuning_key, configs, bench_fn, original, slot, warm, alone_until_chosen, prepares=False):
     """The wrapped check_disk_cache: `original(tuner, tuning_key, configs, bench_fn)` where the choice may be timed
-    here, else the candidates compiled and (warm) the first kept in memory or (not warm) NeedsExclusiveGPU."""
+    here (`prepares`: a sharer that prepares holds its GPU alone for it), else the candidates compiled and (warm)
+    the first kept in memory or (not warm) NeedsExclusiveGPU."""
     name = getattr(getattr(tuner, "base_fn", None), "__name__", "kernel")
+    if prepares and slot is not None and slot.mode != EXCLUSIVE and len(configs) > 1:
+        hold_alone(slot)
+        _log(f"{name} {tuning_key}: {len(configs)} candidates to time: holding the GPU alone from here")
     if slot is None or len(configs) <= 1 or slot.mode == EXCLUSIVE:
         _STATE.timing_allowed = True
         try:
@@ -97,9 +115,12 @@ def decide(tuner, tuning_key, configs, bench_fn, original, slot, warm, alone_unt
         return False
 
 
-def bench(tuner, args, config, meta, original, slot, warm):
+def bench(tuner, args, config, meta, original, slot, warm, prepares=False):
     """The wrapped _bench: as Triton's, except where a shared job would time a candidate outside decide() (an
-    autotuner that keeps no choice on disk): there it is compiled, and (not warm) the job runs again alone."""
+    autotuner that keeps no choice on disk): there it is compiled, and (not warm) the job runs again alone, or
+    (`prepares`) holds its GPU alone from there."""
+    if prepares and slot is not None and slot.mode != EXCLUSIVE and not getattr(_STATE, "compiling", False):
+        hold_alone(slot)
     if (getattr(_STATE, "compiling", False) or getattr(_STATE, "timing_allowed", False) or slot is None
             or slot.mode == EXCLUSIVE):
         return original(tuner, *args, config=config, **meta)
@@ -139,8 +160,9 @@ def unavailable():
     return None
 
 
-def install(warm=False, alone_until_chosen=False):
-    """Wrap Triton's autotuner in this process (once): the lock this process holds decides what it may do."""
+def install(warm=False, alone_until_chosen=False, prepares=False):
+    """Wrap Triton's autotuner in this process (once): the lock this process holds decides what it may do
+    (`prepares`: a job of a PREPARING step, sharing its GPU until it holds it alone)."""
     if _INSTALLED:
         return
     try:
@@ -151,10 +173,10 @@ def install(warm=False, alone_until_chosen=False):
 
     def check_disk_cache(self, tuning_key, configs, bench_fn):
         return decide(self, tuning_key, configs, bench_fn, original_decide, gpuslots.held(), warm,
-                      alone_until_chosen)
+                      alone_until_chosen, prepares)
 
     def _bench(self, *args, config, **meta):
-        return bench(self, args, config, meta, original_bench, gpuslots.held(), warm)
+        return bench(self, args, config, meta, original_bench, gpuslots.held(), warm, prepares)
 
     Autotuner.check_disk_cache, Autotuner._bench = check_disk_cache, _bench
     _INSTALLED.update(decide=original_decide, bench=original_bench)

@@ -10,7 +10,9 @@ A job (shapewise.cli.run_job, before anything imports torch) takes a slot of one
 with flock, in the mode of its step (GPU_USE): exclusive for the steps that time (timing, ablation, microbench),
 shared for the others (preflight, warm-up, accuracy, profile, the environment fingerprint), at most SHARED_PER_GPU
 at once and never beside an exclusive holder; an exclusive job waiting for a GPU's sharers to finish keeps new ones
-out (see the lock layout above `Slot`). Each share is also a part of the GPU's memory: a sharer whose job's memory
+out (see the lock layout above `Slot`). With config gpu_prepare_shared (PREPARE_VAR) a job of a step that prepares
+(PREPARING: timing, ablation) whose row's estimate takes one part shares its GPU while it builds its models and
+makes their first calls, then holds it alone for what it times (`Slot.upgrade`). Each share is also a part of the GPU's memory: a sharer whose job's memory
 estimate needs more than one part holds the GPU alone, or, with config gpu_memory_parts, takes that many shares
 (`memory_parts`: official row 14's accuracy three of an H200's six); a job that profiles never shares its GPU with a
 job of several parts, whose kernels would stretch the profiled ones. The kernel releases the locks when the process
@@ -59,6 +61,8 @@ MODES = (EXCLUSIVE, SHARED)
 GPU_USE = {name: step.gpu for name, step in steps.STEPS.items()}
 # The steps whose jobs profile: never beside a sharer of several parts.
 PROFILING = frozenset(name for name, step in steps.STEPS.items() if step.profiles)
+# The steps whose jobs prepare sharing their GPU, then time holding it alone (Slot.upgrade).
+PREPARING = frozenset(name for name, step in steps.STEPS.items() if step.prepares)
 # At most this many jobs share one GPU (the measurement behind it: docs/decisions.md).
 SHARED_PER_GPU = 6
 # A sharing job takes parts for its estimated peak times this: the caching allocator reserves beyond what it
@@ -72,6 +76,10 @@ USE_VAR = "SHAPEWISE_PIPELINE_GPU_USE"
 # "0": a sharing job whose memory needs several parts of its GPU holds it alone instead (config gpu_memory_parts
 # false, set for the run's jobs by shapewise.execution.runs.begin).
 PARTS_VAR = "SHAPEWISE_PIPELINE_MEMORY_PARTS"
+
+# "1": a job of a PREPARING step whose row's estimate takes one part builds its models sharing its GPU (config
+# gpu_prepare_shared, set for the run's jobs by shapewise.execution.runs.begin); else it holds the GPU alone throughout.
+PREPARE_VAR = "SHAPEWISE_PIPELINE_PREPARE_SHARED"
 
 # Per checkout (the .snakemake/ directory is git-ignored) and per host: a checkout on a shared file system
 # used from several nodes never makes one node's jobs wait for another node's GPU 0.
@@ -220,6 +228,10 @@ def _log(message):
 #                         a profiling sharer checks it on the way in (LOCK_SH, non-blocking) and stays out
 #   gpu-<i>.holders/<pid>.json  one note per holder, either mode, removed on release: who held the GPU when
 #                         (a note whose process is gone is ignored)
+#   gpu-<i>.waiting/<pid>.json  one note per sharer that let go of its GPU lock to hold the GPU alone (Slot.upgrade)
+#                         while it waits for that, keeping its shares (its memory stays counted): it runs nothing
+#                         there, and a job timing meanwhile tells its idle process on the GPU from contention by this
+#                         note
 # An exclusive lock is only ever taken with the gate held, and a job enters as a sharer only with the gate free,
 # so no job shares the GPU with an exclusive holder. The kernel drops every flock of a process that exits,
 # crashes or is killed: nothing left behind blocks anything.
@@ -266,6 +278,10 @@ def _notes_dir(directory, gpu):
     return Path(directory) / f"gpu-{gpu['index']}.holders"
 
 
+def _waiting_dir(directory, gpu):
+    return Path(directory) / f"gpu-{gpu['index']}.waiting"
+
+
 def _start_ticks(pid):
     """The start time of process `pid` (clock ticks since boot, /proc/<pid>/stat field 22), or None when it is
     gone or a zombie: with the pid it names one process, whatever pid reuse."""
@@ -284,10 +300,11 @@ def _holder(path):
         return {}
 
 
-def holders(directory, gpu, exclude_pid=None):
-    """The live holders of `gpu` (its notes whose process still runs), oldest first, without `exclude_pid`."""
+def holders(directory, gpu, exclude_pid=None, notes=_notes_dir):
+    """The live holders of `gpu` (its notes whose process still runs), oldest first, without `exclude_pid`;
+    `notes=_waiting_dir`: the sharers waiting to hold it alone instead."""
     found = []
-    for path in sorted(_notes_dir(directory, gpu).glob("*.json")):
+    for path in sorted(notes(directory, gpu).glob("*.json")):
         note = _holder(path)
         pid = note.get("pid")
         if pid is None or pid == exclude_pid or _start_ticks(pid) != note.get("start_ticks"):
@@ -308,7 +325,7 @@ class Slot:
         self.gate, self.shares, self.share_indices, self.wide = gate, list(shares), list(share_indices), wide
         self.label = label
         self.memory_cap = memory_cap  # its shares came from its row's memory estimate: it keeps to them
-        self.waited_s = waited_s
+        self.waited_s, self.alone_waited_s = waited_s, None
         self.acquired = datetime.now().astimezone().isoformat(timespec="milliseconds")
         self.note = {"pid": os.getpid(), "start_ticks": _start_ticks(os.getpid()), "host": socket.gethostname(),
                      "job": label, "mode": mode, "since": self.acquired}
@@ -329,8 +346,9 @@ class Slot:
         os.replace(tmp, path)
 
     def downgrade(self):
-        """Hold the GPU shared from now on (an exclusive holder whose timed part is over). The gate stays held
-        while the lock turns from exclusive to shared, so no other exclusive job can come in between."""
+        """Hold the GPU shared from now on (an exclusive holder whose timed part is over), or stay alone where
+        every share is held (by jobs waiting to hold the GPU alone, `upgrade`). The gate stays held while the lock
+        turns from exclusive to shared, so no other exclusive job can come in between."""
         if self.mode != EXCLUSIVE:
             return
         for k in range(SHARED_PER_GPU):
@@ -338,14 +356,67 @@ class Slot:
             if _try_lock(share, fcntl.LOCK_EX):
                 break
             _close(share)
-        else:
-            raise GpuError(f"GPU {self.gpu['index']}: every share slot is held while this job holds the GPU alone")
+        else:  # jobs waiting to hold the GPU alone keep their shares (upgrade): this one stays alone
+            _log(f"GPU {self.gpu['index']}: every share is held (by jobs waiting to hold it alone): this job keeps "
+                 "holding it alone")
+            return
         fcntl.flock(self.fd, fcntl.LOCK_SH)
         _close(self.gate)
         self.gate, self.shares, self.share_indices, self.mode = None, [share], [k], SHARED
         self.note = dict(self.note, mode=SHARED, shared_since=datetime.now().astimezone().isoformat(
             timespec="milliseconds"))
         self._write_note()
+
+    def upgrade(self, reserved_bytes=None, peak_allocated_bytes=None, poll_s=0.1, log_every_s=60.0, log=None):
+        """Hold the GPU alone from now on (a sharer whose untimed part is over: a job of a PREPARING step). It
+        lets go of the GPU's lock (and the wide lock) first, so that no other sharer waiting to hold the GPU alone
+        waits for it, then takes the gate and the lock as an exclusive acquirer does, on this GPU only (its
+        process's CUDA state is there). It keeps its shares until then: the memory it still holds stays counted
+        against new sharers (an exclusive acquirer never looks at the shares). While it waits it has a note in the
+        GPU's waiting notes (with `reserved_bytes`, its allocator's memory): the caller has synchronized its device,
+        so it runs nothing there meanwhile. `peak_allocated_bytes`: its allocator's peak while it shared, recorded."""
+        if self.mode == EXCLUSIVE:
+            return
+        log = log or _log
+        released = datetime.now().astimezone().isoformat(timespec="milliseconds")
+        # the waiting note before the locks go: whoever holds the GPU alone next finds this process noted
+        waiting = _waiting_dir(self.directory, self.gpu) / f"{os.getpid()}.json"
+        waiting.parent.mkdir(parents=True, exist_ok=True)
+        tmp = waiting.with_name(waiting.name + ".tmp")
+        tmp.write_text(json.dumps(dict(self.note, since=released, reserved_bytes=reserved_bytes)) + "\n")
+        os.replace(tmp, waiting)
+        try:
+            self._note_path().unlink()
+        except OSError:
+            pass
+        _close(self.wide, self.fd)
+        self.wide, self.fd = None, None
+        t0 = last_log = time.monotonic()
+        pending = [None, None]
+        try:
+            while (got := _try_exclusive(self.directory, [self.gpu], pending)) is None:
+                if time.monotonic() - last_log >= log_every_s:
+                    log(f"waiting to hold GPU {self.gpu['index']} alone: "
+                        + _describe_holders(self.directory, [self.gpu], pending))
+                    last_log = time.monotonic()
+                time.sleep(poll_s)
+        finally:
+            waiting.unlink(missing_ok=True)
+        _, self.fd, self.gate = got
+        _close(*self.shares)  # alone now: its shares count nothing any more
+        self.shares, self.share_indices = [], []
+        self.mode, self.alone_waited_s = EXCLUSIVE, time.monotonic() - t0
+        self.note = dict(self.note, mode=EXCLUSIVE, shared_until=released,
+                         alone_since=datetime.now().astimezone().isoformat(timespec="milliseconds"),
+                         shared_peak_allocated_bytes=peak_allocated_bytes)
+        self._write_note()
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, (json.dumps(self.note) + "\n").encode(), 0)
+        log(f"holding GPU {self.gpu['index']} alone after waiting {self.alone_waited_s:.1f} s for it")
+
+    def waiting_now(self):
+        """The run's other jobs waiting to hold this GPU alone (their waiting notes): idle processes on it."""
+        return holders(self.directory, self.gpu, exclude_pid=os.getpid(), notes=_waiting_dir)
 
     def memory_fraction(self):
         """The part of the GPU's memory this holder's allocator may use (shapewise.jobs.device.setup), or None for
@@ -365,6 +436,10 @@ class Slot:
             out["share_slots"] = list(self.share_indices)
         if self.note.get("shared_since"):
             out["shared_since"] = self.note["shared_since"]
+        if self.note.get("alone_since"):
+            out.update(shared_until=self.note["shared_until"], alone_since=self.note["alone_since"],
+                       alone_waited_s=round(self.alone_waited_s, 3),
+                       shared_peak_allocated_bytes=self.note.get("shared_peak_allocated_bytes"))
         if self.why:
             out["alone_because" if self.mode == EXCLUSIVE else "parts_because"] = self.why
         if self.memory_fraction() is not None:
@@ -609,6 +684,12 @@ def memory_parts_on(environ=None):
     return (os.environ if environ is None else environ).get(PARTS_VAR, "1") != "0"
 
 
+def prepare_shared_on(environ=None):
+    """Whether a job of a PREPARING step may build its models sharing its GPU (PREPARE_VAR in `environ`,
+    os.environ; unset: no)."""
+    return (os.environ if environ is None else environ).get(PREPARE_VAR, "0") == "1"
+
+
 def memory_parts(preflight_path, step, environ=None):
     """(parts, why) for a job of the sharing step `step`: how many of its GPU's SHARED_PER_GPU parts (the GPU's
     memory / SHARED_PER_GPU each) the job takes, from its row's preflight (a result file): its `job_bytes[step]`,
@@ -742,7 +823,7 @@ def job_intervals(results_dir):
     block's `slot` or the environment's SHAPEWISE_PIPELINE_GPU_SLOT, a GPU index), turned into a UUID where
     another result of the same host names that slot's UUID. The mode is the one its lock record names (a result
     without one held its GPU alone: every job did before GPUs were shared); a job that held its GPU alone, then
-    shared it (`shared_since`), gives one record of each. The start is the lock's `acquired` where recorded, else
+    shared it (`shared_since`), or shared it, then held it alone (`alone_since`), gives one record of each. The start is the lock's `acquired` where recorded, else
     `started`. Results that ran on no GPU are left out."""
     records, uuids = [], {}
     for path in sorted(Path(results_dir).rglob("*.json")):
@@ -782,6 +863,12 @@ def job_intervals(results_dir):
             # held alone until `shared_since` (Slot.downgrade), shared from then on: two intervals
             records.append(dict(record, mode=EXCLUSIVE, end=since))
             record["start"] = since
+        alone = _parse_time(lock["alone_since"]) if lock.get("alone_since") else None
+        if alone is not None and record["start"] < alone:
+            # shared until `shared_until`, alone from `alone_since` on (Slot.upgrade): two intervals, none between
+            until = _parse_time(lock.get("shared_until") or lock["alone_since"])
+            records.append(dict(record, mode=SHARED, end=min(until, record["end"])))
+            record.update(mode=EXCLUSIVE, start=min(alone, record["end"]))
         records.append(record)
     for rec in records:
         rec["gpu"] = uuids.get((rec["host"], rec["gpu"]), rec["gpu"])

@@ -91,7 +91,7 @@ def run_job_here(args, argv, server_mode=None):
     # fingerprint); a job that times holds it alone, the others may share it (gpuslots.GPU_USE). Triton reads
     # TRITON_INTERPRET when it is imported: set it before any job module (the model, the kernels) is imported;
     # torch itself does not import triton.
-    mode = None
+    mode, prepares = None, False
     if getattr(args, "device", None) is not None:
         def pin():
             # holding a slot of the local lock pool: the CPU cores of that slot (shapewise.execution.cpus), before torch
@@ -106,7 +106,7 @@ def run_job_here(args, argv, server_mode=None):
             mode = gpuslots.job_mode(args.step)
         except gpuslots.GpuError as exc:
             raise SystemExit(f"{args.step} job: {exc}") from None
-        why, parts, capped = None, 1, False
+        why, parts, capped, prepares = None, 1, False, False
         if mode == gpuslots.SHARED and args.device != "cpu" and os.environ.get(gpuslots.POOL_VAR):
             # nothing would keep it from choosing kernels by timing beside other jobs, or its row's memory would
             # leave too little for them
@@ -120,6 +120,18 @@ def run_job_here(args, argv, server_mode=None):
                 mode, parts = gpuslots.EXCLUSIVE, 1
             elif parts > 1:
                 print(f"job process: takes {parts} parts of its GPU: {why}", file=sys.stderr, flush=True)
+        elif (args.step in gpuslots.PREPARING and gpuslots.prepare_shared_on() and args.device != "cpu"
+              and os.environ.get(gpuslots.POOL_VAR) and os.environ.get(gpuslots.USE_VAR) != gpuslots.EXCLUSIVE):
+            # it builds its models sharing the GPU (one part, uncapped: its estimate), then holds it alone to time
+            why = gpushare.unavailable()
+            if why is None:  # None with one part: more parts (or none) come with the reason
+                _, why = gpuslots.memory_parts(getattr(args, "preflight", None), args.step)
+            if why is None:
+                print("job process: prepares sharing its GPU, then holds it alone for what it times", file=sys.stderr,
+                      flush=True)
+                mode, prepares = gpuslots.SHARED, True
+            else:
+                print(f"job process: holds its GPU alone from the start: {why}", file=sys.stderr, flush=True)
         args.device = gpuslots.enter_job(args.device, needs_gpu=needs_gpu, label=f"{args.step} {args.out}",
                                          on_slot=pin, mode=mode, why=why, parts=parts,
                                          profiling=args.step in gpuslots.PROFILING, memory_cap=capped)
@@ -132,7 +144,7 @@ def run_job_here(args, argv, server_mode=None):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if args.device == "cuda" and gpuslots.held() is not None:
         gpushare.install(warm=args.step == "warmup",
-                         alone_until_chosen=os.environ.get(gpuslots.USE_VAR) == gpuslots.EXCLUSIVE)
+                         alone_until_chosen=os.environ.get(gpuslots.USE_VAR) == gpuslots.EXCLUSIVE, prepares=prepares)
     module = importlib.import_module(steps.STEPS[args.step].module)
     try:
         return module.main(args)

@@ -34,19 +34,22 @@ class RunConflict(RuntimeError):
     """Another run of this checkout is going on (see the module docstring); the message names it."""
 
 
-def begin(pool, argv, environ=None, directory=None, memory_parts=True):
+def begin(pool, argv, environ=None, directory=None, memory_parts=True, prepare_shared=False):
     """Start a pipeline run in this process, the main Snakemake process: the one place that sets what the run's
     jobs inherit through their environment (`environ`, os.environ), then writes the run's marker. The variables:
     the GPU pool (gpuslots.POOL_VAR: each GPU job locks a GPU of it; not in the shell command, so a different GPU
     count reruns nothing), the SLURM job Snakemake runs in (gpuslots.RUN_SLURM_VAR: a job in another one was
     placed by SLURM), the run's identity (jobserver.RUN_VAR: its jobs fork from its job server) and its Triton
     cache (TRITON_CACHE_DIR: the checkout's, paths.TRITON_CACHE, unless the user set one), and whether a sharing
-    job may take several parts of its GPU (gpuslots.PARTS_VAR, config gpu_memory_parts). Returns the marker."""
+    job may take several parts of its GPU (gpuslots.PARTS_VAR, config gpu_memory_parts) and whether a job of a
+    step that prepares builds its models sharing its GPU (gpuslots.PREPARE_VAR, config gpu_prepare_shared). Returns
+    the marker."""
     env = os.environ if environ is None else environ
     env[gpuslots.POOL_VAR] = gpuslots.pool_value(pool)
     env[gpuslots.RUN_SLURM_VAR] = env.get("SLURM_JOB_ID", "")
     env[jobserver.RUN_VAR] = jobserver.run_id()
     env[gpuslots.PARTS_VAR] = "1" if memory_parts else "0"
+    env[gpuslots.PREPARE_VAR] = "1" if prepare_shared else "0"
     triton_cache = env.setdefault("TRITON_CACHE_DIR", str(paths.TRITON_CACHE))
     marker = write_marker(env[jobserver.RUN_VAR], pool, triton_cache, argv, directory)
     others = live_runs(directory, but=marker["run"])  # after writing its own: of two beginning at once, both see

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 # What a step runs once for: the whole run, each row of the manifests, each candidate on each row.
 RUN, SHAPE, CANDIDATE = "run", "shape", "candidate"
-# How a job uses its GPU. A job that times (or picks a kernel by timing it) holds its GPU alone for its whole run;
-# jobs that time nothing may share one GPU with each other, never with an exclusive holder
-# (shapewise.execution.gpuslots).
+# How a job uses its GPU. A job that times (or picks a kernel by timing it) holds its GPU alone for its whole run
+# (a step that `prepares`, with config gpu_prepare_shared: from when its models are built and first called, or
+# from a kernel choice to time before that); jobs that time nothing may share one GPU with each other, never with an
+# exclusive holder (shapewise.execution.gpuslots).
 EXCLUSIVE, SHARED = "exclusive", "shared"
 
 
@@ -64,7 +65,10 @@ class Step:
     only compiles). `values`: options whose value differs from OPTIONS/JOB_WIDE for this step. `out`: the output
     its --out names. `profiles`: its job records kernel durations, so it never shares its GPU with a job that takes
     several parts of it (shapewise.execution.gpuslots). `costliest_first`: within the step the costliest rows start
-    first, not the cheapest."""
+    first, not the cheapest. `prepares`: with config gpu_prepare_shared a job of this exclusive step whose row's
+    estimate takes one part of its GPU builds its models and makes their first calls sharing the GPU, then holds it
+    alone for what it times (shapewise.execution.gpuslots.Slot.upgrade): the building, up to seconds a job, runs
+    beside other jobs."""
 
     name: str
     per: str
@@ -78,6 +82,7 @@ class Step:
     out: str = "{output}"
     profiles: bool = False
     costliest_first: bool = False
+    prepares: bool = False
 
     def value(self, option):
         if option in self.values:
@@ -112,10 +117,10 @@ STEPS = {step.name: step for step in (
     _step("warmup", SHAPE, SHARED, 3, ("row", "preflight", "protocol", "threads"), reported=False,
           costliest_first=True),
     _step("accuracy", SHAPE, SHARED, 2, ("row", "preflight", "chunked", "threads")),
-    _step("timing", SHAPE, EXCLUSIVE, 1, ("row", "preflight", "microbench", "protocol", "threads")),
+    _step("timing", SHAPE, EXCLUSIVE, 1, ("row", "preflight", "microbench", "protocol", "threads"), prepares=True),
     _step("profile", SHAPE, SHARED, 2, ("row", "preflight", "capture", "threads", "csv", "trace"),
           out="{output.table}", profiles=True),
-    _step("ablation", SHAPE, EXCLUSIVE, 1, ("row", "preflight", "protocol", "chunked", "threads")),
+    _step("ablation", SHAPE, EXCLUSIVE, 1, ("row", "preflight", "protocol", "chunked", "threads"), prepares=True),
     _step("candidate-accuracy", CANDIDATE, SHARED, 2, (*_CANDIDATE_OPTIONS, "headroom", "chunked")),
     _step("candidate-timing", CANDIDATE, EXCLUSIVE, 1, (*_CANDIDATE_OPTIONS, "headroom", "protocol")),
     _step("candidate-profile", CANDIDATE, SHARED, 2, (*_CANDIDATE_OPTIONS, "capture", "csv", "trace"),

@@ -5,7 +5,9 @@ UserOptimizedTransformer(cfg, disable=(name,)): one accuracy trial against
 the reference (official tolerance; chunked reference when the plain one does
 not fit; computed once, before any variant's model exists, so that each variant's
 memory plan counts it; every variant runs the same input) and a median time
-with the shorter ablation protocol. A variant the
+with the shorter ablation protocol. A job that prepares sharing its GPU (config
+gpu_prepare_shared) builds and checks every variant before it holds the GPU
+alone to time them; any other builds, checks and times one after another. A variant the
 model refuses (for example a forced route that needs the disabled switch) is
 recorded with its error; the job fails only when the "all on" model fails.
 
@@ -23,7 +25,7 @@ import statistics
 import torch
 
 from shapewise.jobs.check import Expected
-from shapewise.jobs.device import setup, time_calls
+from shapewise.jobs.device import hold_alone, preparing, setup, shared_first, time_calls
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
 from shapewise.jobs.io import header, log, read_json, write_result
 from shapewise.jobs.models import (build_models, build_optimized, call_of, model_config, route_of, run_optimized,
@@ -45,6 +47,52 @@ def skip_of(name, used, base_route, protocol):
     if name in protocol.get("skip", {}):
         return {"skipped": "time", "reason": protocol["skip"][name]}
     return {}
+
+
+def prepare(variant, row, config, device, x, mask, expected):
+    """Build the optimized model of `variant` (its switches off), make its first call on x and check the output
+    against `expected` into the entry; the model, or None where the model failed (the error recorded; re-raised
+    for the all-on model)."""
+    try:
+        model = build_optimized(row, config, device, disable=variant["disable"])
+        with torch.inference_mode():
+            out = run_optimized(model, x, mask, row)
+    except Exception as exc:  # recorded, and re-raised for the all-on model
+        if not variant["disable"]:
+            raise
+        variant["error"] = f"{type(exc).__name__}: {exc}"
+        log(f"{row['id']} without {variant['variant']}: {variant['error']}")
+        return None
+    comparisons, checked = expected.compare(out)
+    variant["route"], variant["route_detail"] = route_of(model)
+    variant["accuracy"] = comparisons["official"]
+    variant["passed"] = comparisons["official"]["passed"]
+    variant["checked"] = checked
+    return model
+
+
+def time_variants(held, row, device, x, mask, protocol):
+    """Time each built variant of `held` (emptied: each model freed once timed) with the ablation protocol."""
+    while held:
+        variant, model = held.pop(0)
+        try:
+            with torch.inference_mode():
+                time_calls(lambda: run_optimized(model, x, mask, row), device, protocol["warmup"])
+                times = []
+                for _ in range(protocol["rounds"]):
+                    times += time_calls(lambda: run_optimized(model, x, mask, row), device, protocol["calls"])
+        except Exception as exc:  # recorded as a failed build is (no check, no route), re-raised for all on
+            if not variant["disable"]:
+                raise
+            for key in ("route", "route_detail", "accuracy", "passed", "checked"):
+                variant.pop(key, None)
+            variant["error"] = f"{type(exc).__name__}: {exc}"
+            log(f"{row['id']} without {variant['variant']}: {variant['error']}")
+            continue
+        variant["median_ms"] = statistics.median(times)
+        log(f"{row['id']} {variant['variant']}: {variant['median_ms']:.4f} ms, route {variant['route']}, "
+            f"{'pass' if variant['passed'] else 'FAIL'}")
+        del model  # freed before the next variant is timed (or built)
 
 
 def main(args):
@@ -72,43 +120,36 @@ def main(args):
     expected = Expected(reference, x, mask, reference_fits, settings)
     reference = None
     set_precision(reference=False)
+    # A job that prepares builds every variant and makes its first call and check sharing the GPU, then times them
+    # all holding it alone; any other builds, times and frees one variant after the other (row 14's do not fit at
+    # once).
+    held = []  # (variant entry, model) of the variants built and checked, not yet timed
     used = base_route = None  # the switches the all-on route uses and its route, known after its first call
+    ahead = preparing(device)
     for name, disable in variants():
         variant = {"variant": name, "disable": list(disable)}
+        result["variants"].append(variant)
         if disable:
             variant.update(skip_of(name, used, base_route, protocol))
         if "skipped" in variant:
             log(f"{row['id']} {name}: skipped ({variant['skipped']}: {variant['reason']})")
-            result["variants"].append(variant)
             continue
-        try:
-            model = build_optimized(row, config, device, disable=disable)
-            with torch.inference_mode():
-                out = run_optimized(model, x, mask, row)
-                time_calls(lambda: run_optimized(model, x, mask, row), device, protocol["warmup"])
-                times = []
-                for _ in range(protocol["rounds"]):
-                    times += time_calls(lambda: run_optimized(model, x, mask, row), device, protocol["calls"])
-        except Exception as exc:  # recorded, and re-raised for the all-on model
-            if not disable:
-                raise
-            variant["error"] = f"{type(exc).__name__}: {exc}"
-            log(f"{row['id']} without {name}: {variant['error']}")
-            result["variants"].append(variant)
+        model = prepare(variant, row, config, device, x, mask, expected)
+        if model is None:
             continue
-        comparisons, checked = expected.compare(out)
-        variant["route"], variant["route_detail"] = route_of(model)
-        variant["median_ms"] = statistics.median(times)
-        variant["accuracy"] = comparisons["official"]
-        variant["passed"] = comparisons["official"]["passed"]
-        variant["checked"] = checked
         if not disable:
             used, base_route = switches_used(model.last_route, x.dtype, device.type), variant["route"]
             result["switches_used"] = list(used)
-        result["variants"].append(variant)
-        log(f"{row['id']} {name}: {variant['median_ms']:.4f} ms, route {variant['route']}, "
-            f"{'pass' if variant['passed'] else 'FAIL'}")
-        model = out = None  # this variant's model and output freed before the next variant builds its own
+        held.append((variant, model))
+        model = None  # held's alone: freed once timed
+        if not ahead:
+            time_variants(held, row, device, x, mask, protocol)
+    if held:
+        hold_alone(device)
+        if shared_first(device):
+            result["prepared_sharing"] = True
+            log(f"{row['id']}: {len(held)} variants built and checked sharing the GPU; timed holding it alone")
+        time_variants(held, row, device, x, mask, protocol)
     base = result["variants"][0]["median_ms"]
     for variant in result["variants"]:
         if "median_ms" in variant:

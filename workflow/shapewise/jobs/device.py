@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from shapewise.execution import cpus, gpuslots
+from shapewise.execution import cpus, gpushare, gpuslots
 
 
 def setup(device, threads=None):
@@ -62,6 +62,35 @@ def time_calls(fn, device, count):
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return times
+
+
+def preparing(device):
+    """Whether this job prepares sharing its GPU (a job of a step that prepares, shapewise.inputs.steps, that
+    entered as a sharer: config gpu_prepare_shared) and has yet to hold it alone (`hold_alone`)."""
+    slot = gpuslots.held()
+    return device.type == "cuda" and slot is not None and slot.mode == gpuslots.SHARED and hasattr(slot, "upgrade")
+
+
+def shared_first(device):
+    """Whether this job made its first calls sharing its GPU and then held it alone (its lock's `alone_since`),
+    wherever that happened: at `hold_alone`, or at a kernel choice to time on the way."""
+    slot = gpuslots.held()
+    return device.type == "cuda" and bool(getattr(slot, "note", {}).get("alone_since"))
+
+
+def alone_waited_s():
+    """Seconds this job waited to hold its GPU alone after sharing it (0 where it did not)."""
+    return getattr(gpuslots.held(), "alone_waited_s", None) or 0.0
+
+
+def hold_alone(device):
+    """From here on this job holds its GPU alone: a job that was `preparing` waits for that here
+    (shapewise.execution.gpushare.hold_alone); any other job already does, or runs where no lock applies. Returns
+    whether it had to wait for it."""
+    if not preparing(device):
+        return False
+    gpushare.hold_alone(gpuslots.held())
+    return True
 
 
 def first_call_ms(fn, device):
@@ -219,6 +248,11 @@ def compute_processes(gpu):
 FOREIGN_MEMORY_BYTES = 4 * 2**30
 
 
+# What a job of the run waiting to hold the GPU alone keeps on it beside its allocator's memory: its CUDA context and
+# loaded modules (a contention check by memory counts it as the run's, not as another process's).
+IDLE_CONTEXT_BYTES = 2**30
+
+
 def gpu_memory_used_bytes(gpu):
     out = nvidia_smi([f"--id={gpu['uuid']}", "--query-gpu=memory.used", "--format=csv,noheader,nounits"])
     lines = [line.strip() for line in (out or "").splitlines() if line.strip()]
@@ -227,12 +261,15 @@ def gpu_memory_used_bytes(gpu):
 
 
 def snapshot(gpu, at):
-    """What a contention check looks at, now: the GPU's compute processes, its used memory, this job's own, and
-    the run's other jobs holding this GPU (their lock notes, shapewise.execution.gpuslots)."""
+    """What a contention check looks at, now: the GPU's compute processes, its used memory, this job's own, the
+    run's other jobs holding this GPU (their lock notes, shapewise.execution.gpuslots) and those waiting to hold it
+    alone (their waiting notes: idle processes on it)."""
     slot = gpuslots.held()
+    waiting = getattr(slot, "waiting_now", None)
     return {"at": at, "processes": compute_processes(gpu), "memory_used_bytes": gpu_memory_used_bytes(gpu),
             "own_reserved_bytes": int(torch.cuda.memory_reserved()),
-            "run_jobs": slot.others_now() if slot is not None else None}
+            "run_jobs": slot.others_now() if slot is not None else None,
+            "run_waiting": waiting() if waiting is not None else []}
 
 
 def contention(gpu, snapshots, own_pid=None):
@@ -246,10 +283,28 @@ def contention(gpu, snapshots, own_pid=None):
     The run's own jobs are checked apart, from the GPU's lock (snapshot's `run_jobs`): `run_jobs` lists every other
     job of the run seen holding this GPU at a check (none for a job that holds its GPU alone, by the lock), and
     any makes the job contended; `run_jobs_checked` is false for a job without a lock (SLURM, a GPU chosen by
-    hand)."""
+    hand). A job of the run waiting to hold the GPU alone (snapshot's `run_waiting`) holds no lock and runs nothing
+    on the GPU (it synchronized its device first): its process, and the memory its allocator held, are listed in
+    `idle_run_jobs`, not counted as contention."""
     if gpu is None:
         return {"checked": False, "other_processes": [], "contended": False, "reason": "CPU job: no GPU"}
-    result = _contention_by_device(gpu, snapshots, own_pid)
+    idle, seen_by_device = {}, []
+    for snap in snapshots:
+        waiting = {note.get("pid"): note for note in snap.get("run_waiting") or []}
+        for pid, note in waiting.items():
+            idle.setdefault(pid, dict(note, seen=[]))["seen"].append(snap["at"])
+        snap = dict(snap, idle_unlisted=0)
+        if snap.get("processes") is not None:
+            listed = [p for p in snap["processes"] if p["pid"] not in waiting]
+            # in another pid namespace their pids are not the listed ones: as many listed processes are theirs
+            snap["idle_unlisted"] = len(waiting) - (len(snap["processes"]) - len(listed))
+            snap["processes"] = listed
+        snap["own_reserved_bytes"] = snap.get("own_reserved_bytes", 0) + sum(
+            int(note.get("reserved_bytes") or 0) + IDLE_CONTEXT_BYTES for note in waiting.values())
+        seen_by_device.append(snap)
+    result = _contention_by_device(gpu, seen_by_device, own_pid)
+    if idle:
+        result["idle_run_jobs"] = list(idle.values())
     seen = {}
     for snap in snapshots:
         for note in snap.get("run_jobs") or []:
@@ -269,7 +324,7 @@ def _contention_by_device(gpu, snapshots, own_pid):
         others, contended = {}, False
         for snap in taken:
             rest = [p for p in snap["processes"] if p["pid"] != own_pid]
-            contended = contended or len(rest) > (0 if own_listed else 1)
+            contended = contended or len(rest) > (0 if own_listed else 1 + snap.get("idle_unlisted", 0))
             for p in rest:
                 others.setdefault(p["pid"], dict(p, seen=[]))["seen"].append(snap["at"])
         result = dict(base, checked=True, method="pid", other_processes=list(others.values()), contended=contended)

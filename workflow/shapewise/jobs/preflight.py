@@ -15,8 +15,9 @@ the headroom: a row whose weights alone cannot be held is a resource skip withou
 
 A model that does not fit is a resource skip for that model in the later jobs, never a pass.
 
-`job_bytes`: the estimated peak of each of the row's jobs that may share their GPU (warm-up, accuracy, profile),
-from which shapewise.execution.gpuslots gives each job as many parts of the GPU as it needs.
+`job_bytes`: the estimated peak of each of the row's jobs that may share their GPU (warm-up, accuracy, profile;
+timing and ablation while they prepare, config gpu_prepare_shared), from which shapewise.execution.gpuslots gives
+each job as many parts of the GPU as it needs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from shapewise.jobs.io import header, log, write_result
 from shapewise.jobs.models import build_optimized, model_config
 from shapewise.model.config import parameter_count
 from shapewise.model.memory import MemoryBudgetError, chunked_reference_bytes, estimate_memory_bytes, io_bytes
+from shapewise.model.optimized import OPTIMIZATIONS
 from shapewise.model.routing import RouteUnavailable
 
 
@@ -72,11 +74,14 @@ def main(args):
 
 
 def job_bytes(row, config, models, chunked):
-    """{step: estimated peak device bytes} of the row's jobs that may share their GPU, {} where the optimized model
-    does not fit (its jobs are resource skips). Warm-up and profile run the optimized model: its plan's estimate,
-    input included. Accuracy runs it, then, beside the input and the optimized output, the reference: whole in
-    float32 (its estimate) or, where that does not fit, chunked on `chunked["batch_samples"]` elements
-    (shapewise.jobs.check); with both models' float32 weights."""
+    """{step: estimated peak device bytes} of the row's jobs that may share their GPU (timing and ablation: while
+    they prepare, shapewise.inputs.steps), {} where the optimized model does not fit (its jobs are resource skips).
+    Warm-up and profile run the optimized model: its plan's estimate, input included. Timing runs it and the
+    reference (whole, where it fits); ablation holds the reference's output and every variant
+    (model.optimized.OPTIMIZATIONS, and all on) at once. Accuracy runs it, then the reference: whole in float32 (its estimate) beside the input and the
+    optimized output, or, where that does not fit, chunked on `chunked["batch_samples"]` elements beside the
+    optimized output at those elements alone (shapewise.jobs.check.Sampled: the job lets go of the whole input and
+    output first); with both models' float32 weights."""
     optimized = models["optimized"]
     if not optimized["fits"]:
         return {}
@@ -86,9 +91,16 @@ def job_bytes(row, config, models, chunked):
         reference = models["reference"]["estimate_bytes"] + x_bytes + out_bytes
     else:
         samples = min(int(chunked["batch_samples"]), config.batch_size)
-        reference = x_bytes + out_bytes + chunked_reference_bytes(config, samples, chunked["query_block"])
+        sampled_out = out_bytes * samples // config.batch_size
+        reference = sampled_out + chunked_reference_bytes(config, samples, chunked["query_block"])
     run = int(optimized["estimate_bytes"])
-    return {"warmup": run, "profile": run, "accuracy": max(run, reference) + weights}
+    # timing: both models built and called one after the other in one process (the first one's cached memory
+    # stays); ablation: the reference's output beside the input, and every variant's model with what its first call
+    # keeps (at most its run but the input, which they share), built and called before any is timed
+    alone = models["reference"]["estimate_bytes"] + x_bytes + out_bytes if models["reference"]["fits"] else reference
+    return {"warmup": run, "profile": run, "accuracy": max(run, reference) + weights,
+            "timing": run + (models["reference"]["estimate_bytes"] if models["reference"]["fits"] else 0) + weights,
+            "ablation": alone + (1 + len(OPTIMIZATIONS)) * max(run - x_bytes, 0) + weights}
 
 
 def _gib(value):

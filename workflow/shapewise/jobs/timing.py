@@ -49,9 +49,10 @@ import time
 import torch
 
 from shapewise.analysis import roofline, stats
-from shapewise.jobs.device import (CORE_PICKS, PROBE_LAUNCHES, contention, first_call_ms, gpu_state,
-                                   launch_cost_us, peak_memory_bytes, peak_memory_reset, pick_core, pin_cpus, setup,
-                                   snapshot, summarize, time_calls, triton_cache_entries)
+from shapewise.jobs.device import (CORE_PICKS, PROBE_LAUNCHES, alone_waited_s, contention, first_call_ms, gpu_state,
+                                   hold_alone, launch_cost_us, peak_memory_bytes, peak_memory_reset, pick_core,
+                                   pin_cpus, preparing, setup, shared_first, snapshot, summarize, time_calls,
+                                   triton_cache_entries)
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
 from shapewise.jobs.io import header, log, read_json, resource_skip_reason, write_result
 from shapewise.jobs.models import (build_models, build_optimized, call_of, model_config, route_of, run_optimized,
@@ -200,11 +201,16 @@ class Local(Timed):
 
     def first_call(self):
         peak_memory_reset(self.device)
-        return first_call_ms(self.fn, self.device)
+        ms = first_call_ms(self.fn, self.device)
+        self.first_peak = peak_memory_bytes(self.device)
+        return ms
 
     def warmup(self, count):
+        # its own first call's peak and the warm-up's: another model's first call may come between the two
+        peak_memory_reset(self.device)
         time_calls(self.fn, self.device, count)
-        return peak_memory_bytes(self.device)
+        peaks = [p for p in (getattr(self, "first_peak", None), peak_memory_bytes(self.device)) if p is not None]
+        return max(peaks) if peaks else None
 
     def round(self, count, gc_off):
         peak_memory_reset(self.device)
@@ -311,14 +317,17 @@ def job_snapshot(gpu, at, models):
     return snap
 
 
-def time_protocol(calls, row, device, name, protocol, result, after_warmup=None):
-    """Run the protocol on `calls` ({model: function or Timed}): the job's cores pinned as the protocol says, the
-    GPU's state and the other processes on it read before and after, then for each model in the dict's order its
-    very first call (timed alone) and its warm-up (`after_warmup(model)` after it; the warm-up's wall time over its
-    calls is the model's seconds per call, from which round_calls takes its calls a round), then the alternating
-    rounds. Records cpu_affinity, gpu_state, contention, core_pick and stopping in `result`; returns (rounds, seen)
-    with seen = {"first", "compiled", "warm_peak", "round_peak", "seconds_per_call_estimate", "calls_per_round"},
-    each {model: value}."""
+def time_protocol(calls, row, device, name, protocol, result, after_warmup=None, prepared=()):
+    """Run the protocol on `calls` ({model: function or Timed}): the job's cores pinned as the protocol says; the
+    very first calls of the models named in `prepared` (timed alone, in that order), after which the job holds its
+    GPU alone (shapewise.jobs.device.hold_alone: a job that prepares made those calls sharing it); the GPU's state
+    and the other processes on it read before the rest and after it; then for each model in the dict's order its
+    very first call where it was not prepared and its warm-up (`after_warmup(model)` after it; the warm-up's wall
+    time over its calls is the model's seconds per call, from which round_calls takes its calls a round), then the
+    alternating rounds. Records cpu_affinity, gpu_state, contention, core_pick and stopping in `result` (and
+    `first_calls_shared` where the first calls were made sharing the GPU); returns (rounds, seen) with seen =
+    {"first", "compiled", "warm_peak", "round_peak", "seconds_per_call_estimate", "calls_per_round"}, each
+    {model: value}."""
     models = timed(calls, device)
     gpu = result["gpu"]
     result["cpu_affinity"] = pin_cpus(protocol["cpus"]) if name == "stable" else \
@@ -326,17 +335,32 @@ def time_protocol(calls, row, device, name, protocol, result, after_warmup=None)
              reason="official protocol: cores left as the job started (a local GPU job: its slot's cores)")
     for model in models.values():  # a model of another process runs on the cores this process now has
         model.pin(os.sched_getaffinity(0))
+    first, compiled = {}, {}  # compiled: kernels the first call compiled (new entries in Triton's disk cache)
+
+    def first_call(which):
+        cached, waited = triton_cache_entries(), alone_waited_s()
+        first[which] = models[which].first_call()
+        after = triton_cache_entries()
+        compiled[which] = None if cached is None or after is None else after - cached
+        # a kernel choice on the way waited for the GPU alone (shapewise.execution.gpushare): not the call's time
+        first[which] -= (alone_waited_s() - waited) * 1e3
+        log(f"{row['id']}: first {which} call {first[which]:.2f} ms")
+
+    with torch.inference_mode():
+        for which in prepared:  # the first of them is the very first call of its process
+            first_call(which)
+    hold_alone(device)
+    if prepared and shared_first(device):
+        result["first_calls_shared"] = list(prepared)
+        log(f"{row['id']}: holding the GPU alone from here (the first calls of {', '.join(prepared)} shared it)")
     snapshots = [job_snapshot(gpu, "before", models)] if gpu else []
     result["gpu_state"] = {"before": gpu_state(gpu)}
-    first, compiled = {}, {}  # compiled: kernels the first call compiled (new entries in Triton's disk cache)
     warm_peak, estimate, counts = {}, {}, {}
     with torch.inference_mode():
-        for which, model in models.items():  # the first model's very first call is the one of its process
-            cached = triton_cache_entries()
-            first[which] = model.first_call()
-            after = triton_cache_entries()
-            compiled[which] = None if cached is None or after is None else after - cached
-            log(f"{row['id']}: first {which} call {first[which]:.2f} ms; warm-up x{protocol['warmup']}")
+        for which, model in models.items():
+            if which not in first:
+                first_call(which)
+            log(f"{row['id']}: {which} warm-up x{protocol['warmup']}")
             t0 = clock()  # a warm-up ends synchronized (time_calls on CUDA; a Remote's answer after its calls)
             warm_peak[which] = model.warmup(protocol["warmup"])
             estimate[which] = (clock() - t0) / protocol["warmup"] if protocol["warmup"] > 0 else None
@@ -478,7 +502,12 @@ def main(args):
         if which != "reference":
             routes[which] = route_of(optimized)
 
-    rounds, seen = time_protocol(calls, row, device, name, protocol, result, after_warmup=keep_route)
+    # a job that prepares makes the first calls, which build what each model keeps (graphs, compiled kernels),
+    # before it holds its GPU alone; the unmasked call's after the official one's warm-up, whose peak memory it
+    # would otherwise enter
+    prepared = [which for which in ("optimized", "reference") if which in calls] if preparing(device) else ()
+    rounds, seen = time_protocol(calls, row, device, name, protocol, result, after_warmup=keep_route,
+                                 prepared=prepared)
     result["route"], result["route_detail"] = routes["optimized"]
 
     summary = stats.summarize(rounds)
