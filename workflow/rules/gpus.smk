@@ -104,8 +104,10 @@ def gpu_resources(step, uses_gpu=None, heavy=None):
     prepares = exclusive and sw_steps.STEPS[step].prepares and config["gpu_prepare_shared"]
 
     def alone(wildcards):
+        if not prepares:
+            return exclusive
         # a heavy row's job holds its GPU alone from its start (its estimate is above one part): the whole GPU
-        return exclusive and not (prepares and not (heavy is not None and heavy(wildcards)))
+        return heavy is not None and heavy(wildcards)
 
     def sharing():
         return workflow.is_main_process and workflow.local_exec and bool(GPU_POOL)

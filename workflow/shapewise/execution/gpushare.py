@@ -80,12 +80,17 @@ def hold_alone(slot):
     slot.upgrade(reserved_bytes=int(torch.cuda.memory_reserved()), peak_allocated_bytes=peak)
 
 
+def _prepares_shared(slot, prepares):
+    """Whether this job still prepares sharing its GPU (`prepares`: a job of a PREPARING step)."""
+    return prepares and slot is not None and slot.mode != EXCLUSIVE
+
+
 def decide(tuner, tuning_key, configs, bench_fn, original, slot, warm, alone_until_chosen, prepares=False):
     """The wrapped check_disk_cache: `original(tuner, tuning_key, configs, bench_fn)` where the choice may be timed
     here (`prepares`: a sharer that prepares holds its GPU alone for it), else the candidates compiled and (warm)
     the first kept in memory or (not warm) NeedsExclusiveGPU."""
     name = getattr(getattr(tuner, "base_fn", None), "__name__", "kernel")
-    if prepares and slot is not None and slot.mode != EXCLUSIVE and len(configs) > 1:
+    if _prepares_shared(slot, prepares) and len(configs) > 1:
         hold_alone(slot)
         _log(f"{name} {tuning_key}: {len(configs)} candidates to time: holding the GPU alone from here")
     if slot is None or len(configs) <= 1 or slot.mode == EXCLUSIVE:
@@ -119,7 +124,7 @@ def bench(tuner, args, config, meta, original, slot, warm, prepares=False):
     """The wrapped _bench: as Triton's, except where a shared job would time a candidate outside decide() (an
     autotuner that keeps no choice on disk): there it is compiled, and (not warm) the job runs again alone, or
     (`prepares`) holds its GPU alone from there."""
-    if prepares and slot is not None and slot.mode != EXCLUSIVE and not getattr(_STATE, "compiling", False):
+    if _prepares_shared(slot, prepares) and not getattr(_STATE, "compiling", False):
         hold_alone(slot)
     if (getattr(_STATE, "compiling", False) or getattr(_STATE, "timing_allowed", False) or slot is None
             or slot.mode == EXCLUSIVE):

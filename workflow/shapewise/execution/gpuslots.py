@@ -391,15 +391,13 @@ class Slot:
             pass
         _close(self.wide, self.fd)
         self.wide, self.fd = None, None
-        t0 = last_log = time.monotonic()
+        t0 = time.monotonic()
         pending = [None, None]
         try:
-            while (got := _try_exclusive(self.directory, [self.gpu], pending)) is None:
-                if time.monotonic() - last_log >= log_every_s:
-                    log(f"waiting to hold GPU {self.gpu['index']} alone: "
-                        + _describe_holders(self.directory, [self.gpu], pending))
-                    last_log = time.monotonic()
-                time.sleep(poll_s)
+            got, _ = _wait_for(lambda: _try_exclusive(self.directory, [self.gpu], pending),
+                               lambda: f"waiting to hold GPU {self.gpu['index']} alone: "
+                                       + _describe_holders(self.directory, [self.gpu], pending),
+                               poll_s, log_every_s, log)
         finally:
             waiting.unlink(missing_ok=True)
         _, self.fd, self.gate = got
@@ -639,33 +637,42 @@ def acquire(pool, directory=None, label="", poll_s=0.1, log_every_s=60.0, log=_l
         raise GpuError(f"GPU lock parts {parts!r}: expected a whole number from 1 to {SHARED_PER_GPU}")
     directory = Path(directory or lock_dir())
     directory.mkdir(parents=True, exist_ok=True)
-    waited_since, last_log, pending, waiting = None, None, [None, None], {}
+    pending, waiting = [None, None], {}
+    what = mode if parts == 1 else f"{mode}, {parts} parts"
     t0 = time.monotonic()
-    while True:
-        got = _try_exclusive(directory, pool, pending) if mode == EXCLUSIVE else \
-            _try_shared(directory, pool, parts, profiling, waiting)
-        if got is not None:
-            if mode == EXCLUSIVE:
-                gpu, fd, gate = got
-                slot = Slot(gpu, directory, mode, fd, gate=gate, label=label, waited_s=time.monotonic() - t0,
-                            why=why)
-            else:
-                gpu, fd, shares, indices, wide = got
-                slot = Slot(gpu, directory, mode, fd, shares=shares, share_indices=indices, wide=wide, label=label,
-                            waited_s=time.monotonic() - t0, why=why, memory_cap=memory_cap)
-            _HELD.append(slot)
-            waited = "" if waited_since is None else f" after waiting {time.monotonic() - waited_since:.1f} s"
-            how = "holding" if mode == EXCLUSIVE else "sharing"
-            log(f"{how} GPU {gpu['index']} ({gpu.get('name')}, {gpu.get('uuid')}){waited}; lock {slot.path}")
-            return slot
+    got, waited_s = _wait_for(
+        lambda: _try_exclusive(directory, pool, pending) if mode == EXCLUSIVE else
+        _try_shared(directory, pool, parts, profiling, waiting),
+        lambda: f"waiting for a free GPU ({what}): " + _describe_holders(directory, pool, pending),
+        poll_s, log_every_s, log)
+    if mode == EXCLUSIVE:
+        gpu, fd, gate = got
+        slot = Slot(gpu, directory, mode, fd, gate=gate, label=label, waited_s=time.monotonic() - t0, why=why)
+    else:
+        gpu, fd, shares, indices, wide = got
+        slot = Slot(gpu, directory, mode, fd, shares=shares, share_indices=indices, wide=wide, label=label,
+                    waited_s=time.monotonic() - t0, why=why, memory_cap=memory_cap)
+    _HELD.append(slot)
+    waited = "" if waited_s is None else f" after waiting {waited_s:.1f} s"
+    how = "holding" if mode == EXCLUSIVE else "sharing"
+    log(f"{how} GPU {gpu['index']} ({gpu.get('name')}, {gpu.get('uuid')}){waited}; lock {slot.path}")
+    return slot
+
+
+def _wait_for(attempt, waiting_message, poll_s, log_every_s, log):
+    """`attempt()` (one non-blocking round for a lock) until it gives something, sleeping `poll_s` between rounds
+    and logging `waiting_message()` at the first miss and every `log_every_s` after. Returns (what it gave, seconds
+    from the first miss, None where there was none)."""
+    waited_since = last_log = None
+    while (got := attempt()) is None:
         now = time.monotonic()
         if waited_since is None:
             waited_since = now
         if last_log is None or now - last_log >= log_every_s:
-            what = mode if parts == 1 else f"{mode}, {parts} parts"
-            log(f"waiting for a free GPU ({what}): " + _describe_holders(directory, pool, pending))
+            log(waiting_message())
             last_log = now
         time.sleep(poll_s)
+    return got, None if waited_since is None else time.monotonic() - waited_since
 
 
 def _describe_holders(directory, pool, pending):

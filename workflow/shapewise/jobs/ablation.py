@@ -49,6 +49,17 @@ def skip_of(name, used, base_route, protocol):
     return {}
 
 
+def _failed(variant, row, exc):
+    """Record that the model of `variant` failed (no route, no check: it gave nothing to judge); re-raise for the
+    all-on model, whose failure is the job's."""
+    if not variant["disable"]:
+        raise exc
+    for key in ("route", "route_detail", "accuracy", "passed", "checked"):
+        variant.pop(key, None)
+    variant["error"] = f"{type(exc).__name__}: {exc}"
+    log(f"{row['id']} without {variant['variant']}: {variant['error']}")
+
+
 def prepare(variant, row, config, device, x, mask, expected):
     """Build the optimized model of `variant` (its switches off), make its first call on x and check the output
     against `expected` into the entry; the model, or None where the model failed (the error recorded; re-raised
@@ -57,11 +68,8 @@ def prepare(variant, row, config, device, x, mask, expected):
         model = build_optimized(row, config, device, disable=variant["disable"])
         with torch.inference_mode():
             out = run_optimized(model, x, mask, row)
-    except Exception as exc:  # recorded, and re-raised for the all-on model
-        if not variant["disable"]:
-            raise
-        variant["error"] = f"{type(exc).__name__}: {exc}"
-        log(f"{row['id']} without {variant['variant']}: {variant['error']}")
+    except Exception as exc:
+        _failed(variant, row, exc)
         return None
     comparisons, checked = expected.compare(out)
     variant["route"], variant["route_detail"] = route_of(model)
@@ -81,13 +89,8 @@ def time_variants(held, row, device, x, mask, protocol):
                 times = []
                 for _ in range(protocol["rounds"]):
                     times += time_calls(lambda: run_optimized(model, x, mask, row), device, protocol["calls"])
-        except Exception as exc:  # recorded as a failed build is (no check, no route), re-raised for all on
-            if not variant["disable"]:
-                raise
-            for key in ("route", "route_detail", "accuracy", "passed", "checked"):
-                variant.pop(key, None)
-            variant["error"] = f"{type(exc).__name__}: {exc}"
-            log(f"{row['id']} without {variant['variant']}: {variant['error']}")
+        except Exception as exc:
+            _failed(variant, row, exc)
             continue
         variant["median_ms"] = statistics.median(times)
         log(f"{row['id']} {variant['variant']}: {variant['median_ms']:.4f} ms, route {variant['route']}, "
@@ -141,7 +144,7 @@ def main(args):
             used, base_route = switches_used(model.last_route, x.dtype, device.type), variant["route"]
             result["switches_used"] = list(used)
         held.append((variant, model))
-        model = None  # held's alone: freed once timed
+        model = None  # `held` holds it alone, so that timing it frees it
         if not ahead:
             time_variants(held, row, device, x, mask, protocol)
     if held:

@@ -58,23 +58,20 @@ class Sampled:
 
     @torch.inference_mode()
     def __init__(self, optimized_out, x, mask, reference_fits, settings):
-        self.total = optimized_out.numel()
+        self.total, self.settings, self.positions = optimized_out.numel(), settings, None
         if reference_fits:
-            self.out, self.x, self.mask, self.settings = optimized_out, x, mask, None
+            self.out, self.x, self.mask = optimized_out, x, mask
             return
-        self.settings = settings
-        index, positions, self.described = _samples(x.shape, settings, x.device)
-        self.out = optimized_out.index_select(0, index).index_select(1, positions)
-        self.x = x.index_select(0, index)
-        self.mask = None if mask is None else mask.index_select(0, index)
-        self.positions = positions
+        index, self.positions, self.described = _samples(x.shape, settings, x.device)
+        self.out = optimized_out.index_select(0, index).index_select(1, self.positions)
+        self.x, self.mask = _sampled_input(x, mask, index)
 
     def check(self, reference):
         """(comparisons per preset, description of the check) against the reference on the kept input."""
-        if self.settings is None:
+        if self.positions is None:
             return Expected(reference, self.x, self.mask, True, None).compare(self.out)
         with torch.inference_mode():
-            ref_out = _chunked_reference(reference, self.x, self.mask, self.settings).index_select(1, self.positions)
+            ref_out = _chunked_reference(reference, self.x, self.mask, self.settings, self.positions)
             return compare_all_presets(ref_out, self.out), {**self.described, "elements_compared": self.out.numel(),
                                                             "elements_total": self.total}
 
@@ -95,9 +92,7 @@ class Expected:
             }
             return
         self.index, self.positions, self.checked = _samples(x.shape, settings, x.device)
-        sub_mask = None if mask is None else mask.index_select(0, self.index)
-        self.out = _chunked_reference(reference, x.index_select(0, self.index), sub_mask,
-                                      settings).index_select(1, self.positions)
+        self.out = _chunked_reference(reference, *_sampled_input(x, mask, self.index), settings, self.positions)
 
     @torch.inference_mode()
     def compare(self, optimized_out):
@@ -124,11 +119,17 @@ def _samples(shape, settings, device):
     }
 
 
-def _chunked_reference(reference, sub_x, sub_mask, settings):
-    """The chunked reference's output on the sampled batch elements `sub_x` (every position, float32)."""
+def _sampled_input(x, mask, index):
+    """The batch elements `index` of x and of the mask (None stays None)."""
+    return x.index_select(0, index), None if mask is None else mask.index_select(0, index)
+
+
+def _chunked_reference(reference, sub_x, sub_mask, settings, positions):
+    """The chunked reference's output (float32) on the sampled batch elements `sub_x`, at the query `positions`."""
     set_precision(reference=True)
     try:
-        return chunked_reference_forward(reference, sub_x.float(), sub_mask, query_block=settings["query_block"],
-                                         compute_dtype=torch.float32)
+        out = chunked_reference_forward(reference, sub_x.float(), sub_mask, query_block=settings["query_block"],
+                                        compute_dtype=torch.float32)
     finally:
         set_precision(reference=False)
+    return out.index_select(1, positions)

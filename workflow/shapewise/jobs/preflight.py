@@ -78,10 +78,11 @@ def job_bytes(row, config, models, chunked):
     they prepare, shapewise.inputs.steps), {} where the optimized model does not fit (its jobs are resource skips).
     Warm-up and profile run the optimized model: its plan's estimate, input included. Timing runs it and the
     reference (whole, where it fits); ablation holds the reference's output and every variant
-    (model.optimized.OPTIMIZATIONS, and all on) at once. Accuracy runs it, then the reference: whole in float32 (its estimate) beside the input and the
-    optimized output, or, where that does not fit, chunked on `chunked["batch_samples"]` elements beside the
-    optimized output at those elements alone (shapewise.jobs.check.Sampled: the job lets go of the whole input and
-    output first); with both models' float32 weights."""
+    (model.optimized.OPTIMIZATIONS, and all on) at once. Accuracy runs it, then the reference: whole in float32
+    (its estimate) beside the input and the optimized output, or, where that does not fit, chunked on
+    `chunked["batch_samples"]` elements beside the optimized output at those elements alone
+    (shapewise.jobs.check.Sampled: the job lets go of the whole input and output first); with both models' float32
+    weights."""
     optimized = models["optimized"]
     if not optimized["fits"]:
         return {}
@@ -95,12 +96,14 @@ def job_bytes(row, config, models, chunked):
         reference = sampled_out + chunked_reference_bytes(config, samples, chunked["query_block"])
     run = int(optimized["estimate_bytes"])
     # timing: both models built and called one after the other in one process (the first one's cached memory
-    # stays); ablation: the reference's output beside the input, and every variant's model with what its first call
-    # keeps (at most its run but the input, which they share), built and called before any is timed
-    alone = models["reference"]["estimate_bytes"] + x_bytes + out_bytes if models["reference"]["fits"] else reference
+    # stays); ablation: the reference's check as accuracy's, beside the whole input where it is chunked (every
+    # variant runs on it), and every variant's model with what its first call keeps (at most its run but the input,
+    # which they share), built and called before any is timed
+    fits = models["reference"]["fits"]
     return {"warmup": run, "profile": run, "accuracy": max(run, reference) + weights,
-            "timing": run + (models["reference"]["estimate_bytes"] if models["reference"]["fits"] else 0) + weights,
-            "ablation": alone + (1 + len(OPTIMIZATIONS)) * max(run - x_bytes, 0) + weights}
+            "timing": run + (models["reference"]["estimate_bytes"] if fits else 0) + weights,
+            "ablation": reference + (0 if fits else x_bytes) + (1 + len(OPTIMIZATIONS)) * max(run - x_bytes, 0)
+            + weights}
 
 
 def _gib(value):

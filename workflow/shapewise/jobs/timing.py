@@ -198,6 +198,7 @@ class Local(Timed):
 
     def __init__(self, fn, device):
         self.fn, self.device = fn, device
+        self.first_peak = None  # its first call's peak memory (None on a CPU, or before that call)
 
     def first_call(self):
         peak_memory_reset(self.device)
@@ -209,7 +210,7 @@ class Local(Timed):
         # its own first call's peak and the warm-up's: another model's first call may come between the two
         peak_memory_reset(self.device)
         time_calls(self.fn, self.device, count)
-        peaks = [p for p in (getattr(self, "first_peak", None), peak_memory_bytes(self.device)) if p is not None]
+        peaks = [p for p in (self.first_peak, peak_memory_bytes(self.device)) if p is not None]
         return max(peaks) if peaks else None
 
     def round(self, count, gc_off):
