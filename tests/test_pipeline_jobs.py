@@ -230,6 +230,23 @@ def test_a_chunked_check_keeps_only_its_samples(mask_kind):
         assert got[1]["elements_compared"] == (4 if fits else 2) * 40 * 32 and got[1]["elements_total"] == 4 * 40 * 32
 
 
+@pytest.mark.parametrize("shape", [(), (0, 3), (7,), (5, 3, 4), (129, 2)])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+def test_all_finite_reads_blocks_and_finds_every_bad_element(shape, bad):
+    """all_finite answers as torch.isfinite(t).all() does, wherever the one bad element sits (first, last, a
+    middle block), with blocks smaller than a row, a row, and the whole tensor."""
+    from shapewise.jobs.check import all_finite
+
+    t = torch.randn(shape, dtype=torch.float64)
+    places = [None] if bad is None or t.numel() == 0 else [0, t.numel() // 2, t.numel() - 1]
+    for place in places:
+        u = t.clone()
+        if place is not None:
+            u.view(-1)[place] = bad
+        for block in (1, 3, max(1, u.numel())):
+            assert all_finite(u, block_elements=block) == bool(torch.isfinite(u).all())
+
+
 def test_roofline_peak_is_the_fastest_rate_the_row_may_use():
     """float32 rows may run fp16 operands (routing policy): their floor takes the fastest of TF32/fp16/bf16;
     fp16 rows take the fp16 rate, bf16 rows the faster of fp16 and bf16; a CPU float32 row the plain fp32 rate."""

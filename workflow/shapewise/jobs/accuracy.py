@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from shapewise.jobs.check import Sampled
+from shapewise.jobs.check import Sampled, all_finite
 from shapewise.jobs.device import setup
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, input_generator, make_case
 from shapewise.jobs.io import header, log, read_json, resource_skip_reason, write_result
@@ -66,7 +66,7 @@ def main(args):
         routes.add(route_name)
         trial = {"trial": t, "seed": seed, "call": call_of(mask), "input_generator": input_generator(config, device),
                  "mask_kind": mask_kind, "route": route_name, "route_detail": route,
-                 "output_finite": bool(torch.isfinite(out).all().item())}
+                 "output_finite": all_finite(out)}
         # a chunked check keeps only what it compares: the whole input and output go before its reference runs
         sampled = Sampled(out, x, mask, reference_fits, settings)
         del x, mask, out

@@ -21,7 +21,7 @@ import torch
 from shapewise.jobs.accuracy import aggregate
 from shapewise.jobs.candidate import (CandidateFailed, beside, build, drive, forward, host_copy, guarded,
                                       read_plain, reference_fit, serve, write_plain)
-from shapewise.jobs.check import check
+from shapewise.jobs.check import all_finite, check
 from shapewise.jobs.device import setup
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, input_generator, make_case
 from shapewise.jobs.io import log
@@ -59,7 +59,7 @@ def judge(args, device, row, result, start):
             result["trials"].append({"trial": t, "seed": seed, "call": call_of(mask),
                                      "input_generator": input_generator(config, device), "mask_kind": mask_kind,
                                      "comparisons": comparisons, "checked": checked,
-                                     "output_finite": bool(torch.isfinite(out).all().item())})
+                                     "output_finite": all_finite(out)})
             official = comparisons["official"]
             log(f"{row['id']} {args.candidate} trial {t} (seed {seed}): {official['failed_elements']}/"
                 f"{official['total_elements']} failed, max abs {official['max_abs_error']:.3g}, check "
