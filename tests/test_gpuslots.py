@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -1027,6 +1028,35 @@ def test_a_job_that_prepared_sharing_is_alone_only_from_when_it_held_the_gpu_alo
     assert len(summary["shared"]) == 1 and "timing" in summary["shared"][0] and "profile" in summary["shared"][0]
 
 
+def test_a_job_alone_for_less_than_a_second_ends_when_its_lock_record_says(tmp_path):
+    # two ablations preparing side by side: a shares until 00:55.133 then waits; b, alone from 00:55.278, ends
+    # within that second. Its whole-second `finished` (00:55) falls before its `alone_since`: its lock's `ended`
+    # (milliseconds) gives the end, and without it the end is taken as no earlier than `alone_since`, never as a
+    # time alone that began at 00:55.000, inside a's shared interval.
+    ms = "2026-11-30T10:{}+00:00".format
+    _held(tmp_path / "ablation" / "a.json", "00:50", "01:06", mode=gpuslots.EXCLUSIVE, acquired=ms("00:50.412"),
+          shared_until=ms("00:55.133"), alone_since=ms("01:06.164"), ended=ms("01:06.900"))
+    _held(tmp_path / "ablation" / "b.json", "00:50", "00:55", mode=gpuslots.EXCLUSIVE, acquired=ms("00:50.421"),
+          shared_until=ms("00:54.674"), alone_since=ms("00:55.278"), ended=ms("00:55.903"))
+    records = gpuslots.job_intervals(tmp_path)
+    b = sorted((r for r in records if r["file"].endswith("b.json")), key=lambda r: r["start"])
+    assert [(r["mode"], f"{r['start']:%S.%f}"[:6], f"{r['end']:%S.%f}"[:6]) for r in b] == [
+        (gpuslots.SHARED, "50.421", "54.674"), (gpuslots.EXCLUSIVE, "55.278", "55.903")]
+    assert gpuslots.check_intervals(records, min_gpus=1)["problems"] == []
+    for path in (tmp_path / "ablation").glob("*.json"):  # results without `ended`: the whole-second reading
+        data = json.loads(path.read_text())
+        del data["gpu"]["lock"]["ended"]
+        path.write_text(json.dumps(data))
+    records = gpuslots.job_intervals(tmp_path)
+    b = sorted((r for r in records if r["file"].endswith("b.json")), key=lambda r: r["start"])
+    assert [(r["mode"], f"{r['start']:%S.%f}"[:6], f"{r['end']:%S.%f}"[:6]) for r in b] == [
+        (gpuslots.SHARED, "50.421", "54.674"), (gpuslots.EXCLUSIVE, "55.278", "55.278")]
+    assert gpuslots.check_intervals(records, min_gpus=1)["problems"] == []
+    _held(tmp_path / "profile" / "a.json", "00:55", "00:58", mode=gpuslots.SHARED,
+          acquired=ms("00:55.200"))  # beside b's time alone, which began at 00:55.278: found
+    assert gpuslots.check_intervals(gpuslots.job_intervals(tmp_path), min_gpus=1)["shared"]
+
+
 def test_a_result_under_the_lock_without_its_mode_held_the_gpu_as_its_step_does(tmp_path, capsys):
     # candidate results written before their child process recorded the job's lock
     _result(tmp_path / "candidates" / "c" / "accuracy" / "a.json", "0", "00:00", "01:00")
@@ -1068,7 +1098,10 @@ def test_a_result_records_its_lock_as_held_when_written(tmp_path, monkeypatch):
     monkeypatch.setattr(gpuslots, "held", lambda: Slot())
     out = tmp_path / "r.json"
     io.write_result(out, {"step": "profile", "gpu": {"uuid": "GPU-0", "lock": {"mode": gpuslots.EXCLUSIVE}}})
-    assert json.loads(out.read_text())["gpu"]["lock"]["shared_since"] == "2026-11-30T10:00:20.000+00:00"
+    lock = json.loads(out.read_text())["gpu"]["lock"]
+    assert lock["shared_since"] == "2026-11-30T10:00:20.000+00:00"
+    ended = gpuslots._parse_time(lock["ended"])  # milliseconds, with its zone: the end job_intervals reads
+    assert len(lock["ended"].split("T")[1].split(".")[1]) == 3 + 6 and ended <= datetime.now(timezone.utc)
     io.write_result(out, {"step": "accuracy", "gpu": None})  # a CPU job: nothing to record
     assert json.loads(out.read_text())["gpu"] is None
 

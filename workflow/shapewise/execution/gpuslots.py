@@ -831,7 +831,7 @@ def job_intervals(results_dir):
     another result of the same host names that slot's UUID. The mode is the one its lock record names (a result
     without one held its GPU alone: every job did before GPUs were shared); a job that held its GPU alone, then
     shared it (`shared_since`), or shared it, then held it alone (`alone_since`), gives one record of each. The start is the lock's `acquired` where recorded, else
-    `started`. Results that ran on no GPU are left out."""
+    `started`; the end the lock's `ended` (milliseconds) where recorded, else `finished`. Results that ran on no GPU are left out."""
     records, uuids = [], {}
     for path in sorted(Path(results_dir).rglob("*.json")):
         if any(part.startswith("report") for part in path.relative_to(results_dir).parts[:-1]):
@@ -864,7 +864,7 @@ def job_intervals(results_dir):
             mode, mode_from = EXCLUSIVE, "none"
         record = {"file": str(path), "host": env.get("host"), "gpu": str(gpu), "source": source,
                   "mode": mode, "mode_from": mode_from, "step": data.get("step"),
-                  "start": start, "end": max(start, _parse_time(data["finished"]))}
+                  "start": start, "end": max(start, _parse_time(lock.get("ended") or data["finished"]))}
         since = _parse_time(lock["shared_since"]) if lock.get("shared_since") else None
         if since is not None and record["start"] < since < record["end"]:
             # held alone until `shared_since` (Slot.downgrade), shared from then on: two intervals
@@ -872,10 +872,12 @@ def job_intervals(results_dir):
             record["start"] = since
         alone = _parse_time(lock["alone_since"]) if lock.get("alone_since") else None
         if alone is not None and record["start"] < alone:
-            # shared until `shared_until`, alone from `alone_since` on (Slot.upgrade): two intervals, none between
+            # shared until `shared_until`, alone from `alone_since` on (Slot.upgrade): two intervals, none between;
+            # a whole-second `finished` may fall before `alone_since`, but the job ended after it
+            record["end"] = max(record["end"], alone)
             until = _parse_time(lock.get("shared_until") or lock["alone_since"])
             records.append(dict(record, mode=SHARED, end=min(until, record["end"])))
-            record.update(mode=EXCLUSIVE, start=min(alone, record["end"]))
+            record.update(mode=EXCLUSIVE, start=alone)
         records.append(record)
     for rec in records:
         rec["gpu"] = uuids.get((rec["host"], rec["gpu"]), rec["gpu"])
