@@ -159,7 +159,7 @@ def test_a_preparing_ablation_builds_and_checks_every_variant_before_it_times_an
     monkeypatch.setattr(ablation, "time_calls", lambda *a: events.append("time") or time_calls(*a))
     monkeypatch.setattr(ablation, "preparing", lambda device: ahead)
     monkeypatch.setattr(ablation, "hold_alone", lambda device: events.append("alone") or ahead)
-    monkeypatch.setattr(ablation, "shared_first", lambda device: ahead)
+    monkeypatch.setattr(ablation, "shared_then_alone", lambda device: ahead)
     args = SimpleNamespace(device="cpu", threads=1, row=row_json(row), preflight=str(tmp_path / "pre.json"),
                            protocol=json.dumps({"cpu": {"warmup": 1, "rounds": 1, "calls": 2}}), chunked=CHUNKED,
                            out=str(tmp_path / "abl.json"))
@@ -789,7 +789,7 @@ def test_a_preparing_timing_job_makes_its_first_calls_before_it_holds_the_gpu_al
             return [1.0] * count, self.peak
 
     monkeypatch.setattr(timing, "hold_alone", lambda device: events.append("alone") or True)
-    monkeypatch.setattr(timing, "shared_first", lambda device: True)
+    monkeypatch.setattr(timing, "shared_then_alone", lambda device: True)
     waited = iter([0.0, 0.0, 0.0, 2.5])  # the reference's first call waited 2.5 s for the GPU alone (a kernel choice)
     monkeypatch.setattr(timing, "alone_waited_s", lambda: next(waited, 2.5))
     monkeypatch.setattr(timing, "gpu_state", lambda gpu: events.append("state") or {})

@@ -326,7 +326,7 @@ class Slot:
         self.label = label
         self.memory_cap = memory_cap  # its shares came from its row's memory estimate: it keeps to them
         self.waited_s, self.alone_waited_s = waited_s, None
-        self.acquired = datetime.now().astimezone().isoformat(timespec="milliseconds")
+        self.acquired = now_ms()
         self.note = {"pid": os.getpid(), "start_ticks": _start_ticks(os.getpid()), "host": socket.gethostname(),
                      "job": label, "mode": mode, "since": self.acquired}
         self.others_at_start = holders(directory, gpu, exclude_pid=os.getpid())
@@ -363,8 +363,7 @@ class Slot:
         fcntl.flock(self.fd, fcntl.LOCK_SH)
         _close(self.gate)
         self.gate, self.shares, self.share_indices, self.mode = None, [share], [k], SHARED
-        self.note = dict(self.note, mode=SHARED, shared_since=datetime.now().astimezone().isoformat(
-            timespec="milliseconds"))
+        self.note = dict(self.note, mode=SHARED, shared_since=now_ms())
         self._write_note()
 
     def upgrade(self, reserved_bytes=None, peak_allocated_bytes=None, poll_s=0.1, log_every_s=60.0, log=None):
@@ -378,7 +377,7 @@ class Slot:
         if self.mode == EXCLUSIVE:
             return
         log = log or _log
-        released = datetime.now().astimezone().isoformat(timespec="milliseconds")
+        released = now_ms()
         # the waiting note before the locks go: whoever holds the GPU alone next finds this process noted
         waiting = _waiting_dir(self.directory, self.gpu) / f"{os.getpid()}.json"
         waiting.parent.mkdir(parents=True, exist_ok=True)
@@ -405,7 +404,7 @@ class Slot:
         self.shares, self.share_indices = [], []
         self.mode, self.alone_waited_s = EXCLUSIVE, time.monotonic() - t0
         self.note = dict(self.note, mode=EXCLUSIVE, shared_until=released,
-                         alone_since=datetime.now().astimezone().isoformat(timespec="milliseconds"),
+                         alone_since=now_ms(),
                          shared_peak_allocated_bytes=peak_allocated_bytes)
         self._write_note()
         os.ftruncate(self.fd, 0)
@@ -816,6 +815,12 @@ def enter_job(device, needs_gpu=True, environ=None, cuda_available=None, directo
 
 
 # ---- evidence: from result files, which GPU ran which job when ----------------------------------------
+
+def now_ms():
+    """Now in local time with its zone, to the millisecond: how a lock record stamps a moment (`acquired`,
+    `shared_since`, `alone_since`, `ended`), fine enough to order jobs that follow one another within a second."""
+    return datetime.now().astimezone().isoformat(timespec="milliseconds")
+
 
 def _parse_time(text):
     stamp = datetime.fromisoformat(str(text).replace("Z", "+00:00"))

@@ -34,7 +34,7 @@ class RunConflict(RuntimeError):
     """Another run of this checkout is going on (see the module docstring); the message names it."""
 
 
-def begin(pool, argv, environ=None, directory=None, memory_parts=True, prepare_shared=False):
+def begin(pool, argv, environ=None, directory=None, memory_parts=True, prepare_shared=True):
     """Start a pipeline run in this process, the main Snakemake process: the one place that sets what the run's
     jobs inherit through their environment (`environ`, os.environ), then writes the run's marker. The variables:
     the GPU pool (gpuslots.POOL_VAR: each GPU job locks a GPU of it; not in the shell command, so a different GPU

@@ -25,7 +25,7 @@ import statistics
 import torch
 
 from shapewise.jobs.check import Expected
-from shapewise.jobs.device import hold_alone, preparing, setup, shared_first, time_calls
+from shapewise.jobs.device import hold_alone, preparing, setup, shared_then_alone, time_calls
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
 from shapewise.jobs.io import header, log, read_json, write_result
 from shapewise.jobs.models import (build_models, build_optimized, call_of, model_config, route_of, run_optimized,
@@ -149,7 +149,7 @@ def main(args):
             time_variants(held, row, device, x, mask, protocol)
     if held:
         hold_alone(device)
-        if shared_first(device):
+        if shared_then_alone(device):
             result["prepared_sharing"] = True
             log(f"{row['id']}: {len(held)} variants built and checked sharing the GPU; timed holding it alone")
         time_variants(held, row, device, x, mask, protocol)

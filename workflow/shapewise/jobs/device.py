@@ -71,7 +71,7 @@ def preparing(device):
     return device.type == "cuda" and slot is not None and slot.mode == gpuslots.SHARED and hasattr(slot, "upgrade")
 
 
-def shared_first(device):
+def shared_then_alone(device):
     """Whether this job made its first calls sharing its GPU and then held it alone (its lock's `alone_since`),
     wherever that happened: at `hold_alone`, or at a kernel choice to time on the way."""
     slot = gpuslots.held()

@@ -63,7 +63,7 @@ def write_result(path, result):
         result["gpu"]["lock"] = slot.record()  # as held at the end: a job that stopped holding its GPU alone says when
         # its GPU work's end in milliseconds (`finished` has whole seconds: a job whose alone part began and ended
         # within one second would seem to end before it began, beside the job that shared the GPU until then)
-        result["gpu"]["lock"]["ended"] = datetime.now().astimezone().isoformat(timespec="milliseconds")
+        result["gpu"]["lock"]["ended"] = gpuslots.now_ms()
     if isinstance(result.get("gpu"), dict) and torch.cuda.is_initialized():
         # what this job's allocator held at its peak: the measure of the estimate its lock's parts came from
         result["gpu"]["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()

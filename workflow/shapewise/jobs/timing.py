@@ -51,7 +51,7 @@ import torch
 from shapewise.analysis import roofline, stats
 from shapewise.jobs.device import (CORE_PICKS, PROBE_LAUNCHES, alone_waited_s, contention, first_call_ms, gpu_state,
                                    hold_alone, launch_cost_us, peak_memory_bytes, peak_memory_reset, pick_core,
-                                   pin_cpus, preparing, setup, shared_first, snapshot, summarize, time_calls,
+                                   pin_cpus, preparing, setup, shared_then_alone, snapshot, summarize, time_calls,
                                    triton_cache_entries)
 from shapewise.jobs.inputs import FIRST_TRIAL_SEED, make_case
 from shapewise.jobs.io import header, log, read_json, resource_skip_reason, write_result
@@ -351,7 +351,7 @@ def time_protocol(calls, row, device, name, protocol, result, after_warmup=None,
         for which in prepared:  # the first of them is the very first call of its process
             first_call(which)
     hold_alone(device)
-    if prepared and shared_first(device):
+    if prepared and shared_then_alone(device):
         result["first_calls_shared"] = list(prepared)
         log(f"{row['id']}: holding the GPU alone from here (the first calls of {', '.join(prepared)} shared it)")
     snapshots = [job_snapshot(gpu, "before", models)] if gpu else []
